@@ -1,0 +1,137 @@
+"""The layer protocol shared by every operator: forward, pattern (cached), transposed Jacobian."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+
+from .. import backend as _backend
+from ..csr import BatchedCSR, Pattern, choose_index_dtype
+
+Shape = tuple[int, ...]
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class Layer:
+    """Base class of the layers in :mod:`sparse_scan.layers`.
+
+    A layer maps a batch ``x`` of shape ``(B, *in_shape)`` to ``(B, *out_shape)``. Its transposed
+    Jacobian per sample is a CSR matrix of shape ``(prod(in_shape), prod(out_shape))`` whose pattern
+    depends only on the architecture and ``in_shape`` (computed once and cached) and whose values are
+    recomputed per batch.
+
+    Attributes
+    ----------
+    name : str or None
+        Used in error messages (set by model builders; defaults to the class name).
+    jacobian_kind : {"general", "diagonal", "selection"}
+        ``"diagonal"``: JT is diagonal (a product with it is a scaling); ``"selection"``: JT holds one
+        live entry per output, chosen by the input (a product with it is a gather); ``"general"``
+        otherwise. The scan planner uses this to avoid general SpGEMMs.
+    sample_independent : bool
+        Whether JT's values are the same for every sample (then ``data`` has shape ``(nnz,)``).
+    """
+
+    jacobian_kind: str = "general"
+    sample_independent: bool = False
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._patterns: dict[Hashable, tuple[Pattern, dict[str, Any]]] = {}
+
+    # --- identification and errors -------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """How error messages name this layer."""
+        return f"{self.name!r} ({type(self).__name__})" if self.name else type(self).__name__
+
+    def _error(self, field: str, message: str) -> ValueError:
+        return ValueError(f"layer {self.label}: {field}: {message}")
+
+    # --- shapes --------------------------------------------------------------------------------
+    def output_shape(self, in_shape: Shape) -> Shape:
+        """Per-sample output shape for a per-sample input shape (no batch axis)."""
+        return tuple(in_shape)
+
+    def check_in_shape(self, in_shape: Shape) -> Shape:
+        """Validate a per-sample input shape and return it as a tuple of ints."""
+        return tuple(int(s) for s in in_shape)
+
+    def _check_input(self, x: Any) -> Any:
+        """Validate a batched input: array, floating dtype, batch axis first, known shape."""
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise self._error("input", f"expected an ndarray, got {type(x).__name__}")
+        if np.dtype(x.dtype) not in FLOAT_DTYPES:
+            raise self._error("input", f"dtype must be float32 or float64, got {x.dtype}")
+        if x.ndim < 1:
+            raise self._error("input", "expected a batch axis first, got a scalar")
+        self.check_in_shape(x.shape[1:])
+        return x
+
+    # --- the protocol --------------------------------------------------------------------------
+    def forward(self, x: Any) -> Any:
+        """Apply the layer to a batch ``x`` of shape ``(B, *in_shape)``."""
+        raise NotImplementedError
+
+    def __call__(self, x: Any) -> Any:
+        return self.forward(x)
+
+    def pattern(self, in_shape: Shape, device: str = "cpu", index_dtype: Any = None) -> Pattern:
+        """Return the CSR pattern of the transposed Jacobian for one sample of ``in_shape``.
+
+        Computed once per (shape, device, index dtype, structure) and cached.
+
+        Parameters
+        ----------
+        in_shape : tuple of int
+            Per-sample input shape, without the batch axis.
+        device : {"cpu", "gpu", "auto"}
+            Where the pattern's arrays live.
+        index_dtype : {None, numpy.int32, numpy.int64}
+            Force the index dtype; by default int32 while it fits, int64 beyond.
+        """
+        return self._pattern_entry(self.check_in_shape(in_shape), _backend.get(device), index_dtype)[0]
+
+    def transposed_jacobian(self, x: Any, index_dtype: Any = None) -> BatchedCSR:
+        """Return the batched transposed Jacobian at input ``x`` (NumPy or CuPy array).
+
+        The pattern comes from the cache; only the values are computed for this batch. Values are
+        ``(nnz,)`` for sample-independent layers (never copied per sample), ``(B, nnz)`` otherwise.
+        """
+        x = self._check_input(x)
+        be = _backend.of(x)
+        pattern, aux = self._pattern_entry(tuple(int(s) for s in x.shape[1:]), be, index_dtype)
+        return BatchedCSR(pattern, self._values(be, x, pattern, aux))
+
+    def _pattern_entry(
+        self, in_shape: Shape, be: _backend.Backend, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        requested = None if index_dtype is None else np.dtype(index_dtype).name
+        key = (in_shape, be.name, requested, self._structure_key())
+        entry = self._patterns.get(key)
+        if entry is None:
+            entry = self._build_pattern(be, in_shape, index_dtype)
+            self._patterns[key] = entry
+        return entry
+
+    def _structure_key(self) -> Hashable:
+        """Anything besides the input shape that the pattern depends on (e.g. a pruning mask)."""
+        return None
+
+    def _build_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        """Build the pattern and any auxiliary index arrays the values fill needs."""
+        raise NotImplementedError
+
+    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+        """Fill JT's values for the batch ``x`` into the pattern's entry order."""
+        raise NotImplementedError
+
+
+def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:
+    """The pattern of a ``size × size`` diagonal matrix."""
+    dtype = choose_index_dtype(size, size, index_dtype)
+    indptr = be.xp.arange(size + 1, dtype=dtype)
+    return Pattern(indptr, indptr[:-1], (size, size))

@@ -1,0 +1,167 @@
+"""Layers with parameters (conv, linear): weight/bias validation, initialisation, pattern pruning.
+
+Their transposed Jacobian does not depend on the sample: every stored entry is one weight, so the
+values fill is a gather ``weight.flat[widx]`` through an index array built with the pattern. Layers
+may provide a faster structured fill for their unpruned pattern.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Hashable
+
+import numpy as np
+
+from .. import backend as _backend
+from ..csr import Pattern
+from ._base import FLOAT_DTYPES, Layer, Shape
+
+RngLike = np.random.Generator | int | None
+
+
+def as_rng(rng: RngLike) -> np.random.Generator:
+    """Return a NumPy Generator from a Generator, a seed or None."""
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+def as_float_dtype(dtype: Any, label: str) -> np.dtype:
+    """Validate a parameter dtype (float32 default, float64 allowed)."""
+    resolved = np.dtype(np.float32 if dtype is None else dtype)
+    if resolved not in FLOAT_DTYPES:
+        raise ValueError(f"layer {label}: dtype: must be float32 or float64, got {resolved}")
+    return resolved
+
+
+class WeightedLayer(Layer):
+    """Base of :class:`Conv2d` and :class:`Linear`.
+
+    Parameters are NumPy arrays with PyTorch's shapes, initialised like PyTorch (uniform in
+    ``±1/sqrt(fan_in)``) so a model can be mirrored by copying a state_dict. Assigning ``weight`` or
+    ``bias`` validates shape and dtype.
+
+    With ``prune_pattern=True``, weights that are exactly zero are removed from the Jacobian's pattern
+    (pruned networks, paper §4.3); the pattern is re-derived whenever the set of zeros changes.
+    """
+
+    sample_independent = True
+
+    def __init__(
+        self,
+        weight_shape: Shape,
+        bias: bool,
+        fan_in: int,
+        dtype: Any,
+        rng: RngLike,
+        prune_pattern: bool,
+    ) -> None:
+        super().__init__()
+        self._dtype = as_float_dtype(dtype, self.label)
+        self._weight_shape = tuple(weight_shape)
+        self.prune_pattern = bool(prune_pattern)
+        generator = as_rng(rng)
+        bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
+        self._weight = generator.uniform(-bound, bound, self._weight_shape).astype(self._dtype)
+        self._bias = (
+            generator.uniform(-bound, bound, (weight_shape[0],)).astype(self._dtype) if bias else None
+        )
+
+    # --- parameters ----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        """The parameter dtype (JT values have it too)."""
+        return self._dtype
+
+    @property
+    def weight(self) -> np.ndarray:
+        """The weight array, PyTorch's shape."""
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: Any) -> None:
+        self._weight = self._checked_parameter("weight", value, self._weight_shape)
+        self._dtype = self._weight.dtype
+
+    @property
+    def bias(self) -> np.ndarray | None:
+        """The bias array ``(out,)``, or None when the layer has no bias."""
+        return self._bias
+
+    @bias.setter
+    def bias(self, value: Any) -> None:
+        if value is None:
+            self._bias = None
+            return
+        self._bias = self._checked_parameter("bias", value, (self._weight_shape[0],))
+
+    def _checked_parameter(self, field: str, value: Any, shape: Shape) -> np.ndarray:
+        array = _backend.of(value).to_host(value)
+        if array.dtype not in FLOAT_DTYPES:
+            raise self._error(field, f"dtype must be float32 or float64, got {array.dtype}")
+        if tuple(array.shape) != tuple(shape):
+            raise self._error(field, f"expected shape {tuple(shape)}, got {tuple(array.shape)}")
+        return np.ascontiguousarray(array)
+
+    def astype(self, dtype: Any) -> "WeightedLayer":
+        """Convert the parameters to ``dtype`` (float32 or float64) in place and return self."""
+        self._dtype = as_float_dtype(dtype, self.label)
+        self._weight = self._weight.astype(self._dtype)
+        if self._bias is not None:
+            self._bias = self._bias.astype(self._dtype)
+        return self
+
+    def _check_input_dtype(self, x: Any) -> None:
+        if np.dtype(x.dtype) != self._dtype:
+            raise self._error(
+                "input",
+                f"dtype {x.dtype} does not match the parameters' {self._dtype}; "
+                f"convert one of them (layer.astype(...))",
+            )
+
+    # --- pattern -------------------------------------------------------------------------------
+    def _structure_key(self) -> Hashable:
+        if not self.prune_pattern:
+            return None
+        if not np.isfinite(self._weight).all():
+            raise self._error("weight", "non-finite values cannot define a pruned pattern")
+        mask = np.packbits(self._weight.ravel() != 0)
+        return ("pruned", hashlib.blake2b(mask.tobytes(), digest_size=16).hexdigest())
+
+    def _structural_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, Any]:
+        """Return the unpruned pattern and ``widx`` (flat weight index of every entry)."""
+        raise NotImplementedError
+
+    def _build_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        pattern, widx = self._structural_pattern(be, in_shape, index_dtype)
+        if self.prune_pattern:
+            pattern, widx = _drop_zero_weights(be, pattern, widx, be.asarray(self._weight.ravel()))
+        return pattern, {"widx": widx, "pruned": self.prune_pattern, "in_shape": in_shape}
+
+    # --- values --------------------------------------------------------------------------------
+    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+        self._check_input_dtype(x)
+        if not aux["pruned"]:
+            filled = self._structured_values(be, aux)
+            if filled is not None:
+                return filled
+        return be.xp.take(be.asarray(self._weight.ravel()), aux["widx"])
+
+    def _structured_values(self, be: _backend.Backend, aux: dict[str, Any]) -> Any:
+        """A faster fill of the unpruned pattern's values, or None to use the gather."""
+        return None
+
+
+def _drop_zero_weights(
+    be: _backend.Backend, pattern: Pattern, widx: Any, flat_weight: Any
+) -> tuple[Pattern, Any]:
+    """Remove the entries whose weight is exactly zero from ``pattern`` (and ``widx``)."""
+    xp = be.xp
+    keep = flat_weight[widx] != 0
+    rows = pattern.row_of_entries()[keep]
+    counts = xp.bincount(rows, minlength=pattern.shape[0])
+    indptr = xp.zeros(pattern.shape[0] + 1, dtype=pattern.index_dtype)
+    xp.cumsum(counts, out=indptr[1:])
+    return Pattern(indptr, pattern.indices[keep], pattern.shape), widx[keep]

@@ -1,0 +1,93 @@
+"""Linear (fully connected) layer: ``y = x W^T + b``; its transposed Jacobian is ``W^T``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import backend as _backend
+from ..csr import Pattern, choose_index_dtype
+from ._base import Shape
+from ._weighted import RngLike, WeightedLayer
+
+__all__ = ["Linear"]
+
+
+class Linear(WeightedLayer):
+    """PyTorch's ``nn.Linear`` on a batch of vectors ``(B, in_features)``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool
+    dtype : numpy dtype, optional
+        float32 (default) or float64.
+    rng : numpy.random.Generator or int, optional
+        Source of the PyTorch-style uniform initialisation.
+    prune_pattern : bool
+        Drop exactly-zero weights from the Jacobian's pattern.
+
+    Attributes
+    ----------
+    weight : ndarray, shape (out_features, in_features)
+    bias : ndarray, shape (out_features,), or None
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        dtype: Any = None,
+        rng: RngLike = None,
+        prune_pattern: bool = False,
+    ) -> None:
+        for field, value in (("in_features", in_features), ("out_features", out_features)):
+            if int(value) < 1:
+                raise ValueError(f"layer Linear: {field}: must be positive, got {value}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        super().__init__(
+            (self.out_features, self.in_features), bias, self.in_features, dtype, rng, prune_pattern
+        )
+
+    def check_in_shape(self, in_shape: Shape) -> Shape:
+        shape = tuple(int(s) for s in in_shape)
+        if shape != (self.in_features,):
+            raise self._error(
+                "input",
+                f"expected per-sample shape ({self.in_features},), got {shape}"
+                + ("; add a Flatten layer before it" if len(shape) > 1 else ""),
+            )
+        return shape
+
+    def output_shape(self, in_shape: Shape) -> Shape:
+        self.check_in_shape(in_shape)
+        return (self.out_features,)
+
+    def forward(self, x: Any) -> Any:
+        x = self._check_input(x)
+        self._check_input_dtype(x)
+        be = _backend.of(x)
+        y = x @ be.asarray(self.weight).T
+        return y if self.bias is None else y + be.asarray(self.bias)
+
+    def _structural_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, Any]:
+        n_in, n_out = self.in_features, self.out_features
+        dtype = choose_index_dtype(n_in * n_out, n_out, index_dtype)
+        xp = be.xp
+        indptr = xp.arange(n_in + 1, dtype=dtype) * dtype.type(n_out)
+        indices = xp.tile(xp.arange(n_out, dtype=dtype), n_in)
+        # entry (i, o) holds weight[o, i], flat index o * n_in + i
+        widx = (xp.arange(n_out, dtype=dtype)[None, :] * dtype.type(n_in)
+                + xp.arange(n_in, dtype=dtype)[:, None]).ravel()
+        return Pattern(indptr, indices, (n_in, n_out)), widx
+
+    def _structured_values(self, be: _backend.Backend, aux: dict[str, Any]) -> Any:
+        return be.asarray(self.weight).T.ravel()
+
+    def __repr__(self) -> str:
+        return (f"Linear(in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None})")

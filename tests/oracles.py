@@ -1,0 +1,37 @@
+"""Independent oracles for transposed Jacobians: float64 finite differences and PyTorch autograd."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+
+def finite_difference_jt(forward: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
+                         eps: float = 1e-6) -> np.ndarray:
+    """Dense transposed Jacobian of ``forward`` at one sample ``x`` (no batch axis), float64.
+
+    Central differences, one input element at a time: row ``i`` of the result is ``d out / d x_i``,
+    so the result has shape ``(x.size, out.size)`` like the engine's JT.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    flat = x.ravel()
+    rows = []
+    for i in range(flat.size):
+        step = np.zeros_like(flat)
+        step[i] = eps
+        plus = forward((flat + step).reshape(x.shape)[None])[0]
+        minus = forward((flat - step).reshape(x.shape)[None])[0]
+        rows.append(((plus - minus) / (2 * eps)).ravel())
+    return np.stack(rows)
+
+
+def torch_jt(module, x: np.ndarray) -> np.ndarray:
+    """Dense transposed Jacobian of a torch module at one sample ``x`` via autograd (float64)."""
+    import torch
+
+    def f(inp):
+        return module(inp[None])[0].reshape(-1)
+
+    jac = torch.autograd.functional.jacobian(f, torch.from_numpy(np.asarray(x, np.float64)))
+    return jac.reshape(-1, x.size).T.numpy()
