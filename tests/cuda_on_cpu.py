@@ -27,7 +27,7 @@ static dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-#define SHIM_LAUNCH(grid, block, call)                                                  \
+#define SHIM_LAUNCH(grid, block, ...)                                                   \
   do {                                                                                  \
     gridDim = {(unsigned)(grid), 1u, 1u};                                               \
     blockDim = {(unsigned)(block), 1u, 1u};                                             \
@@ -35,7 +35,7 @@ static dim3 threadIdx, blockIdx, blockDim, gridDim;
       for (unsigned t_ = 0; t_ < blockDim.x; ++t_) {                                    \
         blockIdx = {b_, 0u, 0u};                                                        \
         threadIdx = {t_, 0u, 0u};                                                       \
-        call;                                                                           \
+        __VA_ARGS__;                                                                    \
       }                                                                                 \
   } while (0)
 """
@@ -59,11 +59,13 @@ def compile_for_cpu(cu_file: str, wrappers: str) -> ctypes.CDLL:
         cpp = build_dir / f"{path.stem}-{digest}.cpp"
         cpp.write_text(text)
         partial = library.with_suffix(".tmp.so")
-        subprocess.run(
+        result = subprocess.run(
             ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
              "-Wno-unused-variable", "-o", str(partial), str(cpp)],
-            check=True, capture_output=True, text=True,
+            capture_output=True, text=True,
         )
+        if result.returncode:
+            raise RuntimeError(f"g++ could not build {cu_file} for the CPU:\n{result.stderr}")
         partial.replace(library)
     return ctypes.CDLL(str(library))
 

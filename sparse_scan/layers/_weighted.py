@@ -144,12 +144,12 @@ class WeightedLayer(Layer):
     def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
         self._check_input_dtype(x)
         if not aux["pruned"]:
-            filled = self._structured_values(be, aux)
+            filled = self._structured_values(be, pattern, aux)
             if filled is not None:
                 return filled
         return be.xp.take(be.asarray(self._weight.ravel()), aux["widx"])
 
-    def _structured_values(self, be: _backend.Backend, aux: dict[str, Any]) -> Any:
+    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Any:
         """A faster fill of the unpruned pattern's values, or None to use the gather."""
         return None
 

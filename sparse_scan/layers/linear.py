@@ -85,7 +85,7 @@ class Linear(WeightedLayer):
                 + xp.arange(n_in, dtype=dtype)[:, None]).ravel()
         return Pattern(indptr, indices, (n_in, n_out)), widx
 
-    def _structured_values(self, be: _backend.Backend, aux: dict[str, Any]) -> Any:
+    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Any:
         return be.asarray(self.weight).T.ravel()
 
     def __repr__(self) -> str:

@@ -1,0 +1,432 @@
+"""2-D convolution with an analytic CSR transposed Jacobian, general in every PyTorch argument.
+
+The transposed Jacobian has one row per input element ``(ci, ih, iw)`` and one column per output
+element ``(co, oh, ow)``. Entry ``(ci, ih, iw) -> (co, oh, ow)`` exists when ``co`` is in ``ci``'s group
+and the input pixel is tapped by kernel offset ``(kh, kw)`` of that output pixel; its value is
+``weight[co, ci % cin_per_group, kh, kw]``. The offset is unique (``kh = (ih + pad_top - oh*stride)/
+dilation``), so every entry is one weight and the values are sample-independent.
+
+Along each axis, the taps of an input position depend only on its position class (border, or the
+stride's residue in the interior). The values fill exploits that: the rows of one class pair hold the
+same weights in the same order and lie at affine offsets, so each class pair is one strided block copy
+instead of an ``nnz``-long gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _kernels
+from .. import backend as _backend
+from ..csr import Pattern, choose_index_dtype
+from ._base import Shape
+from ._geometry import IntPair, output_size, pair, window_extent
+from ._weighted import RngLike, WeightedLayer
+
+__all__ = ["Conv2d"]
+
+KERNEL_FILE = "conv_jt.cu"
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Everything the pattern depends on, for one input shape."""
+
+    in_channels: int
+    height: int
+    width: int
+    out_channels: int
+    out_height: int
+    out_width: int
+    kernel: IntPair
+    stride: IntPair
+    pad_top: int
+    pad_left: int
+    dilation: IntPair
+    groups: int
+
+    @property
+    def cin_per_group(self) -> int:
+        return self.in_channels // self.groups
+
+    @property
+    def cout_per_group(self) -> int:
+        return self.out_channels // self.groups
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.in_channels * self.height * self.width,
+                self.out_channels * self.out_height * self.out_width)
+
+    def kernel_args(self) -> tuple[np.int64, ...]:
+        """The scalar arguments every conv kernel takes, in ``conv_jt.cu``'s order."""
+        return tuple(np.int64(v) for v in (
+            self.in_channels, self.height, self.width, self.out_channels, self.out_height,
+            self.out_width, self.kernel[0], self.kernel[1], self.stride[0], self.stride[1],
+            self.pad_top, self.pad_left, self.dilation[0], self.dilation[1], self.groups))
+
+
+def axis_taps(size: int, kernel: int, stride: int, pad_lo: int, dilation: int,
+              out_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Kernel offsets and output positions reaching each input position along one axis.
+
+    Returns
+    -------
+    offsets, outputs : ndarray, shape (size, kernel)
+        Row ``i`` lists the taps of input position ``i`` in increasing output position (decreasing
+        kernel offset), valid taps first; invalid slots hold -1.
+    counts : ndarray, shape (size,)
+        Number of valid taps per position.
+    """
+    i = np.arange(size)[:, None]
+    k = np.arange(kernel - 1, -1, -1)[None, :]  # decreasing offset = increasing output
+    numerator = i + pad_lo - k * dilation
+    out = numerator // stride
+    valid = (numerator % stride == 0) & (out >= 0) & (out < out_size)
+    order = np.argsort(~valid, axis=1, kind="stable")  # valid first, order kept
+    offsets = np.where(valid, np.broadcast_to(k, valid.shape), -1)
+    outputs = np.where(valid, out, -1)
+    take = np.take_along_axis
+    return take(offsets, order, 1), take(outputs, order, 1), valid.sum(axis=1)
+
+
+class Conv2d(WeightedLayer):
+    """PyTorch's ``nn.Conv2d`` (zeros padding) on NCHW batches.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+    kernel_size, stride, dilation : int or (int, int)
+    padding : int, (int, int), "valid" or "same"
+        ``"same"`` (stride 1 only) pads ``dilation*(kernel-1)`` in total per axis, the extra one at the
+        bottom/right when odd, like PyTorch.
+    groups : int
+        Must divide both channel counts.
+    bias : bool
+    padding_mode : {"zeros"}
+        The only mode whose Jacobian is implemented.
+    dtype : numpy dtype, optional
+        float32 (default) or float64.
+    rng : numpy.random.Generator or int, optional
+        Source of PyTorch's default uniform initialisation.
+    prune_pattern : bool
+        Drop exactly-zero weights from the Jacobian's pattern (pruned networks).
+
+    Attributes
+    ----------
+    weight : ndarray, shape (out_channels, in_channels // groups, kh, kw)
+    bias : ndarray, shape (out_channels,), or None
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sparse_scan.layers import Conv2d
+    >>> conv = Conv2d(3, 64, 3, padding=1, rng=0)
+    >>> jt = conv.transposed_jacobian(np.zeros((2, 3, 32, 32), np.float32))
+    >>> jt.shape, jt.nnz, jt.data.shape  # values shared by the batch
+    ((3072, 65536), 1696512, (1696512,))
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | IntPair,
+        stride: int | IntPair = 1,
+        padding: int | IntPair | str = 0,
+        dilation: int | IntPair = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        dtype: Any = None,
+        rng: RngLike = None,
+        prune_pattern: bool = False,
+    ) -> None:
+        label = "Conv2d"
+        for field, value in (("in_channels", in_channels), ("out_channels", out_channels),
+                             ("groups", groups)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"layer {label}: {field}: must be a positive int, got {value!r}")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"layer {label}: groups: {groups} must divide in_channels={in_channels} and "
+                f"out_channels={out_channels}"
+            )
+        if padding_mode != "zeros":
+            raise ValueError(f"layer {label}: padding_mode: only 'zeros' is supported, "
+                             f"got {padding_mode!r}")
+        self.in_channels, self.out_channels, self.groups = int(in_channels), int(out_channels), int(groups)
+        self.kernel_size = pair(kernel_size, "kernel_size", label, 1)
+        self.stride = pair(stride, "stride", label, 1)
+        self.dilation = pair(dilation, "dilation", label, 1)
+        self.padding = padding if isinstance(padding, str) else pair(padding, "padding", label, 0)
+        self._pads = self._resolve_padding(label)
+        self.padding_mode = padding_mode
+        fan_in = self.in_channels // self.groups * self.kernel_size[0] * self.kernel_size[1]
+        super().__init__(
+            (self.out_channels, self.in_channels // self.groups) + self.kernel_size,
+            bias, fan_in, dtype, rng, prune_pattern,
+        )
+
+    def _resolve_padding(self, label: str) -> tuple[int, int, int, int]:
+        """(top, bottom, left, right) from an int pair, 'valid' or 'same'."""
+        if self.padding == "valid":
+            return (0, 0, 0, 0)
+        if self.padding == "same":
+            if self.stride != (1, 1):
+                raise ValueError(f"layer {label}: padding: 'same' needs stride 1, got {self.stride}")
+            pads = []
+            for k, d in zip(self.kernel_size, self.dilation):
+                total = d * (k - 1)
+                pads += [total // 2, total - total // 2]
+            return tuple(pads)  # type: ignore[return-value]
+        if isinstance(self.padding, str):
+            raise ValueError(f"layer {label}: padding: expected an int, a pair, 'valid' or 'same', "
+                             f"got {self.padding!r}")
+        return (self.padding[0], self.padding[0], self.padding[1], self.padding[1])
+
+    # --- shapes --------------------------------------------------------------------------------
+    def geometry(self, in_shape: Shape) -> ConvGeometry:
+        """Validate a per-sample input shape ``(C, H, W)`` and return the conv geometry."""
+        shape = tuple(int(s) for s in in_shape)
+        if len(shape) != 3:
+            raise self._error("input", f"expected per-sample shape (C, H, W), got {shape}")
+        channels, height, width = shape
+        if channels != self.in_channels:
+            raise self._error("in_channels",
+                              f"input has {channels} channels, layer expects {self.in_channels}")
+        top, bottom, left, right = self._pads
+        out_h = output_size(height, self.kernel_size[0], self.stride[0], top, bottom, self.dilation[0])
+        out_w = output_size(width, self.kernel_size[1], self.stride[1], left, right, self.dilation[1])
+        if out_h < 1 or out_w < 1:
+            extent = tuple(window_extent(k, d) for k, d in zip(self.kernel_size, self.dilation))
+            raise self._error(
+                "kernel_size",
+                f"dilated kernel {extent} is larger than the padded input "
+                f"({height + top + bottom}, {width + left + right})",
+            )
+        return ConvGeometry(channels, height, width, self.out_channels, out_h, out_w,
+                            self.kernel_size, self.stride, top, left, self.dilation, self.groups)
+
+    def check_in_shape(self, in_shape: Shape) -> Shape:
+        self.geometry(in_shape)
+        return tuple(int(s) for s in in_shape)
+
+    def output_shape(self, in_shape: Shape) -> Shape:
+        g = self.geometry(in_shape)
+        return (g.out_channels, g.out_height, g.out_width)
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward(self, x: Any) -> Any:
+        """Cross-correlate the batch ``x`` (B, C, H, W) with the weights, plus bias."""
+        x = self._check_input(x)
+        self._check_input_dtype(x)
+        g = self.geometry(x.shape[1:])
+        xp = _backend.of(x).xp
+        top, bottom, left, right = self._pads
+        padded = xp.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+        batch = x.shape[0]
+        # windows[b, ci, kh, kw, oh, ow]: input tapped by offset (kh, kw) of output (oh, ow)
+        # columns[b, ci, kh, kw, oh, ow]: the input element tapped by offset (kh, kw) of (oh, ow)
+        columns = xp.stack([
+            padded[:, :, kh * g.dilation[0]:, kw * g.dilation[1]:]
+                  [:, :, : (g.out_height - 1) * g.stride[0] + 1: g.stride[0],
+                   : (g.out_width - 1) * g.stride[1] + 1: g.stride[1]]
+            for kh in range(g.kernel[0]) for kw in range(g.kernel[1])], axis=2)
+        taps = g.cin_per_group * g.kernel[0] * g.kernel[1]
+        columns = columns.reshape(batch, g.groups, taps, g.out_height * g.out_width)
+        weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, taps)
+        out = xp.matmul(weight[None], columns)
+        out = out.reshape(batch, g.out_channels, g.out_height, g.out_width)
+        if self.bias is not None:
+            out = out + xp.asarray(self.bias)[None, :, None, None]
+        return out
+
+    # --- pattern -------------------------------------------------------------------------------
+    def _structural_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, Any]:
+        g = self.geometry(in_shape)
+        return _structural_pattern(be, g, index_dtype)
+
+    def _build_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
+        aux["geometry"] = self.geometry(in_shape)
+        return pattern, aux
+
+    # --- values --------------------------------------------------------------------------------
+    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Any:
+        return _fill_values(be, aux["geometry"], pattern, aux, be.asarray(self.weight))
+
+    def __repr__(self) -> str:
+        text = (f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}")
+        if self.padding not in ((0, 0), "valid"):
+            text += f", padding={self.padding}"
+        if self.dilation != (1, 1):
+            text += f", dilation={self.dilation}"
+        if self.groups != 1:
+            text += f", groups={self.groups}"
+        if self.bias is None:
+            text += ", bias=False"
+        return text + ")"
+
+
+# --- NumPy twins -------------------------------------------------------------------------------
+def _taps(g: ConvGeometry) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    rows = axis_taps(g.height, g.kernel[0], g.stride[0], g.pad_top, g.dilation[0], g.out_height)
+    cols = axis_taps(g.width, g.kernel[1], g.stride[1], g.pad_left, g.dilation[1], g.out_width)
+    return rows, cols
+
+
+def _row_counts(g: ConvGeometry) -> np.ndarray:
+    (_, _, count_h), (_, _, count_w) = _taps(g)
+    per_pixel = g.cout_per_group * count_h[:, None] * count_w[None, :]
+    return np.broadcast_to(per_pixel, (g.in_channels, g.height, g.width)).ravel()
+
+
+def _structural_pattern_cpu(be: _backend.Backend, g: ConvGeometry,
+                            index_dtype: Any) -> tuple[Pattern, np.ndarray]:
+    (kh, oh, _), (kw, ow, _) = _taps(g)
+    counts = _row_counts(g)
+    nnz = int(counts.sum())
+    dtype = choose_index_dtype(nnz, g.shape[1], index_dtype)
+    indptr = np.zeros(g.shape[0] + 1, dtype=dtype)
+    np.cumsum(counts, out=indptr[1:])
+    # candidate[ci, ih, iw, co_local, jh, jw], C-order = CSR order; keep the valid taps
+    ci = np.arange(g.in_channels)[:, None, None, None, None, None]
+    col = np.arange(g.cout_per_group)[None, None, None, :, None, None]
+    co = (ci // g.cin_per_group) * g.cout_per_group + col
+    oh6 = oh[None, :, None, None, :, None]
+    ow6 = ow[None, None, :, None, None, :]
+    valid = (oh6 >= 0) & (ow6 >= 0)
+    shape6 = (g.in_channels, g.height, g.width, g.cout_per_group, kh.shape[1], kw.shape[1])
+    valid = np.broadcast_to(valid, shape6)
+    columns = (co * g.out_height + oh6) * g.out_width + ow6
+    indices = np.broadcast_to(columns, shape6)[valid].astype(dtype)
+    kh6 = kh[None, :, None, None, :, None]
+    kw6 = kw[None, None, :, None, None, :]
+    taps = g.kernel[0] * g.kernel[1]
+    weight_index = (co * g.cin_per_group + ci % g.cin_per_group) * taps + kh6 * g.kernel[1] + kw6
+    widx = np.broadcast_to(weight_index, shape6)[valid].astype(dtype)
+    return Pattern(indptr, indices, g.shape), widx
+
+
+def _class_runs(taps: np.ndarray, counts: np.ndarray, row_offsets: np.ndarray) -> list[tuple[np.ndarray, int, int, int, int]]:
+    """Group the positions of one axis by tap class, split into arithmetic runs of offsets.
+
+    Returns ``(tap_offsets, count, first_offset, offset_step, run_length)`` per run.
+    """
+    runs = []
+    classes: dict[bytes, list[int]] = {}
+    for position, row in enumerate(taps):
+        classes.setdefault(row.tobytes(), []).append(position)
+    for positions in classes.values():
+        offsets = row_offsets[positions]
+        start = 0
+        while start < len(positions):
+            stop = start + 1
+            step = int(offsets[stop] - offsets[start]) if stop < len(positions) else 0
+            while stop < len(positions) and offsets[stop] - offsets[stop - 1] == step:
+                stop += 1
+            count = int(counts[positions[start]])
+            runs.append((taps[positions[start], :count], count, int(offsets[start]), step,
+                         stop - start))
+            start = stop
+    return runs
+
+
+@dataclass(frozen=True)
+class FillBlock:
+    """One strided block copy of the values fill: rows of one (row class, column class) run."""
+
+    start: int
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+    template_start: int
+
+
+def _fill_plan(g: ConvGeometry, pattern: Pattern) -> tuple[list[FillBlock], np.ndarray]:
+    """Blocks of the structured values fill and the flat weight index of every block's template.
+
+    Row ``(ci, ih, iw)`` starts at ``ci * channel_len + h_offset[ih] + cout * nh(ih) * w_offset[iw]``;
+    within one class pair and arithmetic run that is affine in ``(ci, ih, iw)``, and every row of
+    channel ``ci`` holds the same weights ``weight[co, ci, taps_h][..., taps_w]``.
+    """
+    (kh, _, count_h), (kw, _, count_w) = _taps(g)
+    channel_len = int(pattern.indptr[g.height * g.width])
+    h_offsets = np.concatenate(([0], np.cumsum(g.cout_per_group * count_h * count_w.sum())))[:-1]
+    w_offsets = np.concatenate(([0], np.cumsum(count_w)))[:-1]
+    ci = np.arange(g.in_channels)[:, None, None, None]
+    co = (ci // g.cin_per_group) * g.cout_per_group + np.arange(g.cout_per_group)[:, None, None]
+    blocks, template_index, template_start = [], [], 0
+    for taps_h, nh, h_start, h_step, h_len in _class_runs(kh, count_h, h_offsets):
+        row_scale = g.cout_per_group * nh
+        for taps_w, nw, w_start, w_step, w_len in _class_runs(kw, count_w, w_offsets):
+            if nh == 0 or nw == 0:
+                continue
+            taps = taps_h[:, None] * g.kernel[1] + taps_w[None, :]
+            flat = ((co * g.cin_per_group + ci % g.cin_per_group) * g.kernel[0] * g.kernel[1]
+                    + taps[None, None]).reshape(g.in_channels, -1)
+            blocks.append(FillBlock(
+                start=h_start + row_scale * w_start,
+                shape=(g.in_channels, h_len, w_len, flat.shape[1]),
+                strides=(channel_len, h_step, row_scale * w_step, 1),
+                template_start=template_start,
+            ))
+            template_index.append(flat.ravel())
+            template_start += flat.size
+    return blocks, np.concatenate(template_index) if template_index else np.zeros(0, np.int64)
+
+
+def _fill_values_cpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, aux: dict[str, Any],
+                     weight: np.ndarray) -> np.ndarray:
+    """Structured fill: gather the small templates, then one strided block copy per block."""
+    if "fill_plan" not in aux:
+        aux["fill_plan"] = _fill_plan(g, pattern)
+    blocks, template_index = aux["fill_plan"]
+    templates = weight.ravel()[template_index]
+    data = np.empty(pattern.nnz, dtype=weight.dtype)
+    item = data.itemsize
+    for block in blocks:
+        channels, _, _, length = block.shape
+        view = np.lib.stride_tricks.as_strided(
+            data[block.start:], shape=block.shape, strides=tuple(s * item for s in block.strides))
+        view[...] = templates[block.template_start: block.template_start + channels * length
+                              ].reshape(channels, 1, 1, length)
+    return data
+
+
+# --- GPU twins ---------------------------------------------------------------------------------
+def _structural_pattern_gpu(be: _backend.Backend, g: ConvGeometry, index_dtype: Any) -> tuple[Pattern, Any]:
+    cp = be.xp
+    rows, cols = g.shape
+    counts = cp.asarray(_row_counts(g))  # analytic, tiny host work
+    nnz = int(counts.sum())  # sync: pattern build, once per shape
+    dtype = choose_index_dtype(nnz, cols, index_dtype)
+    indptr = cp.zeros(rows + 1, dtype=dtype)
+    cp.cumsum(counts, out=indptr[1:])
+    indices = cp.empty(nnz, dtype=dtype)
+    widx = cp.empty(nnz, dtype=dtype)
+    kernel = _kernels.function(KERNEL_FILE, "conv_jt_fill_pattern", dtype)
+    _kernels.launch(kernel, rows * g.cout_per_group, g.kernel_args() + (indptr, indices, widx))
+    return Pattern(indptr, indices, g.shape), widx
+
+
+def _fill_values_gpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, aux: dict[str, Any],
+                     weight: Any) -> Any:
+    data = be.xp.empty(pattern.nnz, dtype=weight.dtype)
+    kernel = _kernels.function(KERNEL_FILE, "conv_jt_fill_values", pattern.index_dtype, weight.dtype)
+    _kernels.launch(kernel, g.shape[0] * g.cout_per_group,
+                    g.kernel_args() + (pattern.indptr, be.xp.ascontiguousarray(weight), data))
+    return data
+
+
+_structural_pattern = _backend.twin(cpu=_structural_pattern_cpu, gpu=_structural_pattern_gpu)
+_fill_values = _backend.twin(cpu=_fill_values_cpu, gpu=_fill_values_gpu)

@@ -1,0 +1,279 @@
+"""Conv2d: forward and analytic CSR transposed Jacobian against independent oracles."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cuda_on_cpu import compile_for_cpu, pointer
+from oracles import finite_difference_jt, torch_jt
+from sparse_scan import backend
+from sparse_scan.layers import Conv2d
+from sparse_scan.layers.conv import _structural_pattern_cpu
+
+# (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
+# asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.
+CONFIGS = [
+    (3, 4, 3, 1, 1, 1, 1, 5, 6),
+    (4, 6, (2, 3), 2, (1, 0), 1, 2, 7, 5),
+    (2, 2, 3, (1, 2), 2, 2, 1, 6, 7),
+    (3, 3, 3, 1, "same", 2, 3, 5, 4),
+    (2, 3, (2, 4), 1, "same", 1, 1, 5, 6),
+    (2, 2, 1, 3, 0, 1, 1, 7, 8),
+    (4, 4, (3, 1), (2, 1), (0, 2), (1, 3), 4, 9, 4),
+    (2, 4, 2, 2, 0, 1, 2, 4, 4),
+    (1, 2, 4, 3, "valid", 1, 1, 10, 9),
+]
+
+
+def make_conv(cfg, dtype=np.float64, seed=1, **kwargs):
+    cin, cout, k, s, p, d, g, _, _ = cfg
+    return Conv2d(cin, cout, k, stride=s, padding=p, dilation=d, groups=g, dtype=dtype, rng=seed,
+                  **kwargs)
+
+
+def make_input(cfg, batch=2, dtype=np.float64, seed=0):
+    return np.random.default_rng(seed).standard_normal((batch, cfg[0], cfg[7], cfg[8])).astype(dtype)
+
+
+def naive_conv(conv: Conv2d, x: np.ndarray) -> np.ndarray:
+    """Direct loops over output pixels and taps: the definition, independent of the engine."""
+    top, _, left, _ = conv._pads
+    out_c, out_h, out_w = conv.output_shape(x.shape[1:])
+    kh_n, kw_n = conv.kernel_size
+    cin_g, cout_g = conv.in_channels // conv.groups, conv.out_channels // conv.groups
+    y = np.zeros((x.shape[0], out_c, out_h, out_w))
+    for co in range(out_c):
+        group = co // cout_g
+        for oh in range(out_h):
+            for ow in range(out_w):
+                total = np.zeros(x.shape[0])
+                for c in range(cin_g):
+                    for kh in range(kh_n):
+                        for kw in range(kw_n):
+                            ih = oh * conv.stride[0] - top + kh * conv.dilation[0]
+                            iw = ow * conv.stride[1] - left + kw * conv.dilation[1]
+                            if 0 <= ih < x.shape[2] and 0 <= iw < x.shape[3]:
+                                total += conv.weight[co, c, kh, kw] * x[:, group * cin_g + c, ih, iw]
+                y[:, co, oh, ow] = total + (conv.bias[co] if conv.bias is not None else 0.0)
+    return y
+
+
+def torch_conv(conv: Conv2d):
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                             conv.padding, conv.dilation, conv.groups).double()
+    module.weight.data = torch.from_numpy(conv.weight.astype(np.float64))
+    module.bias.data = torch.from_numpy(conv.bias.astype(np.float64))
+    return module
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_forward_matches_definition(cfg):
+    conv, x = make_conv(cfg), make_input(cfg)
+    np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_jt_matches_finite_differences(cfg):
+    conv, x = make_conv(cfg), make_input(cfg)
+    jt = conv.transposed_jacobian(x)
+    assert jt.shared and jt.data.shape == (jt.nnz,)
+    fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
+    np.testing.assert_allclose(jt.todense(), fd, atol=1e-8)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_forward_and_jt_match_torch(cfg):
+    conv, x = make_conv(cfg), make_input(cfg)
+    module = torch_conv(conv)
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(conv.forward(x), expected, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(conv.transposed_jacobian(x).todense(), torch_jt(module, x[0]),
+                               atol=1e-14)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_pattern_is_canonical_and_exactly_the_guaranteed_nonzeros(cfg):
+    conv = make_conv(cfg)
+    conv.weight = np.ones_like(conv.weight)  # every structural entry is then a 1
+    x = make_input(cfg)
+    jt = conv.transposed_jacobian(x)
+    p = jt.pattern
+    assert p.indptr[0] == 0 and p.indptr[-1] == p.nnz and np.all(np.diff(p.indptr) >= 0)
+    for row in range(p.shape[0]):
+        cols = p.indices[p.indptr[row]: p.indptr[row + 1]]
+        assert np.all(np.diff(cols) > 0)
+    # structural non-zeros = entries of the finite-difference Jacobian of the all-ones conv
+    fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
+    np.testing.assert_array_equal(jt.todense() != 0, np.abs(fd) > 0.5)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_structured_fill_equals_gather(cfg, dtype):
+    conv = make_conv(cfg, dtype=dtype)
+    jt = conv.transposed_jacobian(make_input(cfg, dtype=dtype))
+    _, widx = _structural_pattern_cpu(backend.get("cpu"), conv.geometry((cfg[0], cfg[7], cfg[8])), None)
+    assert jt.dtype == dtype
+    np.testing.assert_array_equal(jt.data, conv.weight.ravel()[widx])
+
+
+def test_vgg11_first_conv_figures():
+    conv = Conv2d(3, 64, 3, padding=1, rng=0)
+    jt = conv.transposed_jacobian(np.zeros((2, 3, 32, 32), np.float32))
+    assert jt.shape == (3072, 65536)
+    assert jt.nnz == 1_696_512
+    assert round(jt.pattern.sparsity, 5) == 0.99157
+    assert jt.nbytes_values == 1_696_512 * 4 and round(jt.nbytes_values / 2**20, 1) == 6.5
+    assert jt.nbytes_dense == 768 * 2**20
+    assert jt.pattern.index_dtype == np.int32
+
+
+def test_forced_int64_indices_give_the_same_matrix():
+    cfg = CONFIGS[1]
+    conv, x = make_conv(cfg), make_input(cfg)
+    small = conv.transposed_jacobian(x)
+    wide = conv.transposed_jacobian(x, index_dtype=np.int64)
+    assert wide.pattern.index_dtype == np.int64 and small.pattern.index_dtype == np.int32
+    np.testing.assert_array_equal(wide.todense(), small.todense())
+
+
+def test_pattern_is_cached_per_shape():
+    conv = make_conv(CONFIGS[0])
+    assert conv.pattern((3, 5, 6)) is conv.pattern((3, 5, 6))
+    assert conv.pattern((3, 6, 6)) is not conv.pattern((3, 5, 6))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:4])
+def test_pruned_pattern_drops_zero_weights_and_follows_changes(cfg):
+    conv, x = make_conv(cfg, prune_pattern=True), make_input(cfg)
+    full = make_conv(cfg).transposed_jacobian(x)
+    weight = conv.weight.copy()
+    weight[np.random.default_rng(3).random(weight.shape) < 0.6] = 0.0
+    conv.weight = weight
+    pruned = conv.transposed_jacobian(x)
+    assert pruned.nnz == np.count_nonzero(pruned.data) < full.nnz
+    fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
+    np.testing.assert_allclose(pruned.todense(), fd, atol=1e-8)
+    first = conv.pattern(x.shape[1:])
+    weight[weight == 0] = 0.5  # zero set changes: pattern re-derived
+    conv.weight = weight
+    assert conv.pattern(x.shape[1:]) is not first
+    assert conv.transposed_jacobian(x).nnz == full.nnz
+
+
+def test_pruned_pattern_rejects_non_finite_weights():
+    conv = make_conv(CONFIGS[0], prune_pattern=True)
+    weight = conv.weight.copy()
+    weight[0, 0, 0, 0] = np.nan
+    conv.weight = weight
+    with pytest.raises(ValueError, match="weight"):
+        conv.pattern((3, 5, 6))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(in_channels=3, out_channels=4, kernel_size=3, stride=0), "stride"),
+    (dict(in_channels=3, out_channels=4, kernel_size=3, dilation=(1, 0)), "dilation"),
+    (dict(in_channels=3, out_channels=4, kernel_size=0), "kernel_size"),
+    (dict(in_channels=3, out_channels=4, kernel_size=3, groups=2), "groups"),
+    (dict(in_channels=3, out_channels=4, kernel_size=3, padding=-1), "padding"),
+    (dict(in_channels=3, out_channels=4, kernel_size=3, padding="same", stride=2), "padding"),
+    (dict(in_channels=3, out_channels=4, kernel_size=3, padding_mode="reflect"), "padding_mode"),
+    (dict(in_channels=0, out_channels=4, kernel_size=3), "in_channels"),
+])
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"Conv2d.*{field}"):
+        Conv2d(**kwargs)
+
+
+def test_bad_inputs_and_weights_name_layer_and_field():
+    conv = Conv2d(3, 4, 5, dilation=2)
+    conv.name = "conv1"
+    with pytest.raises(ValueError, match="'conv1'.*in_channels.*2 channels"):
+        conv.forward(np.zeros((1, 2, 16, 16), np.float32))
+    with pytest.raises(ValueError, match="'conv1'.*kernel_size.*larger than the padded input"):
+        conv.transposed_jacobian(np.zeros((1, 3, 8, 16), np.float32))
+    with pytest.raises(ValueError, match="'conv1'.*input.*\\(C, H, W\\)"):
+        conv.forward(np.zeros((3, 16, 16), np.float32))
+    with pytest.raises(ValueError, match="'conv1'.*input.*float64.*float32"):
+        conv.forward(np.zeros((1, 3, 16, 16), np.float64))
+    with pytest.raises(ValueError, match="'conv1'.*input.*int64"):
+        conv.forward(np.zeros((1, 3, 16, 16), np.int64))
+    with pytest.raises(ValueError, match="'conv1'.*weight.*shape"):
+        conv.weight = np.zeros((4, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="'conv1'.*weight.*dtype"):
+        conv.weight = np.zeros((4, 3, 5, 5), np.int32)
+    with pytest.raises(ValueError, match="'conv1'.*bias.*shape"):
+        conv.bias = np.zeros(3, np.float32)
+
+
+# --- the CUDA source, run on the CPU through the shim, against the NumPy twin --------------------
+WRAPPERS = r"""
+#define GEO long long c_in, long long h, long long w, long long c_out, long long out_h, long long out_w, \
+  long long k_h, long long k_w, long long s_h, long long s_w, long long p_t, long long p_l, \
+  long long d_h, long long d_w, long long groups
+#define GEO_ARGS c_in, h, w, c_out, out_h, out_w, k_h, k_w, s_h, s_w, p_t, p_l, d_h, d_w, groups
+#define PATTERN(NAME, I) extern "C" void NAME(int grid, int block, GEO, const I* indptr, I* indices, \
+  I* widx) { SHIM_LAUNCH(grid, block, conv_jt_fill_pattern<I>(GEO_ARGS, indptr, indices, widx)); }
+#define VALUES(NAME, I, T) extern "C" void NAME(int grid, int block, GEO, const I* indptr, \
+  const T* weight, T* data) { SHIM_LAUNCH(grid, block, conv_jt_fill_values<I, T>(GEO_ARGS, indptr, \
+  weight, data)); }
+PATTERN(pattern_int32, int)
+PATTERN(pattern_int64, long long)
+VALUES(values_int32_float32, int, float)
+VALUES(values_int32_float64, int, double)
+VALUES(values_int64_float32, long long, float)
+VALUES(values_int64_float64, long long, double)
+"""
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("launch", [(1, 1), (3, 5), (64, 32)])
+def test_kernel_source_on_cpu_matches_numpy_twin(cfg, index_dtype, launch):
+    library = compile_for_cpu("conv_jt.cu", WRAPPERS)
+    conv = make_conv(cfg)
+    geometry = conv.geometry((cfg[0], cfg[7], cfg[8]))
+    expected, expected_widx = _structural_pattern_cpu(backend.get("cpu"), geometry, index_dtype)
+    index_name = np.dtype(index_dtype).name
+    indices = np.full(expected.nnz, -7, dtype=index_dtype)
+    widx = np.full(expected.nnz, -7, dtype=index_dtype)
+    scalars = [ctypes.c_longlong(int(v)) for v in geometry.kernel_args()]
+    getattr(library, f"pattern_{index_name}")(*launch, *scalars, pointer(expected.indptr),
+                                              pointer(indices), pointer(widx))
+    np.testing.assert_array_equal(indices, expected.indices)
+    np.testing.assert_array_equal(widx, expected_widx)
+    for dtype in (np.float32, np.float64):
+        weight = conv.weight.astype(dtype)
+        data = np.full(expected.nnz, np.nan, dtype=dtype)
+        getattr(library, f"values_{index_name}_{np.dtype(dtype).name}")(
+            *launch, *scalars, pointer(expected.indptr), pointer(weight), pointer(data))
+        np.testing.assert_array_equal(data, weight.ravel()[expected_widx])
+
+
+# --- GPU parity: the same bodies on NumPy and CuPy ------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("prune", [False, True])
+def test_gpu_twin_matches_cpu(cfg, dtype, prune):
+    gpu = backend.get("gpu")
+    conv = make_conv(cfg, dtype=dtype, prune_pattern=prune)
+    if prune:
+        weight = conv.weight.copy()
+        weight[::2] = 0
+        conv.weight = weight
+    x = make_input(cfg, dtype=dtype)
+    on_cpu = conv.transposed_jacobian(x)
+    on_gpu = conv.transposed_jacobian(gpu.asarray(x))
+    assert backend.of(on_gpu.data).name == "gpu"
+    assert on_gpu.pattern.same_as(on_cpu.pattern)
+    np.testing.assert_array_equal(gpu.to_host(on_gpu.data), on_cpu.data)
+    np.testing.assert_allclose(gpu.to_host(conv.forward(gpu.asarray(x))), conv.forward(x),
+                               rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
