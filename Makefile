@@ -1,0 +1,48 @@
+# sparse-scan developer commands. Every target runs with $(PYTHON); use a virtual environment, or pass
+# one explicitly: `make test PYTHON=/path/to/venv/bin/python`.
+PYTHON = python3
+PYTEST_ARGS =
+BENCH_ARGS =
+# The lint rules live here (pyproject.toml holds the build system only): pyflakes, pycodestyle,
+# import order and bugbear, lines up to 110 characters.
+LINT_PATHS = sparse_scan cli rawkernels tests bench tools
+RUFF_ARGS = --select E,W,F,I,B --line-length 110 --config "lint.isort.known-first-party = ['sparse_scan']"
+
+.PHONY: help install test test-gpu bench demo lint wheel-check
+
+help:
+	@echo "make install      pip install -e '.[test]' into $(PYTHON)"
+	@echo "make demo         install, then run the main job on bundled data (bench/jacobians.py --quick)"
+	@echo "make test         install, then run the test suite (gpu tests skip where no GPU is usable)"
+	@echo "make test-gpu     install offline (no deps, no build isolation), run only the tests marked gpu"
+	@echo "make bench        install, then run the Jacobian benchmark and print JSON (BENCH_ARGS=...)"
+	@echo "make lint         ruff check (skipped with a note where ruff is not installed)"
+	@echo "make wheel-check  build sdist + wheel, install the wheel in a fresh venv outside the repo, check it"
+
+install:
+	$(PYTHON) -m pip install -e '.[test]'
+
+test: install
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# GPU machines may have no network and bring their own CuPy (any cupy >= 13): install without
+# dependencies or build isolation, so nothing is downloaded and the installed CuPy is kept.
+test-gpu:
+	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
+
+bench: install
+	$(PYTHON) bench/jacobians.py --json $(BENCH_ARGS)
+
+demo: install
+	$(PYTHON) bench/jacobians.py --quick
+
+lint:
+	@if $(PYTHON) -m ruff --version >/dev/null 2>&1; then \
+		$(PYTHON) -m ruff check $(RUFF_ARGS) $(LINT_PATHS); \
+	else \
+		echo "make lint: ruff is not installed for $(PYTHON); '$(PYTHON) -m pip install ruff' to lint"; \
+	fi
+
+wheel-check:
+	$(PYTHON) tools/check_wheel.py
