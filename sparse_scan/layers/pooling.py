@@ -1,0 +1,473 @@
+"""2-D max and average pooling: PyTorch's ``MaxPool2d`` and ``AvgPool2d`` with sparse Jacobians.
+
+The transposed Jacobian of a pooling layer has one row per input element ``(c, ih, iw)`` and one column
+per output element ``(c, oh, ow)`` (both C-order); its pattern holds every pair where the input lies in
+the output's window (padding holds no input element, so it gives no entry). Overlapping windows put
+several entries in a row. Besides the pattern, the layer keeps a ``slot`` table of shape
+``(kh * kw, C * Ho * Wo)``: the entry position of window offset ``k = i * kw + j`` of output ``o``, or
+``-1`` where that offset lies in the padding (or past the input, for ``ceil_mode``'s last windows).
+
+* Max pooling is a *selection*: per sample, the entry of the first maximum of each window (PyTorch's
+  tie rule) is 1 and every other window entry is an explicit 0, so the pattern never changes.
+* Average pooling is sample independent: every entry is ``1 / divisor`` of its output, with PyTorch's
+  divisor (``count_include_pad``, windows clipped to the padded input).
+
+The pattern and the max-pool values have a NumPy twin and a CUDA twin (``rawkernels/pooling.cu``),
+dispatched through :func:`sparse_scan.backend.twin`; both give identical arrays.
+
+Examples
+--------
+>>> import numpy as np
+>>> from sparse_scan.layers.pooling import MaxPool2d
+>>> pool = MaxPool2d(2)
+>>> x = np.arange(16, dtype=np.float64).reshape(1, 1, 4, 4)
+>>> pool(x)[0, 0]
+array([[ 5.,  7.],
+       [13., 15.]])
+>>> jt = pool.transposed_jacobian(x)
+>>> jt.shape, jt.nnz, int(jt.data.sum())
+((16, 4), 16, 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import _kernels
+from .. import backend as _backend
+from ..csr import Pattern, choose_index_dtype
+from ._base import Layer, Shape
+from ._geometry import IntPair, output_size, pair
+
+__all__ = ["AvgPool2d", "MaxPool2d"]
+
+KERNEL_FILE = "pooling.cu"
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Everything the pattern and values of one pooling layer depend on, for one input shape.
+
+    Attributes
+    ----------
+    channels, height, width : int
+        Per-sample input shape ``(C, H, W)``.
+    out_height, out_width : int
+        Output spatial size ``(Ho, Wo)``.
+    kernel, stride, padding, dilation : (int, int)
+        Window geometry along (height, width).
+    """
+
+    channels: int
+    height: int
+    width: int
+    out_height: int
+    out_width: int
+    kernel: IntPair
+    stride: IntPair
+    padding: IntPair
+    dilation: IntPair
+
+    @property
+    def inputs(self) -> int:
+        """Input elements per sample (JT's rows)."""
+        return self.channels * self.height * self.width
+
+    @property
+    def outputs(self) -> int:
+        """Output elements per sample (JT's columns)."""
+        return self.channels * self.out_height * self.out_width
+
+    @property
+    def offsets(self) -> int:
+        """Window offsets ``kh * kw`` (the slot table's rows)."""
+        return self.kernel[0] * self.kernel[1]
+
+    def axis(self, axis: int) -> tuple[int, int, int, int, int, int]:
+        """``(size, out, kernel, stride, pad, dilation)`` along axis 0 (height) or 1 (width)."""
+        sizes = ((self.height, self.out_height), (self.width, self.out_width))[axis]
+        return sizes + (self.kernel[axis], self.stride[axis], self.padding[axis],
+                        self.dilation[axis])
+
+    @property
+    def nnz(self) -> int:
+        """Entries of JT: per channel, every (height tap, width tap) pair."""
+        return self.channels * _axis_tap_count(*self.axis(0)) * _axis_tap_count(*self.axis(1))
+
+    def as_array(self) -> np.ndarray:
+        """The 13 int64 the kernels read: C, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw."""
+        return np.array(
+            (self.channels, self.height, self.width, self.out_height, self.out_width,
+             *self.kernel, *self.stride, *self.padding, *self.dilation),
+            dtype=np.int64,
+        )
+
+
+# --- one axis ------------------------------------------------------------------------------------
+def _axis_grid(
+    size: int, out: int, kernel: int, stride: int, pad: int, dilation: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Input position of every (window offset, output) pair, shape ``(kernel, out)``, and validity."""
+    offset = np.arange(kernel, dtype=np.int64)[:, None]
+    outputs = np.arange(out, dtype=np.int64)[None, :]
+    position = outputs * stride - pad + offset * dilation
+    valid = (position >= 0) & (position < size)
+    shape = position.shape
+    return position, np.broadcast_to(outputs, shape), np.broadcast_to(offset, shape), valid
+
+
+def _axis_tap_count(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
+    """Number of (output, window offset) pairs along one axis that land on an input position."""
+    return int(_axis_grid(size, out, kernel, stride, pad, dilation)[3].sum())
+
+
+@dataclass(frozen=True)
+class _AxisTaps:
+    """The (input, output, offset) triples of one axis, sorted by input then output.
+
+    ``rank`` is each triple's place among those of its input position; ``counts[p]`` is the number of
+    windows holding input position ``p``.
+    """
+
+    position: np.ndarray
+    output: np.ndarray
+    offset: np.ndarray
+    rank: np.ndarray
+    counts: np.ndarray
+
+
+def _axis_taps(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> _AxisTaps:
+    """Group one axis's (input, output, offset) triples by input position, outputs increasing."""
+    position, outputs, offset, valid = _axis_grid(size, out, kernel, stride, pad, dilation)
+    position, outputs, offset = position[valid], outputs[valid], offset[valid]
+    order = np.lexsort((outputs, position))
+    position, outputs, offset = position[order], outputs[order], offset[order]
+    counts = np.bincount(position, minlength=size)
+    starts = np.cumsum(counts) - counts
+    rank = np.arange(position.size) - starts[position]
+    return _AxisTaps(position, outputs, offset, rank, counts)
+
+
+# --- pattern twins -------------------------------------------------------------------------------
+def _pattern_cpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tuple[Any, Any, Any]:
+    """NumPy twin: ``(indptr, indices, slot)``, built for one channel and tiled over channels."""
+    th, tw = _axis_taps(*g.axis(0)), _axis_taps(*g.axis(1))
+    plane_in, plane_out = g.height * g.width, g.out_height * g.out_width
+    row_counts = np.outer(th.counts, tw.counts).ravel()
+    rowptr = np.zeros(plane_in + 1, dtype=np.int64)
+    np.cumsum(row_counts, out=rowptr[1:])
+    per_channel = int(rowptr[-1])
+    # entry of (height tap a, width tap b): its row's start + a's rank * row width + b's rank
+    rows = th.position[:, None] * g.width + tw.position[None, :]
+    pos = rowptr[rows] + th.rank[:, None] * tw.counts[tw.position][None, :] + tw.rank[None, :]
+    cols = th.output[:, None] * g.out_width + tw.output[None, :]
+    indices = np.empty(per_channel, dtype=np.int64)
+    indices[pos] = cols
+    slot = np.full((g.offsets, plane_out), -1, dtype=np.int64)
+    slot[th.offset[:, None] * g.kernel[1] + tw.offset[None, :], cols] = pos
+
+    channel = np.arange(g.channels, dtype=dtype)[:, None]
+    step_in, step_out = dtype.type(per_channel), dtype.type(plane_out)
+    indptr = np.empty(g.inputs + 1, dtype=dtype)
+    indptr[:-1] = (rowptr[:-1].astype(dtype)[None, :] + channel * step_in).ravel()
+    indptr[-1] = g.channels * per_channel
+    indices = (indices.astype(dtype)[None, :] + channel * step_out).ravel()
+    slot = slot.astype(dtype)[:, None, :]
+    slot = np.where(slot >= 0, slot + channel[None] * step_in, dtype.type(-1))
+    return indptr, indices, slot.reshape(g.offsets, g.outputs)
+
+
+def _pattern_gpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tuple[Any, Any, Any]:
+    """CUDA twin: per-row counts, CuPy cumsum, per-row fill of sorted indices and slots."""
+    cp = be.xp
+    geometry = cp.asarray(g.as_array())
+    counts = cp.empty(g.inputs, dtype=dtype)
+    _kernels.launch(_kernels.function(KERNEL_FILE, "pool_row_counts", dtype), g.inputs,
+                    (geometry, counts))
+    indptr = cp.zeros(g.inputs + 1, dtype=dtype)
+    cp.cumsum(counts, dtype=dtype, out=indptr[1:])
+    indices = cp.empty(g.nnz, dtype=dtype)
+    slot = cp.full((g.offsets, g.outputs), -1, dtype=dtype)
+    _kernels.launch(_kernels.function(KERNEL_FILE, "pool_fill", dtype), g.inputs,
+                    (geometry, indptr, indices, slot))
+    return indptr, indices, slot
+
+
+_pattern = _backend.twin(cpu=_pattern_cpu, gpu=_pattern_gpu)
+
+
+# --- windows as strided views (forward, and the max-pool values on the CPU) -----------------------
+def _padded(xp: Any, x: Any, g: PoolGeometry, fill: float) -> Any:
+    """``x`` inside a ``fill`` border wide enough for every window (``ceil_mode``'s included)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.stride, g.padding, g.dilation
+    rows = max(ph + g.height, (kh - 1) * dh + (g.out_height - 1) * sh + 1)
+    cols = max(pw + g.width, (kw - 1) * dw + (g.out_width - 1) * sw + 1)
+    if (ph, pw, rows, cols) == (0, 0, g.height, g.width):
+        return x
+    padded = xp.full(x.shape[:2] + (rows, cols), fill, dtype=x.dtype)
+    padded[:, :, ph:ph + g.height, pw:pw + g.width] = x
+    return padded
+
+
+def _window_views(xp: Any, x: Any, g: PoolGeometry, fill: float) -> Iterator[Any]:
+    """Yield, per window offset in PyTorch's order, the ``(B, C, Ho, Wo)`` view of its elements."""
+    padded = _padded(xp, x, g, fill)
+    (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
+    rows, cols = (g.out_height - 1) * sh + 1, (g.out_width - 1) * sw + 1
+    for i in range(kh):
+        for j in range(kw):
+            yield padded[:, :, i * dh:i * dh + rows:sh, j * dw:j * dw + cols:sw]
+
+
+def _window_max(xp: Any, x: Any, g: PoolGeometry) -> Any:
+    """Max over each window; NaN propagates, as in PyTorch."""
+    views = _window_views(xp, x, g, -np.inf)
+    best = next(views).copy()
+    for view in views:
+        xp.maximum(best, view, out=best)
+    return best
+
+
+# --- max-pool value twins ------------------------------------------------------------------------
+def _max_selection_cpu(
+    be: _backend.Backend, x: np.ndarray, aux: dict[str, Any], nnz: int
+) -> tuple[np.ndarray, bool]:
+    """NumPy twin: 1 at each window's first maximum; also whether some window's maximum is NaN.
+
+    One pass per window offset over strided views. The selected offset starts at the window's first
+    real element and moves only to a strictly greater element (padding is -inf and never wins), so
+    it only grows: a running maximum of ``k * (view > best)`` tracks it without masked writes.
+    """
+    g = aux["geometry"]
+    views = _window_views(np, x, g, -np.inf)
+    best = next(views).copy()
+    first = aux["first_offset"]
+    offset = np.broadcast_to(first.reshape(best.shape[1:]), best.shape).copy()
+    greater = np.empty(best.shape, dtype=bool)
+    candidate = np.empty(best.shape, dtype=first.dtype)
+    for k, view in enumerate(views, start=1):
+        np.greater(view, best, out=greater)
+        np.maximum(best, view, out=best)
+        np.multiply(greater, first.dtype.type(k), out=candidate)
+        np.maximum(offset, candidate, out=offset)
+    batch = x.shape[0]
+    entry = aux["slot"][offset.reshape(batch, -1), np.arange(g.outputs)]
+    data = np.zeros((batch, nnz), dtype=x.dtype)
+    data.ravel()[(entry + np.arange(0, batch * nnz, nnz, dtype=np.intp)[:, None]).ravel()] = 1
+    return data, bool(np.isnan(best).any())
+
+
+def _max_selection_gpu(
+    be: _backend.Backend, x: Any, aux: dict[str, Any], nnz: int
+) -> tuple[Any, bool]:
+    """CUDA twin: one thread per (sample, output) writes 1 at its window's first maximum."""
+    cp = be.xp
+    g = aux["geometry"]
+    slot = aux["slot"]
+    batch = x.shape[0]
+    data = cp.zeros((batch, nnz), dtype=x.dtype)
+    nan_found = cp.zeros(1, dtype=cp.int32)
+    kernel = _kernels.function(KERNEL_FILE, "maxpool_values", slot.dtype, x.dtype)
+    _kernels.launch(kernel, batch * g.outputs,
+                    (aux["geometry_array"], np.int64(batch), cp.ascontiguousarray(x), slot,
+                     np.int64(nnz), data, nan_found))
+    return data, bool(nan_found[0])  # sync: the NaN check must raise before the values are used
+
+
+_max_selection = _backend.twin(cpu=_max_selection_cpu, gpu=_max_selection_gpu)
+
+
+# --- the layers ----------------------------------------------------------------------------------
+class _Pool2d(Layer):
+    """Argument parsing, shapes, pattern and slot table shared by the 2-D pooling layers."""
+
+    def __init__(
+        self, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool
+    ) -> None:
+        super().__init__()
+        self.kernel_size, self.padding, self.ceil_mode = kernel_size, padding, bool(ceil_mode)
+        self.stride = kernel_size if stride is None else stride
+        self._kernel = pair(kernel_size, "kernel_size", self.label, 1)
+        self._stride = pair(self.stride, "stride", self.label, 1)
+        self._padding = pair(padding, "padding", self.label, 0)
+        self._dilation = pair(dilation, "dilation", self.label, 1)
+        if any(p > k // 2 for p, k in zip(self._padding, self._kernel, strict=True)):
+            raise self._error(
+                "padding",
+                f"must be at most half of kernel_size, got padding={padding!r}, "
+                f"kernel_size={kernel_size!r}",
+            )
+
+    def _geometry(self, in_shape: Shape) -> PoolGeometry:
+        """Validate a per-sample ``(C, H, W)`` shape and compute the window geometry."""
+        shape = tuple(int(s) for s in in_shape)
+        if len(shape) != 3:
+            raise self._error("input", f"expected a per-sample shape (C, H, W), got {shape}")
+        if min(shape) < 1:
+            raise self._error("input", f"sizes must be positive, got {shape}")
+        out = tuple(
+            output_size(size, k, s, p, p, d, self.ceil_mode)
+            for size, k, s, p, d in zip(shape[1:], self._kernel, self._stride,
+                                        self._padding, self._dilation, strict=True)
+        )
+        if min(out) < 1:
+            raise self._error(
+                "kernel_size",
+                f"window {self.kernel_size!r} (dilation {self._dilation}) does not fit the input "
+                f"{shape[1:]} padded by {self._padding}: output size {out}",
+            )
+        return PoolGeometry(*shape, *out, self._kernel, self._stride, self._padding,
+                            self._dilation)
+
+    def check_in_shape(self, in_shape: Shape) -> Shape:
+        self._geometry(in_shape)
+        return tuple(int(s) for s in in_shape)
+
+    def output_shape(self, in_shape: Shape) -> Shape:
+        g = self._geometry(in_shape)
+        return (g.channels, g.out_height, g.out_width)
+
+    def _build_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        g = self._geometry(in_shape)
+        dtype = choose_index_dtype(g.nnz, g.outputs, index_dtype)
+        indptr, indices, slot = _pattern(be, g, dtype)
+        aux = {"slot": slot, "geometry": g, "geometry_array": be.asarray(g.as_array())}
+        return Pattern(indptr, indices, (g.inputs, g.outputs)), aux
+
+
+class MaxPool2d(_Pool2d):
+    """PyTorch's ``nn.MaxPool2d`` on a batch ``(B, C, H, W)``.
+
+    Parameters
+    ----------
+    kernel_size : int or (int, int)
+    stride : int or (int, int), optional
+        Defaults to ``kernel_size``.
+    padding : int or (int, int)
+        Implicit ``-inf`` border; at most half of ``kernel_size``.
+    dilation : int or (int, int)
+    ceil_mode : bool
+        Round the output size up (the last window may run past the padded input and is clipped).
+
+    Notes
+    -----
+    JT is a selection: per sample, the entry of each window's first maximum (in window order, as
+    PyTorch picks it on ties) holds 1 and the other window entries are explicit zeros. A NaN in a
+    window makes that choice meaningless and raises ``ValueError``.
+    """
+
+    jacobian_kind = "selection"
+    sample_independent = False
+
+    def __init__(
+        self,
+        kernel_size: Any,
+        stride: Any = None,
+        padding: Any = 0,
+        dilation: Any = 1,
+        ceil_mode: bool = False,
+    ) -> None:
+        super().__init__(kernel_size, stride, padding, dilation, ceil_mode)
+        self.dilation = dilation
+
+    def forward(self, x: Any) -> Any:
+        x = self._check_input(x)
+        return _window_max(_backend.of(x).xp, x, self._geometry(x.shape[1:]))
+
+    def _build_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
+        offset_dtype = np.min_scalar_type(-aux["geometry"].offsets)
+        aux["first_offset"] = be.xp.argmax(aux["slot"] >= 0, axis=0).astype(offset_dtype)
+        return pattern, aux
+
+    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+        data, nan_found = _max_selection(be, x, aux, pattern.nnz)
+        if nan_found:
+            raise self._error("input", "NaN in a pooling window: its maximum selects no element")
+        return data
+
+    def __repr__(self) -> str:
+        return (f"MaxPool2d(kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, ceil_mode={self.ceil_mode})")
+
+
+class AvgPool2d(_Pool2d):
+    """PyTorch's ``nn.AvgPool2d`` on a batch ``(B, C, H, W)``.
+
+    Parameters
+    ----------
+    kernel_size : int or (int, int)
+    stride : int or (int, int), optional
+        Defaults to ``kernel_size``.
+    padding : int or (int, int)
+        Implicit zero border; at most half of ``kernel_size``.
+    ceil_mode : bool
+        Round the output size up (the last window may run past the padded input and is clipped).
+    count_include_pad : bool
+        Divide by the window's size within the padded input (default) or by its count of real
+        input elements.
+
+    Notes
+    -----
+    JT does not depend on the sample: each entry is ``1 / divisor`` of its output, stored once.
+    """
+
+    jacobian_kind = "general"
+    sample_independent = True
+
+    def __init__(
+        self,
+        kernel_size: Any,
+        stride: Any = None,
+        padding: Any = 0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+    ) -> None:
+        super().__init__(kernel_size, stride, padding, 1, ceil_mode)
+        self.count_include_pad = bool(count_include_pad)
+
+    def _divisor(self, g: PoolGeometry) -> np.ndarray:
+        """PyTorch's divisor per output position, float64, shape ``(Ho, Wo)``."""
+        lengths = []
+        for axis in (0, 1):
+            size, out, kernel, stride, pad, _ = g.axis(axis)
+            start = np.arange(out) * stride - pad
+            end = np.minimum(start + kernel, size + pad)
+            real = np.minimum(end, size) - np.maximum(start, 0)
+            lengths.append((end - start) if self.count_include_pad else real)
+        return np.outer(*lengths).astype(np.float64)
+
+    def forward(self, x: Any) -> Any:
+        x = self._check_input(x)
+        xp = _backend.of(x).xp
+        g = self._geometry(x.shape[1:])
+        views = _window_views(xp, x, g, 0.0)
+        total = next(views).copy()
+        for view in views:
+            total += view
+        return total / xp.asarray(self._divisor(g), dtype=x.dtype)
+
+    def _build_pattern(
+        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
+    ) -> tuple[Pattern, dict[str, Any]]:
+        pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
+        inverse = np.tile(1.0 / self._divisor(aux["geometry"]).ravel(), aux["geometry"].channels)
+        aux["inverse_divisor"] = be.asarray(inverse)
+        return pattern, aux
+
+    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+        key = f"values_{np.dtype(x.dtype).name}"
+        if key not in aux:  # sample independent: one gather per dtype, reused by every batch
+            aux[key] = be.xp.take(aux["inverse_divisor"].astype(x.dtype), pattern.indices)
+        return aux[key]
+
+    def __repr__(self) -> str:
+        return (f"AvgPool2d(kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding})")
