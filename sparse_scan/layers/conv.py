@@ -258,6 +258,8 @@ class Conv2d(WeightedLayer):
     ) -> tuple[Pattern, dict[str, Any]]:
         pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
         aux["geometry"] = self.geometry(in_shape)
+        if not aux["pruned"]:
+            aux["fill_plan"] = _fill_plan(be, aux["geometry"], pattern)
         return pattern, aux
 
     # --- values --------------------------------------------------------------------------------
@@ -352,7 +354,8 @@ class FillBlock:
     template_start: int
 
 
-def _fill_plan(g: ConvGeometry, pattern: Pattern) -> tuple[list[FillBlock], np.ndarray]:
+def _fill_plan_cpu(be: _backend.Backend, g: ConvGeometry,
+                   pattern: Pattern) -> tuple[list[FillBlock], np.ndarray]:
     """Blocks of the structured values fill and the flat weight index of every block's template.
 
     Row ``(ci, ih, iw)`` starts at ``ci * channel_len + h_offset[ih] + cout * nh(ih) * w_offset[iw]``;
@@ -388,8 +391,6 @@ def _fill_plan(g: ConvGeometry, pattern: Pattern) -> tuple[list[FillBlock], np.n
 def _fill_values_cpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, aux: dict[str, Any],
                      weight: np.ndarray) -> np.ndarray:
     """Structured fill: gather the small templates, then one strided block copy per block."""
-    if "fill_plan" not in aux:
-        aux["fill_plan"] = _fill_plan(g, pattern)
     blocks, template_index = aux["fill_plan"]
     templates = weight.ravel()[template_index]
     data = np.empty(pattern.nnz, dtype=weight.dtype)
@@ -430,3 +431,5 @@ def _fill_values_gpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, au
 
 _structural_pattern = _backend.twin(cpu=_structural_pattern_cpu, gpu=_structural_pattern_gpu)
 _fill_values = _backend.twin(cpu=_fill_values_cpu, gpu=_fill_values_gpu)
+# The GPU kernel computes every entry from the geometry: it needs no fill plan.
+_fill_plan = _backend.twin(cpu=_fill_plan_cpu, gpu=lambda be, g, pattern: None)
