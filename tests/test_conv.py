@@ -6,9 +6,9 @@ import ctypes
 
 import numpy as np
 import pytest
-
 from cuda_on_cpu import compile_for_cpu, pointer
 from oracles import finite_difference_jt, torch_jt
+
 from sparse_scan import backend
 from sparse_scan.layers import Conv2d
 from sparse_scan.layers.conv import _structural_pattern_cpu

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from oracles import finite_difference_jt, torch_jt
+
 from sparse_scan import backend
 from sparse_scan.layers import Flatten, LeakyReLU, Linear, ReLU, Sigmoid, Tanh
 

@@ -180,7 +180,7 @@ class Conv2d(WeightedLayer):
             if self.stride != (1, 1):
                 raise ValueError(f"layer {label}: padding: 'same' needs stride 1, got {self.stride}")
             pads = []
-            for k, d in zip(self.kernel_size, self.dilation):
+            for k, d in zip(self.kernel_size, self.dilation, strict=True):
                 total = d * (k - 1)
                 pads += [total // 2, total - total // 2]
             return tuple(pads)  # type: ignore[return-value]
@@ -203,7 +203,7 @@ class Conv2d(WeightedLayer):
         out_h = output_size(height, self.kernel_size[0], self.stride[0], top, bottom, self.dilation[0])
         out_w = output_size(width, self.kernel_size[1], self.stride[1], left, right, self.dilation[1])
         if out_h < 1 or out_w < 1:
-            extent = tuple(window_extent(k, d) for k, d in zip(self.kernel_size, self.dilation))
+            extent = tuple(window_extent(k, d) for k, d in zip(self.kernel_size, self.dilation, strict=True))
             raise self._error(
                 "kernel_size",
                 f"dilated kernel {extent} is larger than the padded input "
@@ -320,7 +320,8 @@ def _structural_pattern_cpu(be: _backend.Backend, g: ConvGeometry,
     return Pattern(indptr, indices, g.shape), widx
 
 
-def _class_runs(taps: np.ndarray, counts: np.ndarray, row_offsets: np.ndarray) -> list[tuple[np.ndarray, int, int, int, int]]:
+def _class_runs(taps: np.ndarray, counts: np.ndarray,
+                row_offsets: np.ndarray) -> list[tuple[np.ndarray, int, int, int, int]]:
     """Group the positions of one axis by tap class, split into arithmetic runs of offsets.
 
     Returns ``(tap_offsets, count, first_offset, offset_step, run_length)`` per run.
