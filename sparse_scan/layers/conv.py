@@ -259,7 +259,7 @@ class Conv2d(WeightedLayer):
         pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
         aux["geometry"] = self.geometry(in_shape)
         if not aux["pruned"]:
-            aux["fill_plan"] = _fill_plan(be, aux["geometry"], pattern)
+            aux["fill_plan"] = _fill_plan(be, aux["geometry"], pattern.indptr)
         return pattern, aux
 
     # --- values --------------------------------------------------------------------------------
@@ -295,37 +295,42 @@ def _row_counts(g: ConvGeometry) -> np.ndarray:
 
 def _structural_pattern_cpu(be: _backend.Backend, g: ConvGeometry,
                             index_dtype: Any) -> tuple[Pattern, np.ndarray]:
-    (kh, oh, _), (kw, ow, _) = _taps(g)
+    """Pattern and ``widx`` by strided block writes, one per (row class, column class) run."""
     counts = _row_counts(g)
     nnz = int(counts.sum())
     dtype = choose_index_dtype(nnz, g.shape[1], index_dtype)
     indptr = np.zeros(g.shape[0] + 1, dtype=dtype)
     np.cumsum(counts, out=indptr[1:])
-    # candidate[ci, ih, iw, co_local, jh, jw], C-order = CSR order; keep the valid taps
-    ci = np.arange(g.in_channels)[:, None, None, None, None, None]
-    col = np.arange(g.cout_per_group)[None, None, None, :, None, None]
-    co = (ci // g.cin_per_group) * g.cout_per_group + col
-    oh6 = oh[None, :, None, None, :, None]
-    ow6 = ow[None, None, :, None, None, :]
-    valid = (oh6 >= 0) & (ow6 >= 0)
-    shape6 = (g.in_channels, g.height, g.width, g.cout_per_group, kh.shape[1], kw.shape[1])
-    valid = np.broadcast_to(valid, shape6)
-    columns = (co * g.out_height + oh6) * g.out_width + ow6
-    indices = np.broadcast_to(columns, shape6)[valid].astype(dtype)
-    kh6 = kh[None, :, None, None, :, None]
-    kw6 = kw[None, None, :, None, None, :]
-    taps = g.kernel[0] * g.kernel[1]
-    weight_index = (co * g.cin_per_group + ci % g.cin_per_group) * taps + kh6 * g.kernel[1] + kw6
-    widx = np.broadcast_to(weight_index, shape6)[valid].astype(dtype)
+    blocks, weight_index, column_template = _fill_plan_cpu(be, g, indptr)
+    weight_index, column_template = weight_index.astype(dtype), column_template.astype(dtype)
+    indices = np.empty(nnz, dtype=dtype)
+    widx = np.empty(nnz, dtype=dtype)
+    for block in blocks:
+        channels, h_len, w_len, length = block.shape
+        span = slice(block.template_start, block.template_start + channels * length)
+        steps = (np.arange(h_len, dtype=dtype)[:, None] * dtype.type(block.column_steps[0])
+                 + np.arange(w_len, dtype=dtype)[None, :] * dtype.type(block.column_steps[1]))
+        np.add(column_template[span].reshape(channels, 1, 1, length), steps[None, :, :, None],
+               out=_block_view(indices, block))
+        _block_view(widx, block)[...] = weight_index[span].reshape(channels, 1, 1, length)
     return Pattern(indptr, indices, g.shape), widx
 
 
-def _class_runs(taps: np.ndarray, counts: np.ndarray,
-                row_offsets: np.ndarray) -> list[tuple[np.ndarray, int, int, int, int]]:
-    """Group the positions of one axis by tap class, split into arithmetic runs of offsets.
+@dataclass(frozen=True)
+class AxisRun:
+    """Input positions along one axis with the same taps, at arithmetic positions and row offsets."""
 
-    Returns ``(tap_offsets, count, first_offset, offset_step, run_length)`` per run.
-    """
+    taps: np.ndarray
+    outputs: np.ndarray
+    offset: int
+    offset_step: int
+    position_step: int
+    length: int
+
+
+def _axis_runs(taps: np.ndarray, outputs: np.ndarray, counts: np.ndarray,
+               row_offsets: np.ndarray) -> list[AxisRun]:
+    """Group one axis's positions by tap class, split into runs arithmetic in position and offset."""
     runs = []
     classes: dict[bytes, list[int]] = {}
     for position, row in enumerate(taps):
@@ -336,72 +341,91 @@ def _class_runs(taps: np.ndarray, counts: np.ndarray,
         while start < len(positions):
             stop = start + 1
             step = int(offsets[stop] - offsets[start]) if stop < len(positions) else 0
-            while stop < len(positions) and offsets[stop] - offsets[stop - 1] == step:
+            pos_step = positions[stop] - positions[start] if stop < len(positions) else 0
+            while (stop < len(positions) and offsets[stop] - offsets[stop - 1] == step
+                   and positions[stop] - positions[stop - 1] == pos_step):
                 stop += 1
-            count = int(counts[positions[start]])
-            runs.append((taps[positions[start], :count], count, int(offsets[start]), step,
-                         stop - start))
+            first, count = positions[start], int(counts[positions[start]])
+            runs.append(AxisRun(taps[first, :count], outputs[first, :count], int(offsets[start]),
+                                step, pos_step, stop - start))
             start = stop
     return runs
 
 
 @dataclass(frozen=True)
 class FillBlock:
-    """One strided block copy of the values fill: rows of one (row class, column class) run."""
+    """One strided block of the CSR arrays: the rows of one (row-class run, column-class run) pair.
+
+    Entries ``[start + ci*s0 + p*s1 + q*s2 + e]`` for ``shape = (channels, p, q, e)``; every channel's
+    rows share a template of ``e`` entries, whose columns advance by ``column_steps`` per (p, q).
+    """
 
     start: int
     shape: tuple[int, int, int, int]
     strides: tuple[int, int, int, int]
     template_start: int
+    column_steps: tuple[int, int]
+
+
+def _block_view(array: np.ndarray, block: FillBlock) -> np.ndarray:
+    item = array.itemsize
+    return np.lib.stride_tricks.as_strided(
+        array[block.start:], shape=block.shape, strides=tuple(s * item for s in block.strides))
 
 
 def _fill_plan_cpu(be: _backend.Backend, g: ConvGeometry,
-                   pattern: Pattern) -> tuple[list[FillBlock], np.ndarray]:
-    """Blocks of the structured values fill and the flat weight index of every block's template.
+                   indptr: np.ndarray) -> tuple[list[FillBlock], np.ndarray, np.ndarray]:
+    """Blocks of the structured fills, with the weight index and columns of every block's template.
 
     Row ``(ci, ih, iw)`` starts at ``ci * channel_len + h_offset[ih] + cout * nh(ih) * w_offset[iw]``;
-    within one class pair and arithmetic run that is affine in ``(ci, ih, iw)``, and every row of
-    channel ``ci`` holds the same weights ``weight[co, ci, taps_h][..., taps_w]``.
+    within one class pair and arithmetic run that is affine in ``(ci, ih, iw)``; every row of channel
+    ``ci`` holds the weights ``weight[co, ci, taps_h][..., taps_w]``, and its columns shift by a
+    constant per step of the run.
     """
-    (kh, _, count_h), (kw, _, count_w) = _taps(g)
-    channel_len = int(pattern.indptr[g.height * g.width])
+    (kh, oh, count_h), (kw, ow, count_w) = _taps(g)
+    channel_len = int(indptr[g.height * g.width])
     h_offsets = np.concatenate(([0], np.cumsum(g.cout_per_group * count_h * count_w.sum())))[:-1]
     w_offsets = np.concatenate(([0], np.cumsum(count_w)))[:-1]
     ci = np.arange(g.in_channels)[:, None, None, None]
     co = (ci // g.cin_per_group) * g.cout_per_group + np.arange(g.cout_per_group)[:, None, None]
-    blocks, template_index, template_start = [], [], 0
-    for taps_h, nh, h_start, h_step, h_len in _class_runs(kh, count_h, h_offsets):
-        row_scale = g.cout_per_group * nh
-        for taps_w, nw, w_start, w_step, w_len in _class_runs(kw, count_w, w_offsets):
-            if nh == 0 or nw == 0:
+    blocks, weight_index, columns, template_start = [], [], [], 0
+    for run_h in _axis_runs(kh, oh, count_h, h_offsets):
+        row_scale = g.cout_per_group * len(run_h.taps)
+        for run_w in _axis_runs(kw, ow, count_w, w_offsets):
+            if len(run_h.taps) == 0 or len(run_w.taps) == 0:
                 continue
-            taps = taps_h[:, None] * g.kernel[1] + taps_w[None, :]
+            taps = run_h.taps[:, None] * g.kernel[1] + run_w.taps[None, :]
             flat = ((co * g.cin_per_group + ci % g.cin_per_group) * g.kernel[0] * g.kernel[1]
                     + taps[None, None]).reshape(g.in_channels, -1)
+            cols = ((co * g.out_height + run_h.outputs[:, None]) * g.out_width
+                    + run_w.outputs[None, :]).reshape(g.in_channels, -1)
             blocks.append(FillBlock(
-                start=h_start + row_scale * w_start,
-                shape=(g.in_channels, h_len, w_len, flat.shape[1]),
-                strides=(channel_len, h_step, row_scale * w_step, 1),
+                start=run_h.offset + row_scale * run_w.offset,
+                shape=(g.in_channels, run_h.length, run_w.length, flat.shape[1]),
+                strides=(channel_len, run_h.offset_step, row_scale * run_w.offset_step, 1),
                 template_start=template_start,
+                column_steps=(run_h.position_step // g.stride[0] * g.out_width,
+                              run_w.position_step // g.stride[1]),
             ))
-            template_index.append(flat.ravel())
+            weight_index.append(flat.ravel())
+            columns.append(cols.ravel())
             template_start += flat.size
-    return blocks, np.concatenate(template_index) if template_index else np.zeros(0, np.int64)
+    if not blocks:
+        empty = np.zeros(0, np.int64)
+        return blocks, empty, empty
+    return blocks, np.concatenate(weight_index), np.concatenate(columns)
 
 
 def _fill_values_cpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, aux: dict[str, Any],
                      weight: np.ndarray) -> np.ndarray:
     """Structured fill: gather the small templates, then one strided block copy per block."""
-    blocks, template_index = aux["fill_plan"]
-    templates = weight.ravel()[template_index]
+    blocks, weight_index, _ = aux["fill_plan"]
+    templates = weight.ravel()[weight_index]
     data = np.empty(pattern.nnz, dtype=weight.dtype)
-    item = data.itemsize
     for block in blocks:
         channels, _, _, length = block.shape
-        view = np.lib.stride_tricks.as_strided(
-            data[block.start:], shape=block.shape, strides=tuple(s * item for s in block.strides))
-        view[...] = templates[block.template_start: block.template_start + channels * length
-                              ].reshape(channels, 1, 1, length)
+        span = slice(block.template_start, block.template_start + channels * length)
+        _block_view(data, block)[...] = templates[span].reshape(channels, 1, 1, length)
     return data
 
 
@@ -433,4 +457,4 @@ def _fill_values_gpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, au
 _structural_pattern = _backend.twin(cpu=_structural_pattern_cpu, gpu=_structural_pattern_gpu)
 _fill_values = _backend.twin(cpu=_fill_values_cpu, gpu=_fill_values_gpu)
 # The GPU kernel computes every entry from the geometry: it needs no fill plan.
-_fill_plan = _backend.twin(cpu=_fill_plan_cpu, gpu=lambda be, g, pattern: None)
+_fill_plan = _backend.twin(cpu=_fill_plan_cpu, gpu=lambda be, g, indptr: None)
