@@ -139,9 +139,11 @@ def vmap_vjp_time(module, x_np: np.ndarray, device: str, chunk_size: int,
 
 
 def measure_layer(name: str, layer: Any, in_shape: tuple[int, ...], args: argparse.Namespace,
-                  be: backend.Backend, sync: Callable[[], None]) -> dict[str, Any]:
+                  be: backend.Backend, sync: Callable[[], None], batch: int,
+                  baselines: bool) -> dict[str, Any]:
+    """Analytic figures for ``batch`` samples; with ``baselines``, the torch baselines too."""
     rng = np.random.default_rng(0)
-    x_host = rng.standard_normal((args.batch,) + in_shape).astype(np.float32)
+    x_host = rng.standard_normal((batch,) + in_shape).astype(np.float32)
     x = be.asarray(x_host)
     row = layer_stats(layer, in_shape, np.float32, name=name)
 
@@ -159,7 +161,7 @@ def measure_layer(name: str, layer: Any, in_shape: tuple[int, ...], args: argpar
     row["fill_vs_copy"] = row["values_GBps"] / row["copy_GBps_same_size"]
     row["analytic_s"] = row["pattern_s"] + row["values_s"]
 
-    if args.autograd_columns != "0":
+    if baselines and args.autograd_columns != "0":
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -213,7 +215,9 @@ def machine(be: backend.Backend) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "gpu", "auto"), default="cpu")
-    parser.add_argument("--batch", type=int, default=1, help="samples per values fill (paper: 1)")
+    parser.add_argument("--batch", default="1,16",
+                        help="comma-separated batch sizes of the values fill (paper: 1); the "
+                             "torch baselines run at the first")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--autograd-columns", default="4096",
                         help="columns timed with autograd and extrapolated; 'all' or '0' (skip)")
@@ -226,18 +230,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
     if args.quick:
-        args.autograd_columns, args.repeats = "0", 3
+        args.autograd_columns, args.repeats, args.batch = "0", 3, "1"
     return args
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'layer':7} {'JT shape':>16} {'nnz':>9} {'sparsity':>8} {'CSR MiB':>8} {'dense MiB':>9} "
-          f"{'pattern ms':>10} {'values ms':>9} {'fill/copy':>9} {'vs autograd':>11} {'paper':>7}")
-    for r in result["layers"]:
+    print(f"{'layer':7} {'batch':>5} {'JT shape':>16} {'nnz':>9} {'sparsity':>8} {'CSR MiB':>8} "
+          f"{'dense MiB':>9} {'pattern ms':>10} {'values ms':>9} {'fill/copy':>9} {'vs autograd':>11} "
+          f"{'paper':>7}")
+    for r in (dict(row, batch=run["batch"]) for run in result["runs"] for row in run["layers"]):
         ratio = r.get("ratio_vs_autograd_total")
         ours = f"{ratio:.2e}x" if ratio else "-"
         paper = f"{r['paper_ratio']:.1e}x" if "paper_ratio" in r else "-"
-        print(f"{r['name']:7} {str(tuple(r['shape'])):>16} {r['nnz']:>9} {r['sparsity']:>8.5f} "
+        print(f"{r['name']:7} {r['batch']:>5} {str(tuple(r['shape'])):>16} {r['nnz']:>9} {r['sparsity']:>8.5f} "
               f"{r['csr_bytes'] / 2**20:>8.2f} {r['dense_bytes'] / 2**20:>9.0f} "
               f"{r['pattern_s'] * 1e3:>10.2f} {r['values_s'] * 1e3:>9.3f} {r['fill_vs_copy']:>9.2f} "
               f"{ours:>11} {paper:>7}")
@@ -258,13 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         def sync() -> None:
             return None
 
-    rows = [measure_layer(name, layer, shape, args, be, sync) for name, layer, shape in vgg11_head()]
+    batches = [int(b) for b in str(args.batch).split(",")]
+    layers = vgg11_head()
+    runs = [{"batch": batch,
+             "layers": [measure_layer(name, layer, shape, args, be, sync, batch, first)
+                        for name, layer, shape in layers]}
+            for batch, first in zip(batches, [True] + [False] * (len(batches) - 1), strict=True)]
     result = {
         "benchmark": "jacobians",
         "machine": machine(be),
-        "batch": args.batch,
         "copy_GBps_large": copy_bandwidth(be, 512 * 2**20, 5, sync) / 1e9,
-        "layers": rows,
+        "runs": runs,
     }
     if args.json:
         print(json.dumps(result, indent=2))
