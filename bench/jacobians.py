@@ -242,7 +242,8 @@ def print_table(result: dict[str, Any]) -> None:
         ratio = r.get("ratio_vs_autograd_total")
         ours = f"{ratio:.2e}x" if ratio else "-"
         paper = f"{r['paper_ratio']:.1e}x" if "paper_ratio" in r else "-"
-        print(f"{r['name']:7} {r['batch']:>5} {str(tuple(r['shape'])):>16} {r['nnz']:>9} {r['sparsity']:>8.5f} "
+        print(f"{r['name']:7} {r['batch']:>5} {str(tuple(r['shape'])):>16} {r['nnz']:>9} "
+              f"{r['sparsity']:>8.5f} "
               f"{r['csr_bytes'] / 2**20:>8.2f} {r['dense_bytes'] / 2**20:>9.0f} "
               f"{r['pattern_s'] * 1e3:>10.2f} {r['values_s'] * 1e3:>9.3f} {r['fill_vs_copy']:>9.2f} "
               f"{ours:>11} {paper:>7}")

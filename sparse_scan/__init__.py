@@ -1,11 +1,14 @@
 """sparse-scan: back-propagation as a parallel scan (BPPSA) over sparse transposed Jacobians.
 
 Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed Jacobians),
-:mod:`sparse_scan.csr` (the batched CSR type) and :mod:`sparse_scan.backend` (CPU/GPU selection).
+:mod:`sparse_scan.csr` (the batched CSR type), :mod:`sparse_scan.backend` (CPU/GPU selection) and
+:class:`Sequential` (a chain whose backward pass is a planned scan, :mod:`sparse_scan.scan`).
 """
 
 from . import backend, csr, layers
 from ._version import __version__
 from .csr import BatchedCSR, Pattern
+from .model import Sequential
+from .scan import ScanPlan
 
-__all__ = ["BatchedCSR", "Pattern", "__version__", "backend", "csr", "layers"]
+__all__ = ["BatchedCSR", "Pattern", "ScanPlan", "Sequential", "__version__", "backend", "csr", "layers"]

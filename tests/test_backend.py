@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import subprocess
 import sys
 import types
@@ -206,8 +205,3 @@ def test_gpu_backend_is_cupy():
     np.testing.assert_array_equal(gpu.to_host(a), np.arange(4, dtype=np.float32))
     np.testing.assert_array_equal(backend.get("cpu").asarray(a), np.arange(4, dtype=np.float32))
     assert backend.get("auto") is gpu
-
-
-def test_backend_doctests():
-    failures, attempted = doctest.testmod(backend)
-    assert attempted > 0 and failures == 0

@@ -74,10 +74,3 @@ def test_subcommands_inherit_short_help_flag(runner):
         assert "Probe help text." in result.output
     finally:
         app.main.commands.pop("probe")
-
-
-def test_app_doctest():
-    import doctest
-
-    failures, _ = doctest.testmod(app, optionflags=doctest.ELLIPSIS)
-    assert failures == 0

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import doctest
-
 import numpy as np
 import pytest
 import scipy.sparse
 
-from sparse_scan import csr
 from sparse_scan.csr import INT32_MAX, BatchedCSR, Pattern, choose_index_dtype
 
 
@@ -227,8 +224,3 @@ def test_to_cupyx_and_device_round_trip():
         np.testing.assert_array_equal(jt.to_cupyx(b).toarray().get(), jt.to_scipy(b).toarray())
     np.testing.assert_array_equal(jt.todense().get(), BatchedCSR(p, batch).todense())
     np.testing.assert_array_equal(gp.row_of_entries().get(), p.row_of_entries())
-
-
-def test_csr_doctests():
-    failures, attempted = doctest.testmod(csr)
-    assert attempted > 0 and failures == 0

@@ -1,0 +1,175 @@
+"""Sequential models whose backward pass is a planned scan over sparse transposed Jacobians.
+
+Examples
+--------
+>>> import numpy as np
+>>> from sparse_scan import Sequential
+>>> from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU
+>>> model = Sequential(Conv2d(1, 2, 3, dtype=np.float64, rng=0), ReLU(), Flatten(),
+...                    Linear(2 * 4 * 4, 3, dtype=np.float64, rng=1))
+>>> x = np.random.default_rng(0).standard_normal((5, 1, 6, 6))
+>>> y = model.forward(x)
+>>> grads = model.backward(np.ones_like(y), method="blelloch")
+>>> [g.shape for g in grads]
+[(5, 1, 6, 6), (5, 2, 4, 4), (5, 2, 4, 4), (5, 32), (5, 3)]
+>>> linear = model.backward(np.ones_like(y), method="linear")
+>>> all(np.allclose(a, b) for a, b in zip(grads, linear))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from . import backend as _backend
+from .csr import BatchedCSR
+from .layers import Layer
+from .scan import METHODS, ScanPlan, build_plan, depth, run_plan
+from .spgemm import ProductPlan
+
+__all__ = ["Sequential"]
+
+Shape = tuple[int, ...]
+
+
+class Sequential:
+    """A chain of layers ``x_0 -> x_1 -> ... -> x_n``; backward is a scan of their JTs.
+
+    Parameters
+    ----------
+    *layers : Layer
+        Applied in order. Unnamed layers are named by position (``"0"``, ``"1"``, ...), like PyTorch.
+
+    Attributes
+    ----------
+    plan_builds : int
+        How many scan plans were built (symbolic work); a cached plan is reused for every batch and
+        batch size with the same per-sample input shape, method and levels.
+    """
+
+    def __init__(self, *layers: Layer) -> None:
+        if not layers:
+            raise ValueError("Sequential needs at least one layer")
+        for position, layer in enumerate(layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"layer {position} is a {type(layer).__name__}, not a sparse_scan Layer")
+            if layer.name is None:
+                layer.name = str(position)
+        self.layers: list[Layer] = list(layers)
+        self.plan_builds = 0
+        self._plans: dict[Hashable, ScanPlan] = {}
+        self._products: dict[Hashable, dict[Any, ProductPlan]] = {}
+        self._activations: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        inner = "\n".join(f"  ({layer.name}): {layer!r}" for layer in self.layers)
+        return f"Sequential(\n{inner}\n)"
+
+    # --- shapes and forward ------------------------------------------------------------------
+    def shapes(self, in_shape: Sequence[int]) -> list[Shape]:
+        """Per-sample shapes of ``x_0 .. x_n`` for a per-sample input shape."""
+        shapes = [tuple(int(s) for s in in_shape)]
+        for layer in self.layers:
+            shapes.append(tuple(layer.output_shape(shapes[-1])))
+        return shapes
+
+    def forward(self, x: Any) -> Any:
+        """Apply every layer to the batch ``x``; keep each layer's input for its Jacobian."""
+        activations = [x]
+        for layer in self.layers:
+            activations.append(layer.forward(activations[-1]))
+        self._activations = activations
+        return activations[-1]
+
+    __call__ = forward
+
+    def transposed_jacobians(self) -> list[BatchedCSR]:
+        """The batched JT of every layer at the last :meth:`forward` (layer order)."""
+        activations = self._require_forward()
+        return [layer.transposed_jacobian(x) for layer, x in zip(self.layers, activations, strict=False)]
+
+    def _require_forward(self) -> list[Any]:
+        if self._activations is None:
+            raise RuntimeError("call forward(x) before backward/transposed_jacobians")
+        return self._activations
+
+    # --- planning ------------------------------------------------------------------------------
+    def plan(self, in_shape: Sequence[int], method: str = "blelloch",
+             levels: int | str | None = None) -> ScanPlan:
+        """The cached :class:`~sparse_scan.scan.ScanPlan` for ``in_shape``, method and levels.
+
+        ``levels="auto"`` (hybrid) picks the depth with the fewest critical-path FLOPs in the plans'
+        own figures (ties: less work).
+        """
+        shape = tuple(int(s) for s in in_shape)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+        if method == "hybrid" and levels == "auto":
+            candidates = [self.plan(shape, "hybrid", k) for k in range(depth(len(self)) + 1)]
+            return min(candidates, key=lambda p: (p.critical_flops, p.work_flops))
+        if method != "hybrid" and levels is not None:
+            raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
+                             f"with method={method!r}")
+        key = (shape, method, levels, tuple(layer._structure_key() for layer in self.layers))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build_plan(shape, method, levels)
+            self._plans[key] = plan
+        return plan
+
+    def _build_plan(self, shape: Shape, method: str, levels: Any) -> ScanPlan:
+        n = len(self.layers)
+        shapes = self.shapes(shape)
+        structure = tuple(layer._structure_key() for layer in self.layers)
+        products = self._products.setdefault((shape, structure), {})
+
+        def element_pattern(j: int) -> tuple[Any, str, bool]:
+            layer = self.layers[n - j]
+            return layer.pattern(shapes[n - j]), layer.jacobian_kind, layer.sample_independent
+
+        def vector_size(j: int) -> int:
+            return int(np.prod(shapes[n - j]))
+
+        self.plan_builds += 1
+        return build_plan(n, method, levels, element_pattern, vector_size, products)
+
+    # --- backward ------------------------------------------------------------------------------
+    def backward(self, grad_out: Any, method: str = "blelloch", levels: int | str | None = None,
+                 device: str | None = None) -> list[Any]:
+        """Gradients w.r.t. every activation, by a scan over the layers' transposed Jacobians.
+
+        Parameters
+        ----------
+        grad_out : ndarray, shape (B, *out_shape)
+            Gradient of the loss w.r.t. the model output ``x_n``.
+        method : {"blelloch", "linear", "hybrid"}
+        levels : int or "auto", optional
+            Up-sweep levels of ``hybrid``.
+        device : {"cpu", "gpu", "auto"}, optional
+            Where to run; by default where the forward's arrays live.
+
+        Returns
+        -------
+        list of ndarray
+            ``[grad wrt x_0, ..., grad wrt x_n]``, each shaped like that activation, batch first.
+        """
+        activations = self._require_forward()
+        be = _backend.of(activations[0]) if device is None else _backend.get(device)
+        if be.name == "gpu":
+            raise NotImplementedError("the scan runs on the CPU only so far (GPU kernels pending)")
+        shapes = [tuple(a.shape[1:]) for a in activations]
+        grad_out = be.asarray(grad_out)
+        if tuple(grad_out.shape) != tuple(activations[-1].shape):
+            raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}; the output has "
+                             f"{tuple(activations[-1].shape)}")
+        plan = self.plan(shapes[0], method, levels)
+        jacobians = [layer.transposed_jacobian(be.asarray(x))
+                     for layer, x in zip(self.layers, activations, strict=False)]
+        batch = grad_out.shape[0]
+        flat = run_plan(plan, grad_out.reshape(batch, -1), jacobians[::-1])
+        return [g.reshape((batch,) + shape) for g, shape in zip(flat, shapes, strict=True)]

@@ -1,0 +1,385 @@
+"""Scan schedules over a chain of transposed Jacobians, planned once and run numerically per batch.
+
+Back-propagation through ``n`` layers is the exclusive scan of ``[g_n, JT_n, ..., JT_1]`` under
+``A ◇ B = B·A`` (paper §3.1): element 0 is the output gradient, element ``j`` the transposed Jacobian of
+layer ``n - j + 1``. Three schedules compute it:
+
+``linear``
+    ``g_{i-1} = JT_i g_i`` one SpMV after another (back-propagation emulated with JTs).
+``blelloch``
+    Algorithm 1 of the paper for any ``n``: up-sweep (SpGEMMs, and SpMVs for the segment holding
+    ``g_n``), root set to the identity, down-sweep with reversed operands (SpMVs only).
+``hybrid``
+    ``levels`` up-sweep levels, a linear scan over the segment products the down-sweep needs, then
+    the matching down-sweep levels (paper §5.3). ``levels=0`` is ``linear``; the full depth is
+    ``blelloch``.
+
+:func:`build_plan` turns a schedule into a :class:`ScanPlan`: a list of steps whose symbolic work (the
+pattern of every product and the index structure of its numeric phase) is done once; steps whose
+result nothing uses are dropped. :func:`run_plan` executes the numeric phase for one batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .csr import Pattern
+from .spgemm import ProductPlan, RowReduction, matvec, multiply, plan_product, row_reduction
+
+__all__ = ["METHODS", "ScanPlan", "Step", "build_plan", "depth", "run_plan"]
+
+METHODS = ("linear", "blelloch", "hybrid")
+
+Segment = tuple[int, int]  # elements lo..hi (inclusive) combined: hi's JT applied last
+
+
+@dataclass(frozen=True)
+class Element:
+    """Symbolic contents of one scan value: a product of consecutive elements ``lo..hi``.
+
+    ``lo == 0`` means the product includes the output gradient, so the value is a vector; an empty
+    segment (``lo > hi``) is the identity.
+    """
+
+    lo: int
+    hi: int
+
+    @property
+    def is_identity(self) -> bool:
+        return self.lo > self.hi
+
+    @property
+    def is_vector(self) -> bool:
+        return self.lo == 0 and not self.is_identity
+
+
+IDENTITY = Element(1, 0)
+
+
+@dataclass
+class Step:
+    """One operation of a plan: ``out = right · left`` (``left ◇ right``), or a move.
+
+    Attributes
+    ----------
+    level : int
+        Position on the critical path: steps of one level are independent.
+    phase : {"up", "linear", "down", "final"}
+    kind : {"mm", "mv"}
+        Matrix-matrix (SpGEMM or scaling) or matrix-vector product.
+    left, right, out : Element
+        Operands and result, as segments of the scan input.
+    shape : tuple of int
+        ``(m, k, n)`` of ``right (m×k) · left (k×n)``; ``n`` is 1 for a vector.
+    flops : int
+        Over the pattern (ARCHITECTURE.md convention).
+    flops_live : int
+        Over the live entries only (selections count one entry per output, scalings one multiply).
+    out_nnz : int
+        Stored entries of the result (the vector length for mv).
+    plan_bytes : int
+        Index structure the numeric phase keeps for this step.
+    """
+
+    level: int
+    phase: str
+    kind: str
+    left: Element
+    right: Element
+    out: Element
+    shape: tuple[int, int, int] = (0, 0, 0)
+    flops: int = 0
+    flops_live: int = 0
+    out_nnz: int = 0
+    plan_bytes: int = 0
+    product: ProductPlan | None = None
+    reduction: RowReduction | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The step's report fields (JSON-friendly)."""
+        return {"level": self.level, "phase": self.phase, "kind": self.kind,
+                "left": [self.left.lo, self.left.hi], "right": [self.right.lo, self.right.hi],
+                "mnk": list(self.shape), "flops": self.flops, "flops_live": self.flops_live,
+                "out_nnz": self.out_nnz, "plan_bytes": self.plan_bytes}
+
+
+@dataclass
+class ScanPlan:
+    """A schedule with the symbolic work of every step done.
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+        Up-sweep levels of a ``hybrid`` plan.
+    n : int
+        Number of layers (JTs) in the chain.
+    steps : list of Step
+    outputs : list of Element
+        ``outputs[i]`` holds the gradient w.r.t. ``x_i`` (``i = 0..n``).
+    """
+
+    method: str
+    levels: int | None
+    n: int
+    steps: list[Step]
+    outputs: list[Element]
+    element_bytes: dict[Element, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def critical_flops(self) -> int:
+        """Sum over levels of the most expensive step of the level."""
+        by_level: dict[int, int] = {}
+        for step in self.steps:
+            by_level[step.level] = max(by_level.get(step.level, 0), step.flops)
+        return sum(by_level.values())
+
+    @property
+    def work_flops(self) -> int:
+        """FLOPs of every step."""
+        return sum(step.flops for step in self.steps)
+
+    @property
+    def plan_bytes(self) -> int:
+        """Index structure held for the numeric phase."""
+        return sum(step.plan_bytes for step in self.steps)
+
+    @property
+    def critical_steps(self) -> int:
+        """Number of levels (sequential steps) on the critical path."""
+        return len({step.level for step in self.steps})
+
+    @functools.cached_property
+    def releases(self) -> list[list[Element]]:
+        """Per step, the values whose last use it is (outputs are kept to the end)."""
+        last_use: dict[Element, int] = {}
+        for index, step in enumerate(self.steps):
+            last_use[step.left] = index
+            last_use[step.right] = index
+        kept = set(self.outputs)
+        released: list[list[Element]] = [[] for _ in self.steps]
+        for element, index in last_use.items():
+            if element not in kept:
+                released[index].append(element)
+        return released
+
+    def peak_bytes(self, batch: int, itemsize: int) -> int:
+        """Peak bytes of live scan values for ``batch`` samples of ``itemsize``-byte values.
+
+        The inputs (``g_n`` and every JT) are live from the start; a step's result from that step;
+        every value until its last use, and the gradients to the end.
+        """
+        def size(element: Element) -> int:
+            shared, per_sample = self.element_bytes[element]
+            return (shared + per_sample * batch) * itemsize
+
+        live = sum(size(Element(j, j)) for j in range(self.n + 1))
+        peak = live
+        for step, released in zip(self.steps, self.releases, strict=True):
+            live += size(step.out)
+            peak = max(peak, live)
+            live -= sum(size(element) for element in released)
+        return peak
+
+    def report(self, batch: int = 1, itemsize: int = 4) -> dict[str, Any]:
+        """Per-step figures and totals (JSON-friendly)."""
+        return {
+            "method": self.method, "levels": self.levels, "n": self.n,
+            "steps": [step.as_dict() for step in self.steps],
+            "totals": {"critical_flops": self.critical_flops, "work_flops": self.work_flops,
+                       "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
+                       "peak_bytes": self.peak_bytes(batch, itemsize)},
+        }
+
+
+def depth(n: int) -> int:
+    """``ceil(log2(n + 1))``: up-sweep levels of a full Blelloch scan over ``n + 1`` elements."""
+    return math.ceil(math.log2(n + 1)) if n > 0 else 0
+
+
+def _schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, Element, Element, int]]:
+    """The raw schedule: ``(level, phase, left, right, slot)`` per combine, ``slot`` receiving it.
+
+    Moves are folded into the slot bookkeeping; identity operands are resolved by the caller.
+    """
+    slots = [Element(j, j) for j in range(n + 1)]
+    ops: list[tuple[int, str, Element, Element, int]] = []
+    level = 0
+
+    def combine(left: Element, right: Element) -> Element:
+        if left.is_identity:
+            return right
+        if right.is_identity:
+            return left
+        return Element(left.lo, right.hi)
+
+    def record(phase: str, left: Element, right: Element, slot: int) -> None:
+        result = combine(left, right)
+        if not (left.is_identity or right.is_identity):
+            ops.append((level, phase, left, right, slot))
+        slots[slot] = result
+
+    if method == "linear":
+        up = 0
+    elif method == "blelloch":
+        up = max(depth(n) - 1, 0)
+    else:
+        up = levels if levels is not None else 0
+    # up-sweep: a[r] <- a[l] ◇ a[r]
+    for d in range(up):
+        for i in range(0, n - 2**d + 1, 2 ** (d + 1)):
+            left, right = i + 2**d - 1, min(i + 2 ** (d + 1) - 1, n)
+            record("up", slots[left], slots[right], right)
+        level += 1
+    if method == "blelloch":
+        slots[n] = IDENTITY
+        top = depth(n) - 1
+    else:
+        # linear scan over the segment roots: P_0 = I, P_{j+1} = P_j ◇ root_j; root_j <- P_j
+        width = 2**up
+        roots = [min(j * width + width - 1, n) for j in range((n + width) // width)]
+        prefix = IDENTITY
+        for root in roots:
+            segment = slots[root]
+            slots[root] = prefix
+            if not prefix.is_identity:
+                ops.append((level, "linear", prefix, segment, -1))
+                level += 1
+            prefix = combine(prefix, segment)
+        top = up - 1
+    # down-sweep: T = a[l]; a[l] = a[r]; a[r] = T ◇' a[r] with reversed operands: a[r] ◇ T = T·a[r]
+    for d in range(top, -1, -1):
+        for i in range(0, n - 2**d + 1, 2 ** (d + 1)):
+            left, right = i + 2**d - 1, min(i + 2 ** (d + 1) - 1, n)
+            subtree = slots[left]
+            slots[left] = slots[right]
+            record("down", slots[right], subtree, right)
+        level += 1
+    ops.append((level, "final", slots[n], Element(n, n), -1))  # g_0 = JT_1 · g_1
+    return ops
+
+
+def build_plan(
+    n: int,
+    method: str,
+    levels: int | None,
+    element_pattern: Callable[[int], tuple[Pattern, str, bool]],
+    vector_size: Callable[[int], int],
+    product_cache: dict[tuple[Element, Element], ProductPlan],
+) -> ScanPlan:
+    """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
+
+    Parameters
+    ----------
+    n : int
+        Number of layers.
+    method : {"linear", "blelloch", "hybrid"}
+    levels : int or None
+        Up-sweep levels for ``hybrid`` (0 .. ``depth(n)``).
+    element_pattern : callable
+        ``j -> (pattern, jacobian_kind, sample_independent)`` of scan element ``j >= 1``.
+    vector_size : callable
+        ``j -> `` length of the gradient w.r.t. the input of element ``j`` (``j = 0`` is ``g_n``).
+    product_cache : dict
+        Symbolic products shared between plans of one chain (keyed by operand segments).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method == "hybrid":
+        if levels is None or not 0 <= int(levels) <= depth(n):
+            raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} layers; got {levels!r}")
+        levels = int(levels)
+    ops = _schedule(n, method, levels)
+    # outputs: slot contents after the scan are prefixes; gradient w.r.t. x_i is the prefix 0..n-i
+    outputs = [Element(0, n - i) for i in range(n + 1)]
+    needed = set(outputs)
+    kept = []
+    for op in reversed(ops):
+        out = Element(op[2].lo, op[3].hi)
+        if out in needed:  # the last producer of a value suffices: earlier duplicates drop out
+            kept.append(op)
+            needed.discard(out)
+            needed.update((op[2], op[3]))
+    kept.reverse()
+    # renumber levels densely (dropped steps may leave empty levels)
+    level_ids = {lvl: rank for rank, lvl in enumerate(sorted({op[0] for op in kept}))}
+
+    matrices: dict[Element, tuple[Pattern, str, bool]] = {}
+    for j in range(1, n + 1):
+        matrices[Element(j, j)] = element_pattern(j)
+    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
+    for j in range(1, n + 1):
+        pattern, _, shared = matrices[Element(j, j)]
+        element_bytes[Element(j, j)] = (pattern.nnz, 0) if shared else (0, pattern.nnz)
+
+    steps = []
+    for lvl, phase, left, right, _ in kept:
+        out = Element(left.lo, right.hi)
+        right_pattern, right_kind, right_shared = matrices[right]
+        m, k = right_pattern.shape
+        step = Step(level_ids[lvl], phase, "mv" if left.is_vector else "mm", left, right, out)
+        if left.is_vector:
+            step.reduction = row_reduction(right_pattern)
+            step.shape = (m, k, 1)
+            step.flops = 2 * right_pattern.nnz
+            step.flops_live = right_pattern.nnz if right_kind == "diagonal" else (
+                2 * k if right_kind == "selection" else step.flops)
+            step.out_nnz = m
+            step.plan_bytes = int(step.reduction.rows.nbytes + step.reduction.starts.nbytes)
+            element_bytes[out] = (0, m)
+        else:
+            left_pattern, left_kind, left_shared = matrices[left]
+            key = (left, right)
+            product = product_cache.get(key)
+            if product is None:
+                product = plan_product(right_pattern, left_pattern, right_kind, left_kind)
+                product_cache[key] = product
+            step.product = product
+            step.shape = (m, k, left_pattern.shape[1])
+            step.flops = product.flops
+            step.flops_live = product.flops
+            step.out_nnz = product.out.nnz
+            step.plan_bytes = product.nbytes
+            kind = "diagonal" if right_kind == left_kind == "diagonal" else "general"
+            shared = right_shared and left_shared
+            matrices[out] = (product.out, kind, shared)
+            element_bytes[out] = (product.out.nnz, 0) if shared else (0, product.out.nnz)
+        steps.append(step)
+    return ScanPlan(method, levels, n, steps, outputs, element_bytes)
+
+
+def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[Any]:
+    """Numeric phase: execute ``plan`` for one batch.
+
+    Parameters
+    ----------
+    plan : ScanPlan
+    grad_out : ndarray, shape (B, size of x_n)
+        ``g_n``, flattened per sample.
+    jacobians : sequence of BatchedCSR
+        ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``); their patterns
+        are the ones the plan was built from.
+
+    Returns
+    -------
+    list of ndarray
+        ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``.
+    """
+    values: dict[Element, Any] = {Element(0, 0): grad_out}
+    patterns: dict[Element, Pattern] = {}
+    for j, jt in enumerate(jacobians, start=1):
+        values[Element(j, j)] = jt.data
+        patterns[Element(j, j)] = jt.pattern
+    for step, released in zip(plan.steps, plan.releases, strict=True):
+        right = values[step.right]
+        if step.kind == "mv":
+            values[step.out] = matvec(patterns[step.right], step.reduction, right, values[step.left])
+        else:
+            values[step.out] = multiply(step.product, right, values[step.left])
+            patterns[step.out] = step.product.out
+        for element in released:
+            del values[element]
+    return [values[element] for element in plan.outputs]

@@ -1,0 +1,254 @@
+"""The planned scan: every schedule gives back-propagation's gradients; plans are symbolic and reused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from sparse_scan import Sequential
+from sparse_scan.csr import Pattern
+from sparse_scan.layers import (
+    AvgPool2d,
+    Conv2d,
+    Flatten,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Sigmoid,
+    Tanh,
+)
+from sparse_scan.scan import depth
+from sparse_scan.spgemm import multiply, plan_product
+
+POINTWISE = (ReLU, lambda: LeakyReLU(0.1), Tanh, Sigmoid)
+
+
+def random_chain(n: int, seed: int, dtype) -> tuple[Sequential, tuple[int, ...]]:
+    """A chain of ``n`` layers mixing every layer type, with compatible shapes.
+
+    Spatial layers come first (conv with random kernel/stride/padding/dilation/groups, pools,
+    activations), then Flatten, then linear layers and activations.
+    """
+    rng = np.random.default_rng(seed)
+    shape = (int(rng.integers(1, 4)), int(rng.integers(5, 8)), int(rng.integers(5, 8)))
+    in_shape, layers, flat = shape, [], False
+    spatial = n // 2 if n > 2 else n - 1
+    for position in range(n):
+        if not flat and position == spatial:
+            layers.append(Flatten())
+            flat = True
+            shape = (int(np.prod(shape)),)
+            continue
+        choice = rng.integers(0, 4)
+        if choice == 0:
+            layers.append(POINTWISE[rng.integers(0, len(POINTWISE))]())
+            continue
+        if flat:
+            out = int(rng.integers(2, 9))
+            layers.append(Linear(shape[0], out, dtype=dtype, rng=seed + position))
+            shape = (out,)
+            continue
+        c, h, w = shape
+        if choice == 1 and min(h, w) >= 2:
+            pool = MaxPool2d(2, stride=int(rng.integers(1, 3))) if rng.random() < 0.5 else \
+                AvgPool2d(2, stride=1, padding=1, count_include_pad=bool(rng.random() < 0.5))
+            layers.append(pool)
+        else:
+            groups = c if c > 1 and rng.random() < 0.3 else 1
+            out_c = groups * int(rng.integers(1, 3))
+            kernel = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+            conv = Conv2d(c, out_c, kernel, stride=int(rng.integers(1, 3)),
+                          padding=(int(rng.integers(0, 2)), int(rng.integers(0, 2))),
+                          groups=groups, dtype=dtype, rng=seed + position)
+            try:
+                conv.output_shape(shape)
+            except ValueError:  # the kernel does not fit what is left of the input
+                conv = Tanh()
+            layers.append(conv)
+        shape = layers[-1].output_shape(shape)
+    return Sequential(*layers), in_shape
+
+
+def dense_backprop(model: Sequential, grad_out: np.ndarray) -> list[np.ndarray]:
+    """Reference BP: ``g_{i-1} = dense(JT_i) @ g_i``, one sample at a time, float64."""
+    batch = grad_out.shape[0]
+    grads = [grad_out.reshape(batch, -1).astype(np.float64)]
+    for jt in reversed(model.transposed_jacobians()):
+        dense = jt.todense().astype(np.float64)
+        if jt.shared:
+            grads.append(grads[-1] @ dense.T)
+        else:
+            grads.append(np.einsum("bij,bj->bi", dense, grads[-1]))
+    return grads[::-1]
+
+
+def schedules(n: int):
+    yield "linear", None
+    yield "blelloch", None
+    for levels in range(depth(n) + 1):
+        yield "hybrid", levels
+    yield "hybrid", "auto"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 21])
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+def test_every_schedule_equals_dense_backprop(n, batch, dtype, rtol):
+    model, in_shape = random_chain(n, seed=100 * n + batch, dtype=dtype)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((batch,) + in_shape).astype(dtype)
+    y = model.forward(x)
+    grad_out = rng.standard_normal(y.shape).astype(dtype)
+    reference = dense_backprop(model, grad_out)
+    for method, levels in schedules(n):
+        grads = model.backward(grad_out, method=method, levels=levels)
+        assert len(grads) == n + 1
+        for i, (got, want) in enumerate(zip(grads, reference, strict=True)):
+            assert got.shape == (batch,) + model.shapes(in_shape)[i]
+            scale = max(np.abs(want).max(), 1e-30)
+            error = np.abs(got.reshape(batch, -1) - want).max() / scale
+            assert error <= rtol, f"{method} levels={levels}: grad x_{i} off by {error:.2e}"
+
+
+def torch_mirror(model: Sequential):
+    torch = pytest.importorskip("torch")
+    modules = []
+    for layer in model.layers:
+        name = type(layer).__name__
+        if name == "Conv2d":
+            m = torch.nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                                layer.padding, layer.dilation, layer.groups)
+        elif name == "Linear":
+            m = torch.nn.Linear(layer.in_features, layer.out_features)
+        elif name == "MaxPool2d":
+            m = torch.nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding, layer.dilation)
+        elif name == "AvgPool2d":
+            m = torch.nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding,
+                                   count_include_pad=layer.count_include_pad)
+        elif name == "LeakyReLU":
+            m = torch.nn.LeakyReLU(layer.negative_slope)
+        else:
+            m = getattr(torch.nn, name)()
+        if hasattr(layer, "weight"):
+            m.weight.data = torch.from_numpy(layer.weight.astype(np.float64))
+            m.bias.data = torch.from_numpy(layer.bias.astype(np.float64))
+        modules.append(m.double())
+    return modules
+
+
+@pytest.mark.parametrize("n", [3, 8, 21])
+def test_blelloch_equals_torch_autograd(n):
+    torch = pytest.importorskip("torch")
+    model, in_shape = random_chain(n, seed=7 * n, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4,) + in_shape)
+    grad_out = rng.standard_normal(model.forward(x).shape)
+    activations = [torch.from_numpy(x).requires_grad_(True)]
+    for module in torch_mirror(model):
+        activations.append(module(activations[-1]))
+        activations[-1].retain_grad()
+    activations[-1].backward(torch.from_numpy(grad_out))
+    for method, levels in (("blelloch", None), ("hybrid", 1)):
+        grads = model.backward(grad_out, method=method, levels=levels)
+        for got, tensor in zip(grads[:-1], activations[:-1], strict=True):
+            np.testing.assert_allclose(got, tensor.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_numeric_pattern_is_the_symbolic_one_with_exact_cancellation():
+    # A = [[1, 1], [0, 2]], B = [[1], [-1]]: C[0, 0] = 1 - 1 = 0 exactly, C[1, 0] = -2
+    a = Pattern(np.array([0, 2, 3], np.int32), np.array([0, 1, 1], np.int32), (2, 2))
+    b = Pattern(np.array([0, 1, 2], np.int32), np.array([0, 0], np.int32), (2, 1))
+    plan = plan_product(a, b, "general", "general")
+    values = multiply(plan, np.array([1.0, 1.0, 2.0]), np.array([1.0, -1.0]))
+    assert plan.out.nnz == 2 and values.tolist() == [0.0, -2.0]  # the zero stays explicit
+    scipy_c = sp.csr_matrix(([1.0, 1.0, 2.0], [0, 1, 1], [0, 2, 3]), (2, 2)) @ \
+        sp.csr_matrix(([1.0, -1.0], [0, 0], [0, 1, 2]), (2, 1))
+    assert scipy_c.nnz == 1  # what SciPy would have done to the pattern
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_symbolic_pattern_is_the_boolean_product(seed):
+    rng = np.random.default_rng(seed)
+    a = sp.random(13, 9, density=0.3, format="csr", random_state=seed)
+    b = sp.random(9, 11, density=0.3, format="csr", random_state=seed + 50)
+    plan = plan_product(Pattern(a.indptr, a.indices, a.shape), Pattern(b.indptr, b.indices, b.shape),
+                        "general", "general")
+    structure = (a.toarray() != 0).astype(int) @ (b.toarray() != 0).astype(int) > 0
+    out = sp.csr_matrix((np.ones(plan.out.nnz), plan.out.indices, plan.out.indptr), plan.out.shape)
+    np.testing.assert_array_equal(out.toarray() != 0, structure)
+    assert plan.flops == 2 * int(((a != 0).sum(axis=0).A1 * (b != 0).sum(axis=1).A1).sum())
+    batched_a = rng.standard_normal((3, a.nnz))
+    values = multiply(plan, batched_a, b.data)
+    for k in range(3):
+        dense = sp.csr_matrix((values[k], plan.out.indices, plan.out.indptr), plan.out.shape)
+        expected = sp.csr_matrix((batched_a[k], a.indices, a.indptr), a.shape) @ b
+        np.testing.assert_allclose(dense.toarray(), expected.toarray(), rtol=1e-12)
+
+
+def test_plan_is_built_once_and_reused_across_batches_and_batch_sizes():
+    model, in_shape = random_chain(8, seed=3, dtype=np.float64)
+    rng = np.random.default_rng(1)
+    for batch in (2, 2, 5):
+        y = model.forward(rng.standard_normal((batch,) + in_shape))
+        model.backward(rng.standard_normal(y.shape), method="blelloch")
+    assert model.plan_builds == 1
+    model.backward(rng.standard_normal(y.shape), method="hybrid", levels=1)
+    assert model.plan_builds == 2
+    first = model.plan(in_shape, "hybrid", 1)
+    assert model.plan(in_shape, "hybrid", 1) is first and model.plan_builds == 2
+
+
+def test_plan_report_figures():
+    model, in_shape = random_chain(8, seed=5, dtype=np.float32)
+    linear = model.plan(in_shape, "linear")
+    blelloch = model.plan(in_shape, "blelloch")
+    assert all(step.kind == "mv" for step in linear.steps) and linear.critical_steps == 8
+    assert linear.critical_flops == linear.work_flops
+    assert blelloch.critical_steps < linear.critical_steps
+    assert any(step.kind == "mm" for step in blelloch.steps)
+    assert all(step.kind == "mv" for step in blelloch.steps if step.phase == "down")
+    report = blelloch.report(batch=4, itemsize=4)
+    assert set(report["totals"]) == {"critical_flops", "work_flops", "critical_steps", "plan_bytes",
+                                     "peak_bytes"}
+    for step in report["steps"]:
+        assert step["flops_live"] <= step["flops"] and step["phase"] in ("up", "down", "final")
+    assert report["totals"]["peak_bytes"] > 0
+    auto = model.plan(in_shape, "hybrid", "auto")
+    assert auto.critical_flops == min(model.plan(in_shape, "hybrid", k).critical_flops
+                                      for k in range(depth(8) + 1))
+
+
+@pytest.mark.parametrize("n", range(1, 34))
+def test_blelloch_schedule_for_every_chain_length(n):
+    # tiny Linear chains: any n, not only powers of two; critical path ~ 2 log2(n)
+    rng = np.random.default_rng(n)
+    sizes = rng.integers(1, 4, size=n + 1)
+    model = Sequential(*[Linear(int(sizes[i]), int(sizes[i + 1]), dtype=np.float64, rng=i)
+                         for i in range(n)])
+    x = rng.standard_normal((2, int(sizes[0])))
+    grad_out = rng.standard_normal(model.forward(x).shape)
+    reference = model.backward(grad_out, method="linear")
+    for method, levels in schedules(n):
+        for got, want in zip(model.backward(grad_out, method=method, levels=levels), reference,
+                             strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert model.plan((int(sizes[0]),), "blelloch").critical_steps <= 2 * depth(n) + 1
+
+
+def test_bad_calls_are_clear():
+    model = Sequential(Linear(3, 2, dtype=np.float64))
+    with pytest.raises(RuntimeError, match="forward"):
+        model.backward(np.ones((1, 2)))
+    model.forward(np.ones((1, 3)))
+    with pytest.raises(ValueError, match="method"):
+        model.backward(np.ones((1, 2)), method="bogus")
+    with pytest.raises(ValueError, match="levels"):
+        model.backward(np.ones((1, 2)), method="hybrid", levels=5)
+    with pytest.raises(ValueError, match="levels"):
+        model.backward(np.ones((1, 2)), method="blelloch", levels=1)
+    with pytest.raises(ValueError, match="grad_out"):
+        model.backward(np.ones((1, 3)))
+    with pytest.raises(TypeError, match="Layer"):
+        Sequential(Linear(3, 2), "relu")
