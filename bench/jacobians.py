@@ -195,10 +195,26 @@ def measure_layer(name: str, layer: Any, in_shape: tuple[int, ...], args: argpar
     return row
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine(be: backend.Backend) -> dict[str, Any]:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-            "backend": be.name}
+    import scipy
+
+    info = {"platform": platform.platform(), "processor": _cpu_model(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
+            "backend": be.name, "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if be.name == "gpu":
+        info["cupy"] = be.xp.__version__
     try:
         import torch
 
