@@ -29,9 +29,21 @@ from .layers import Layer
 from .scan import METHODS, ScanPlan, build_plan, depth, run_plan
 from .spgemm import ProductPlan
 
-__all__ = ["Sequential"]
+__all__ = ["Sequential", "default_memory_budget"]
 
 Shape = tuple[int, ...]
+
+
+def default_memory_budget(fraction: float = 0.5) -> int:
+    """``fraction`` of the memory available now (Linux ``MemAvailable``; 4 GiB if unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * fraction)
+    except OSError:
+        pass
+    return int(4 * 2**30 * fraction)
 
 
 class Sequential:
@@ -49,7 +61,7 @@ class Sequential:
         batch size with the same per-sample input shape, method and levels.
     """
 
-    def __init__(self, *layers: Layer) -> None:
+    def __init__(self, *layers: Layer, memory_budget: int | None = None) -> None:
         if not layers:
             raise ValueError("Sequential needs at least one layer")
         for position, layer in enumerate(layers):
@@ -58,6 +70,7 @@ class Sequential:
             if layer.name is None:
                 layer.name = str(position)
         self.layers: list[Layer] = list(layers)
+        self.memory_budget = memory_budget
         self.plan_builds = 0
         self._plans: dict[Hashable, ScanPlan] = {}
         self._products: dict[Hashable, dict[Any, ProductPlan]] = {}
@@ -115,7 +128,8 @@ class Sequential:
         if method != "hybrid" and levels is not None:
             raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
                              f"with method={method!r}")
-        key = (shape, method, levels, tuple(layer._structure_key() for layer in self.layers))
+        key = (shape, method, levels, self.memory_budget,
+               tuple(layer._structure_key() for layer in self.layers))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._build_plan(shape, method, levels)
@@ -126,7 +140,8 @@ class Sequential:
         n = len(self.layers)
         shapes = self.shapes(shape)
         structure = tuple(layer._structure_key() for layer in self.layers)
-        products = self._products.setdefault((shape, structure), {})
+        products = self._products.setdefault((shape, structure, self.memory_budget), {})
+        budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
 
         def element_pattern(j: int) -> tuple[Any, str, bool]:
             layer = self.layers[n - j]
@@ -135,8 +150,13 @@ class Sequential:
         def vector_size(j: int) -> int:
             return int(np.prod(shapes[n - j]))
 
+        def describe(segment: Any) -> str:
+            first, last = self.layers[n - segment.hi], self.layers[n - segment.lo]
+            return (f"layer {first.name!r}" if first is last
+                    else f"layers {first.name!r}..{last.name!r}")
+
         self.plan_builds += 1
-        return build_plan(n, method, levels, element_pattern, vector_size, products)
+        return build_plan(n, method, levels, element_pattern, vector_size, products, budget, describe)
 
     # --- backward ------------------------------------------------------------------------------
     def backward(self, grad_out: Any, method: str = "blelloch", levels: int | str | None = None,

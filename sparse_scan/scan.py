@@ -27,9 +27,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .csr import Pattern
-from .spgemm import ProductPlan, RowReduction, matvec, multiply, plan_product, row_reduction
+from .spgemm import (
+    PlanBudgetError,
+    ProductPlan,
+    RowReduction,
+    matvec,
+    multiply,
+    plan_product,
+    row_reduction,
+)
 
-__all__ = ["METHODS", "ScanPlan", "Step", "build_plan", "depth", "run_plan"]
+__all__ = ["METHODS", "ScanMemoryError", "ScanPlan", "Step", "build_plan", "depth", "run_plan"]
+
+
+class ScanMemoryError(MemoryError):
+    """A scan step cannot be planned within the memory budget, even with the lean method."""
 
 METHODS = ("linear", "blelloch", "hybrid")
 
@@ -98,9 +110,14 @@ class Step:
     product: ProductPlan | None = None
     reduction: RowReduction | None = None
 
+    @property
+    def method(self) -> str:
+        """How the numeric phase computes it: ``spmv`` or the product plan's method."""
+        return "spmv" if self.product is None else self.product.method
+
     def as_dict(self) -> dict[str, Any]:
         """The step's report fields (JSON-friendly)."""
-        return {"level": self.level, "phase": self.phase, "kind": self.kind,
+        return {"level": self.level, "phase": self.phase, "kind": self.kind, "method": self.method,
                 "left": [self.left.lo, self.left.hi], "right": [self.right.lo, self.right.hi],
                 "mnk": list(self.shape), "flops": self.flops, "flops_live": self.flops_live,
                 "out_nnz": self.out_nnz, "plan_bytes": self.plan_bytes}
@@ -269,6 +286,8 @@ def build_plan(
     element_pattern: Callable[[int], tuple[Pattern, str, bool]],
     vector_size: Callable[[int], int],
     product_cache: dict[tuple[Element, Element], ProductPlan],
+    budget_bytes: int | None = None,
+    describe: Callable[[Element], str] = lambda e: f"elements {e.lo}..{e.hi}",
 ) -> ScanPlan:
     """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
 
@@ -285,6 +304,11 @@ def build_plan(
         ``j -> `` length of the gradient w.r.t. the input of element ``j`` (``j = 0`` is ``g_n``).
     product_cache : dict
         Symbolic products shared between plans of one chain (keyed by operand segments).
+    budget_bytes : int, optional
+        Memory one product's plan may hold; past it the lean ``rowwise`` method is used, and a
+        :class:`ScanMemoryError` names the step when even that does not fit.
+    describe : callable
+        Names a segment of the scan input in error messages (e.g. by its layers).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
@@ -335,7 +359,16 @@ def build_plan(
             key = (left, right)
             product = product_cache.get(key)
             if product is None:
-                product = plan_product(right_pattern, left_pattern, right_kind, left_kind)
+                try:
+                    product = plan_product(right_pattern, left_pattern, right_kind, left_kind,
+                                           budget_bytes=budget_bytes)
+                except PlanBudgetError as error:
+                    raise ScanMemoryError(
+                        f"scan step at level {level_ids[lvl]} ({phase} phase), the product of "
+                        f"{describe(right)} and {describe(left)}: its result alone needs more than "
+                        f"{error.needed} bytes, over the memory budget of {error.budget} bytes "
+                        "(raise the budget, or use method='linear' or a hybrid with fewer levels)"
+                    ) from None
                 product_cache[key] = product
             step.product = product
             step.shape = (m, k, left_pattern.shape[1])

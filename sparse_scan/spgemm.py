@@ -38,7 +38,26 @@ import numpy as np
 
 from .csr import Pattern, choose_index_dtype
 
-__all__ = ["ProductPlan", "RowReduction", "matvec", "multiply", "plan_product", "row_reduction"]
+__all__ = ["PlanBudgetError", "ProductPlan", "RowReduction", "count_multiply_adds", "matvec", "multiply",
+           "plan_product", "row_reduction"]
+
+
+SCRATCH_BYTES = 256 * 2**20
+"""Default bound on the numeric phase's temporary products (per call, all samples together)."""
+
+PRODUCT_PLAN_BYTES = 12
+"""Stored bytes per multiply-add of a ``general`` plan (two int32 positions, a share of ``starts``)."""
+
+PRODUCT_BUILD_BYTES = 48
+"""Transient bytes per multiply-add while a chunk of products is expanded and sorted."""
+
+
+class PlanBudgetError(MemoryError):
+    """A product cannot be planned within the memory budget, even with the lean method."""
+
+    def __init__(self, needed: int, budget: int) -> None:
+        super().__init__(f"needs {needed} bytes, over the budget of {budget} bytes")
+        self.needed, self.budget = needed, budget
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,19 +66,25 @@ class ProductPlan:
 
     Attributes
     ----------
-    method : {"general", "scale_columns", "scale_rows"}
-        ``general``: gather-multiply-segment-sum over ``products``; ``scale_columns``: ``B`` is
-        diagonal and ``C = A`` with columns scaled; ``scale_rows``: ``A`` is diagonal.
+    method : {"general", "rowwise", "scale_columns", "scale_rows"}
+        ``general``: gather-multiply-segment-sum over stored multiply-adds; ``rowwise``: the lean
+        method for products whose multiply-add lists would exceed the memory budget (only ``C``'s
+        pattern is stored; the numeric phase expands the products of a few rows at a time and sums
+        them into the known pattern); ``scale_columns``: ``B`` is diagonal, ``C = A`` with columns
+        scaled; ``scale_rows``: ``A`` is diagonal.
     out : Pattern
-        The pattern of ``C`` (exactly the symbolic one).
+        The pattern of ``C`` (exactly the symbolic one, on the host).
     a_pos, b_pos : ndarray or None
-        For ``general``: the ``A`` and ``B`` entry of every multiply-add, grouped by ``C`` entry.
-        For scalings: the index into the diagonal operand of every ``C`` entry (``b_pos`` for
+        ``general``: the ``A`` and ``B`` entry of every multiply-add, grouped by ``C`` entry.
+        Scalings: the index into the diagonal of every ``C`` entry (``b_pos`` for
         ``scale_columns``, ``a_pos`` for ``scale_rows``).
     starts : ndarray or None
-        For ``general``: the first multiply-add of every ``C`` entry.
+        ``general``: the first multiply-add of every ``C`` entry (None when every entry has exactly
+        one, e.g. a product with a non-overlapping pool's selection: then no sum is needed).
     multiply_adds : int
         Multiply-adds over the pattern (a scaling counts one per entry of ``C``).
+    operands : tuple of Pattern
+        ``(A, B)``, kept by ``rowwise`` plans to expand products in the numeric phase.
     """
 
     method: str
@@ -68,11 +93,12 @@ class ProductPlan:
     b_pos: Any
     starts: Any
     multiply_adds: int
+    operands: tuple[Pattern, Pattern] | None = None
 
     @property
     def flops(self) -> int:
         """FLOPs over the pattern (2 per multiply-add, 1 per scaling multiply)."""
-        return self.multiply_adds if self.method != "general" else 2 * self.multiply_adds
+        return self.multiply_adds if self.method.startswith("scale") else 2 * self.multiply_adds
 
     @property
     def nbytes(self) -> int:
@@ -87,31 +113,98 @@ def _exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def _general_plan(a: Pattern, b: Pattern, index_dtype: Any) -> ProductPlan:
-    a_rows = np.asarray(a.row_of_entries(), dtype=np.int64)
-    a_cols = np.asarray(a.indices, dtype=np.int64)
+def _products_per_row(a: Pattern, b: Pattern) -> np.ndarray:
+    """Multiply-adds of every row of ``A @ B``: ``sum over A's row of B's row lengths``."""
+    b_lengths = np.diff(np.asarray(b.indptr, dtype=np.int64))
+    cumulative = _exclusive_cumsum(b_lengths[np.asarray(a.indices, dtype=np.int64)])
+    a_indptr = np.asarray(a.indptr, dtype=np.int64)
+    return cumulative[a_indptr[1:]] - cumulative[a_indptr[:-1]]
+
+
+def count_multiply_adds(a: Pattern, b: Pattern) -> int:
+    """Multiply-adds of ``A @ B`` over the patterns, without expanding them."""
+    b_lengths = np.diff(np.asarray(b.indptr, dtype=np.int64))
+    return int(b_lengths[np.asarray(a.indices, dtype=np.int64)].sum())
+
+
+def _row_chunks(per_row: np.ndarray, limit: int) -> np.ndarray:
+    """Row boundaries ``[0, ..., rows]`` of chunks of at most ``limit`` products (or one row)."""
+    bounds, start, cumulative = [0], 0, np.cumsum(per_row)
+    rows = len(per_row)
+    while start < rows:
+        base = cumulative[start - 1] if start else 0
+        stop = int(np.searchsorted(cumulative, base + limit, side="right"))
+        stop = max(stop, start + 1)
+        bounds.append(min(stop, rows))
+        start = bounds[-1]
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def _expand(a: Pattern, b: Pattern, row_start: int, row_stop: int) -> tuple[np.ndarray, ...]:
+    """Multiply-adds of rows ``row_start:row_stop`` of ``A @ B``: A entry, B entry, C key."""
+    a_indptr = np.asarray(a.indptr, dtype=np.int64)
+    first, last = int(a_indptr[row_start]), int(a_indptr[row_stop])
+    a_cols = np.asarray(a.indices[first:last], dtype=np.int64)
+    a_rows = np.repeat(np.arange(row_start, row_stop), np.diff(a_indptr[row_start:row_stop + 1]))
     b_indptr = np.asarray(b.indptr, dtype=np.int64)
     per_entry = b_indptr[a_cols + 1] - b_indptr[a_cols]
     offsets = _exclusive_cumsum(per_entry)
     total = int(offsets[-1])
-    a_pos = np.repeat(np.arange(a.nnz, dtype=np.int64), per_entry)
+    a_pos = np.repeat(np.arange(first, last, dtype=np.int64), per_entry)
     b_pos = np.repeat(b_indptr[a_cols] - offsets[:-1], per_entry) + np.arange(total, dtype=np.int64)
-    keys = a_rows[a_pos] * b.shape[1] + np.asarray(b.indices, dtype=np.int64)[b_pos]
-    order = np.argsort(keys, kind="stable")
-    keys = keys[order]
-    first = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if total else keys
-    out_keys = keys[first]
-    rows, cols = np.divmod(out_keys, b.shape[1])
-    dtype = choose_index_dtype(max(len(out_keys), total), b.shape[1], index_dtype)
-    indptr = np.zeros(a.shape[0] + 1, dtype=dtype)
-    np.cumsum(np.bincount(rows, minlength=a.shape[0]), out=indptr[1:])
-    out = Pattern(indptr, cols.astype(dtype), (a.shape[0], b.shape[1]))
-    return ProductPlan("general", out, a_pos[order].astype(dtype), b_pos[order].astype(dtype),
-                       first.astype(dtype), total)
+    keys = np.repeat(a_rows, per_entry) * b.shape[1] + np.asarray(b.indices, dtype=np.int64)[b_pos]
+    return a_pos, b_pos, keys
 
 
-def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str,
-                 index_dtype: Any = None) -> ProductPlan:
+def _pattern_from_keys(keys: list[np.ndarray], rows: int, cols: int, dtype: np.dtype) -> Pattern:
+    out_keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+    out_rows, out_cols = np.divmod(out_keys, cols)
+    indptr = np.zeros(rows + 1, dtype=dtype)
+    np.cumsum(np.bincount(out_rows, minlength=rows), out=indptr[1:])
+    return Pattern(indptr, out_cols.astype(dtype), (rows, cols))
+
+
+def _general_plan(a: Pattern, b: Pattern, total: int, chunk_products: int,
+                  index_dtype: Any) -> ProductPlan:
+    dtype = choose_index_dtype(max(total, a.nnz, b.nnz), b.shape[1], index_dtype)
+    bounds = _row_chunks(_products_per_row(a, b), chunk_products)
+    a_parts, b_parts, start_parts, key_parts, done = [], [], [], [], 0
+    for row_start, row_stop in zip(bounds[:-1], bounds[1:], strict=True):
+        a_pos, b_pos, keys = _expand(a, b, int(row_start), int(row_stop))
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        first = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) else keys
+        a_parts.append(a_pos[order].astype(dtype))
+        b_parts.append(b_pos[order].astype(dtype))
+        start_parts.append((first + done).astype(dtype))
+        key_parts.append(keys[first])
+        done += len(keys)
+    out = _pattern_from_keys(key_parts, a.shape[0], b.shape[1], dtype)
+    starts = np.concatenate(start_parts) if start_parts else np.zeros(0, dtype)
+    single = out.nnz == total  # every C entry has exactly one multiply-add: no sums needed
+    return ProductPlan("general", out, np.concatenate(a_parts) if a_parts else starts,
+                       np.concatenate(b_parts) if b_parts else starts,
+                       None if single else starts, total)
+
+
+def _rowwise_plan(a: Pattern, b: Pattern, total: int, chunk_products: int, budget: int,
+                  index_dtype: Any) -> ProductPlan:
+    dtype = choose_index_dtype(max(total, a.nnz, b.nnz), b.shape[1], index_dtype)
+    bounds = _row_chunks(_products_per_row(a, b), chunk_products)
+    key_parts, stored = [], 0
+    for row_start, row_stop in zip(bounds[:-1], bounds[1:], strict=True):
+        keys = np.unique(_expand(a, b, int(row_start), int(row_stop))[2])
+        stored += keys.size * (dtype.itemsize + 4)  # indices + one float32 value per entry
+        if stored > budget:
+            raise PlanBudgetError(stored, budget)
+        key_parts.append(keys)
+    out = _pattern_from_keys(key_parts, a.shape[0], b.shape[1], dtype)
+    return ProductPlan("rowwise", out, None, None, None, total, operands=(a, b))
+
+
+def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: Any = None,
+                 budget_bytes: int | None = None,
+                 chunk_products: int = 2**22) -> ProductPlan:
     """Symbolic phase of ``A @ B`` (host arrays).
 
     Parameters
@@ -122,6 +215,12 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str,
         The operands' ``jacobian_kind`` (``"diagonal"`` operands become scalings).
     index_dtype : optional
         Force int32/int64 for the plan's index arrays.
+    budget_bytes : int, optional
+        Memory the plan may hold. A ``general`` plan stores ~12 bytes per multiply-add; past the
+        budget the ``rowwise`` method stores only ``C``'s pattern. If even that (with one float32
+        value per entry) exceeds the budget, :class:`PlanBudgetError` says how much it needs.
+    chunk_products : int
+        Multiply-adds expanded at once while planning (bounds the transient memory).
 
     Returns
     -------
@@ -130,27 +229,75 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str,
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"cannot multiply {a.shape} by {b.shape}")
     if b_kind == "diagonal":
-        return ProductPlan("scale_columns", a, None, a.indices, None, a.nnz)
+        return ProductPlan("scale_columns", a, None, np.asarray(a.indices), None, a.nnz)
     if a_kind == "diagonal":
-        return ProductPlan("scale_rows", b, b.row_of_entries(), None, None, b.nnz)
-    return _general_plan(a, b, index_dtype)
+        return ProductPlan("scale_rows", b, np.asarray(b.row_of_entries()), None, None, b.nnz)
+    total = count_multiply_adds(a, b)
+    if budget_bytes is not None:
+        chunk_products = max(1, min(chunk_products, budget_bytes // PRODUCT_BUILD_BYTES))
+        if total * PRODUCT_PLAN_BYTES > budget_bytes:
+            return _rowwise_plan(a, b, total, chunk_products, budget_bytes, index_dtype)
+    return _general_plan(a, b, total, chunk_products, index_dtype)
 
 
-def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+def _chunk_size(batch: int, itemsize: int, scratch_bytes: int) -> int:
+    """Multiply-adds per numeric chunk: their values for every sample, plus index work."""
+    return max(1, scratch_bytes // (batch * itemsize * 3 + PRODUCT_BUILD_BYTES))
+
+
+def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
+             scratch_bytes: int = SCRATCH_BYTES) -> Any:
     """Numeric phase of ``A @ B``: values of ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
     ``(nnz_C,)`` when both are shared, else ``(B, nnz_C)``. A diagonal operand's data holds its
-    diagonal.
+    diagonal. Temporary products stay within ``scratch_bytes``.
     """
     if plan.method == "scale_columns":
         return a_data * b_data[..., plan.b_pos]
     if plan.method == "scale_rows":
         return a_data[..., plan.a_pos] * b_data
-    products = a_data[..., plan.a_pos] * b_data[..., plan.b_pos]
-    if products.shape[-1] == 0:
-        return products
-    return np.add.reduceat(products, plan.starts, axis=-1)
+    if plan.method == "general" and plan.starts is None:
+        return a_data[..., plan.a_pos] * b_data[..., plan.b_pos]
+    lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
+    dtype = np.result_type(a_data, b_data)
+    out = np.empty(lead + (plan.out.nnz,), dtype=dtype)
+    batch = int(np.prod(lead)) if lead else 1
+    limit = _chunk_size(batch, dtype.itemsize, scratch_bytes)
+    if plan.method == "general":
+        _multiply_stored(plan, a_data, b_data, out, limit)
+    else:
+        _multiply_rowwise(plan, a_data, b_data, out, limit)
+    return out
+
+
+def _multiply_stored(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limit: int) -> None:
+    starts, total, entry = plan.starts, plan.multiply_adds, 0
+    while entry < plan.out.nnz:
+        first = int(starts[entry])
+        stop = int(np.searchsorted(starts, first + limit, side="right"))
+        stop = max(stop, entry + 1)
+        last = int(starts[stop]) if stop < plan.out.nnz else total
+        products = a_data[..., plan.a_pos[first:last]] * b_data[..., plan.b_pos[first:last]]
+        out[..., entry:stop] = np.add.reduceat(products, starts[entry:stop] - first, axis=-1)
+        entry = stop
+
+
+def _multiply_rowwise(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limit: int) -> None:
+    a, b = plan.operands
+    c_indptr = np.asarray(plan.out.indptr, dtype=np.int64)
+    bounds = _row_chunks(_products_per_row(a, b), limit)  # plain arithmetic, no pattern search
+    for row_start, row_stop in zip(bounds[:-1], bounds[1:], strict=True):
+        a_pos, b_pos, keys = _expand(a, b, int(row_start), int(row_stop))
+        first, last = int(c_indptr[row_start]), int(c_indptr[row_stop])
+        if first == last:
+            continue
+        # products sorted by C entry: their keys then run through the chunk's entries in order
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        sums_at = np.flatnonzero(np.concatenate(([True], sorted_keys[1:] != sorted_keys[:-1])))
+        products = a_data[..., a_pos[order]] * b_data[..., b_pos[order]]
+        out[..., first:last] = np.add.reduceat(products, sums_at, axis=-1)
 
 
 @dataclass(frozen=True, eq=False)

@@ -252,3 +252,55 @@ def test_bad_calls_are_clear():
         model.backward(np.ones((1, 3)))
     with pytest.raises(TypeError, match="Layer"):
         Sequential(Linear(3, 2), "relu")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("batched", [False, True])
+def test_lean_and_chunked_products_equal_the_stored_plan(seed, batched):
+    rng = np.random.default_rng(seed)
+    a = sp.random(40, 30, density=0.2, format="csr", random_state=seed)
+    b = sp.random(30, 50, density=0.2, format="csr", random_state=seed + 9)
+    pa, pb = Pattern(a.indptr, a.indices, a.shape), Pattern(b.indptr, b.indices, b.shape)
+    a_data = rng.standard_normal((3, a.nnz)) if batched else a.data
+    stored = plan_product(pa, pb, "general", "general")
+    chunked = plan_product(pa, pb, "general", "general", chunk_products=7)
+    lean = plan_product(pa, pb, "general", "general", budget_bytes=stored.multiply_adds * 11)
+    assert (stored.method, chunked.method, lean.method) == ("general", "general", "rowwise")
+    assert lean.nbytes < stored.nbytes
+    expected = multiply(stored, a_data, b.data)
+    for plan in (chunked, lean):
+        assert plan.out.same_as(stored.out)
+        for scratch in (64, 10**9):  # a few products per chunk, or all at once
+            np.testing.assert_allclose(multiply(plan, a_data, b.data, scratch_bytes=scratch),
+                                       expected, rtol=1e-12)
+
+
+def test_products_with_one_multiply_add_per_entry_skip_the_sums():
+    pool = MaxPool2d(2)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 4))
+    conv = Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=0)
+    selection, weights = pool.transposed_jacobian(x), conv.transposed_jacobian(pool.forward(x))
+    plan = plan_product(selection.pattern, weights.pattern, "selection", "general")
+    assert plan.starts is None and plan.out.nnz == plan.multiply_adds
+    values = multiply(plan, selection.data, weights.data)
+    for b in range(2):
+        dense = sp.csr_matrix((values[b], plan.out.indices, plan.out.indptr), plan.out.shape)
+        np.testing.assert_allclose(dense.toarray(), selection.todense()[b] @ weights.todense())
+
+
+def test_memory_budget_selects_the_lean_method_and_names_the_step_when_nothing_fits():
+    model, in_shape = random_chain(8, seed=11, dtype=np.float64)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3,) + in_shape)
+    grad_out = rng.standard_normal(model.forward(x).shape)
+    reference = model.backward(grad_out, method="linear")
+    general = [s for s in model.plan(in_shape, "blelloch").steps if s.method == "general"]
+    assert general, "the chain should have at least one general product"
+    model.memory_budget = min(s.product.multiply_adds for s in general) * 12 - 1
+    lean_plan = model.plan(in_shape, "blelloch")
+    assert "rowwise" in {step.method for step in lean_plan.steps}
+    for got, want in zip(model.backward(grad_out, method="blelloch"), reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-10)
+    model.memory_budget = 16
+    with pytest.raises(MemoryError, match=r"layers? '.*needs more than \d+ bytes.*budget of 16 bytes"):
+        model.plan(in_shape, "blelloch")
