@@ -27,7 +27,7 @@ from . import backend as _backend
 from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
-from .scan import METHODS, ScanPlan, build_plan, depth, run_plan
+from .scan import METHODS, ScanCostError, ScanPlan, build_plan, depth, run_plan
 from .spgemm import ProductPlan
 
 __all__ = ["Sequential", "default_memory_budget"]
@@ -116,18 +116,23 @@ class Sequential:
 
     # --- planning ------------------------------------------------------------------------------
     def plan(self, in_shape: Sequence[int], method: str = "blelloch",
-             levels: int | str | None = None) -> ScanPlan:
+             levels: int | str | None = None, max_step_flops: int | None = None) -> ScanPlan:
         """The cached :class:`~sparse_scan.scan.ScanPlan` for ``in_shape``, method and levels.
 
         ``levels="auto"`` (hybrid) picks the depth with the fewest critical-path FLOPs in the plans'
-        own figures (ties: less work).
+        own figures (ties: less work). It plans depths 0, 1, 2, ... and stops deepening at the first
+        depth with a product costlier than the best critical path found so far: deeper plans repeat
+        that depth's up-sweep products, so none of them can be better, and their products (billions
+        of multiply-adds in a large network) are never built.
+
+        ``max_step_flops`` makes planning give up with :class:`~sparse_scan.scan.ScanCostError`
+        before building a costlier product (a cached plan is returned whatever its cost).
         """
         shape = tuple(int(s) for s in in_shape)
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
         if method == "hybrid" and levels == "auto":
-            candidates = [self.plan(shape, "hybrid", k) for k in range(depth(len(self)) + 1)]
-            return min(candidates, key=lambda p: (p.critical_flops, p.work_flops))
+            return self._auto_plan(shape, max_step_flops)
         if method != "hybrid" and levels is not None:
             raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
                              f"with method={method!r}")
@@ -135,11 +140,29 @@ class Sequential:
                tuple(layer._structure_key() for layer in self.layers))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._build_plan(shape, method, levels)
+            plan = self._build_plan(shape, method, levels, max_step_flops)
             self._plans[key] = plan
         return plan
 
-    def _build_plan(self, shape: Shape, method: str, levels: Any) -> ScanPlan:
+    def _auto_plan(self, shape: Shape, max_step_flops: int | None) -> ScanPlan:
+        best: ScanPlan | None = None
+        for k in range(depth(len(self)) + 1):
+            limit = max_step_flops if best is None else best.critical_flops
+            if max_step_flops is not None:
+                limit = min(limit, max_step_flops)
+            try:
+                candidate = self.plan(shape, "hybrid", k, max_step_flops=limit)
+            except ScanCostError:
+                if best is None:
+                    raise
+                break
+            if best is None or (candidate.critical_flops, candidate.work_flops) < (
+                    best.critical_flops, best.work_flops):
+                best = candidate
+        return best
+
+    def _build_plan(self, shape: Shape, method: str, levels: Any,
+                    max_step_flops: int | None) -> ScanPlan:
         n = len(self.layers)
         shapes = self.shapes(shape)
         structure = tuple(layer._structure_key() for layer in self.layers)
@@ -163,7 +186,7 @@ class Sequential:
 
         self.plan_builds += 1
         return build_plan(n, method, levels, element_pattern, vector_size, products, budget, describe,
-                          vector_channels)
+                          vector_channels, max_step_flops)
 
     # --- backward ------------------------------------------------------------------------------
     def backward(self, grad_out: Any, method: str = "blelloch", levels: int | str | None = None,

@@ -30,19 +30,30 @@ from .csr import Pattern
 from .spgemm import (
     PlanBudgetError,
     ProductPlan,
-    RowReduction,
+    count_multiply_adds,
     matvec,
     multiply,
     plan_product,
-    row_reduction,
 )
 
-__all__ = ["METHODS", "Element", "ScanMemoryError", "ScanPlan", "Step", "build_plan", "depth", "run_plan",
-           "schedule"]
+__all__ = ["METHODS", "Element", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "build_plan",
+           "depth", "run_plan", "schedule"]
 
 
 class ScanMemoryError(MemoryError):
     """A scan step cannot be planned within the memory budget, even with the lean method."""
+
+
+class ScanCostError(RuntimeError):
+    """A scan step would cost more FLOPs than the plan's ``max_step_flops`` allows.
+
+    Raised before the step's symbolic product is built (counting its multiply-adds is cheap,
+    expanding them is not), so a search over schedules can give up on one early.
+    """
+
+    def __init__(self, message: str, flops: int) -> None:
+        super().__init__(message)
+        self.flops = flops
 
 METHODS = ("linear", "blelloch", "hybrid")
 
@@ -109,12 +120,15 @@ class Step:
     out_nnz: int = 0
     plan_bytes: int = 0
     product: ProductPlan | None = None
-    reduction: RowReduction | None = None
+    scaling: bool = False
 
     @property
     def method(self) -> str:
-        """How the numeric phase computes it: ``spmv`` or the product plan's method."""
-        return "spmv" if self.product is None else self.product.method
+        """How the numeric phase computes it: ``scale`` (mv by a diagonal), ``spmv`` or the product
+        plan's method."""
+        if self.product is not None:
+            return self.product.method
+        return "scale" if self.scaling else "spmv"
 
     def as_dict(self) -> dict[str, Any]:
         """The step's report fields (JSON-friendly)."""
@@ -292,6 +306,7 @@ def build_plan(
     budget_bytes: int | None = None,
     describe: Callable[[Element], str] = lambda e: f"elements {e.lo}..{e.hi}",
     vector_channels: Callable[[int], int] | None = None,
+    max_step_flops: int | None = None,
 ) -> ScanPlan:
     """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
 
@@ -316,6 +331,9 @@ def build_plan(
     vector_channels : callable, optional
         ``j -> `` channels of that gradient (``C`` of ``(C, H, W)``, ``F`` of ``(F,)``): lets
         products of dense channel blocks run as batched GEMMs (:mod:`sparse_scan.blocks`).
+    max_step_flops : int, optional
+        Give up with :class:`ScanCostError` before planning a product of more FLOPs (over the
+        pattern) than this: deep levels of large networks can need billions of multiply-adds.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
@@ -353,19 +371,25 @@ def build_plan(
         m, k = right_pattern.shape
         step = Step(level_ids[lvl], phase, "mv" if left.is_vector else "mm", left, right, out)
         if left.is_vector:
-            step.reduction = row_reduction(right_pattern)
+            step.scaling = right_kind == "diagonal"
             step.shape = (m, k, 1)
             step.flops = 2 * right_pattern.nnz
             step.flops_live = right_pattern.nnz if right_kind == "diagonal" else (
                 2 * k if right_kind == "selection" else step.flops)
             step.out_nnz = m
-            step.plan_bytes = int(step.reduction.rows.nbytes + step.reduction.starts.nbytes)
             element_bytes[out] = (0, m)
         else:
             left_pattern, left_kind, left_shared = matrices[left]
             key = (left, right)
             product = product_cache.get(key)
             if product is None:
+                if max_step_flops is not None and "diagonal" not in (right_kind, left_kind):
+                    flops = 2 * count_multiply_adds(right_pattern, left_pattern)
+                    if flops > max_step_flops:
+                        raise ScanCostError(
+                            f"scan step at level {level_ids[lvl]} ({phase} phase), the product of "
+                            f"{describe(right)} and {describe(left)}, needs {flops} FLOPs, over the "
+                            f"limit of {max_step_flops}", flops)
                 channels = None if vector_channels is None else (
                     vector_channels(right.hi), vector_channels(left.hi), vector_channels(left.lo - 1))
                 try:
@@ -417,8 +441,10 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[An
         patterns[Element(j, j)] = jt.pattern
     for step, released in zip(plan.steps, plan.releases, strict=True):
         right = values[step.right]
-        if step.kind == "mv":
-            values[step.out] = matvec(patterns[step.right], step.reduction, right, values[step.left])
+        if step.scaling:  # a diagonal JT holds its whole diagonal, in order
+            values[step.out] = right * values[step.left]
+        elif step.kind == "mv":
+            values[step.out] = matvec(patterns[step.right], right, values[step.left])
         else:
             values[step.out] = multiply(step.product, right, values[step.left])
             patterns[step.out] = step.product.out

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.sparse
 
 from .blocks import BlockProduct, block_layout, multiply_blocks, plan_block_product
 from .csr import Pattern, choose_index_dtype
 
-__all__ = ["PlanBudgetError", "ProductPlan", "RowReduction", "count_multiply_adds", "matvec", "multiply",
-           "plan_product", "row_reduction"]
+__all__ = ["PlanBudgetError", "ProductPlan", "count_multiply_adds", "matvec", "multiply", "plan_product"]
 
 
 SCRATCH_BYTES = 256 * 2**20
@@ -341,30 +341,26 @@ def _multiply_rowwise(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, lim
         out[..., first:last] = np.add.reduceat(products, sums_at, axis=-1)
 
 
-@dataclass(frozen=True, eq=False)
-class RowReduction:
-    """How to sum a CSR matrix's entry products into rows: the non-empty rows and their starts."""
+def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
+    """``A @ v`` for a batch of vectors ``(B, cols)`` on the host: returns ``(B, rows)``.
 
-    rows: Any
-    starts: Any
-    size: int
-
-
-def row_reduction(pattern: Pattern) -> RowReduction:
-    """Precompute the segment sums of :func:`matvec` for ``pattern`` (host arrays)."""
-    indptr = np.asarray(pattern.indptr)
-    rows = np.flatnonzero(np.diff(indptr) > 0)
-    return RowReduction(rows, indptr[rows], pattern.shape[0])
-
-
-def matvec(pattern: Pattern, reduction: RowReduction, data: Any, vectors: Any) -> Any:
-    """``A @ v`` for a batch of vectors ``(B, cols)``: returns ``(B, rows)``.
-
-    ``data`` is ``(nnz,)`` (one matrix for the batch) or ``(B, nnz)`` (one per sample).
+    ``data`` is ``(nnz,)`` (one matrix for the batch: one SciPy multi-vector product) or ``(B, nnz)``
+    (one matrix per sample: one SciPy product per sample). SciPy's compiled CSR kernels keep
+    explicit zeros in the matrix; the result is a dense vector, so its pattern is not at stake.
     """
-    out = np.zeros((vectors.shape[0], reduction.size), dtype=np.result_type(data, vectors))
-    if pattern.nnz == 0:
-        return out
-    products = data * vectors[:, pattern.indices]
-    out[:, reduction.rows] = np.add.reduceat(products, reduction.starts, axis=1)
+    rows = pattern.shape[0]
+    dtype = np.result_type(data, vectors)
+    if data.ndim == 1:
+        product = _scipy_matrix(pattern, data) @ np.ascontiguousarray(vectors.T)
+        return np.ascontiguousarray(product.T, dtype=dtype)
+    out = np.empty((vectors.shape[0], rows), dtype=dtype)
+    matrix = _scipy_matrix(pattern, data[0])
+    for sample in range(vectors.shape[0]):
+        matrix.data = data[sample]  # a view: SciPy's constructor would copy a row of a larger array
+        out[sample] = matrix @ vectors[sample]
     return out
+
+
+def _scipy_matrix(pattern: Pattern, data: np.ndarray) -> scipy.sparse.csr_matrix:
+    return scipy.sparse.csr_matrix((data, pattern.indices, pattern.indptr), shape=pattern.shape,
+                                   copy=False)

@@ -19,7 +19,7 @@ from sparse_scan.layers import (
     Sigmoid,
     Tanh,
 )
-from sparse_scan.scan import depth
+from sparse_scan.scan import ScanCostError, depth
 from sparse_scan.spgemm import multiply, plan_product
 
 POINTWISE = (ReLU, lambda: LeakyReLU(0.1), Tanh, Sigmoid)
@@ -230,6 +230,39 @@ def test_plan_report_figures():
     auto = model.plan(in_shape, "hybrid", "auto")
     assert auto.critical_flops == min(model.plan(in_shape, "hybrid", k).critical_flops
                                       for k in range(depth(8) + 1))
+
+
+def test_max_step_flops_gives_up_before_building_a_costlier_product():
+    model, in_shape = random_chain(8, seed=5, dtype=np.float32)
+    full = model.plan(in_shape, "blelloch")
+    costliest = max(step.flops for step in full.steps
+                    if step.kind == "mm" and not step.method.startswith("scale"))
+    fresh, _ = random_chain(8, seed=5, dtype=np.float32)
+    with pytest.raises(ScanCostError, match=f"needs {costliest} FLOPs, over the limit of {costliest - 1}"):
+        fresh.plan(in_shape, "blelloch", max_step_flops=costliest - 1)
+    assert fresh.plan(in_shape, "blelloch", max_step_flops=costliest).work_flops == full.work_flops
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_stops_deepening_without_missing_the_best_depth(seed):
+    model, in_shape = random_chain(13, seed=seed, dtype=np.float32)
+    auto = model.plan(in_shape, "hybrid", "auto")
+    builds = model.plan_builds
+    every = [model.plan(in_shape, "hybrid", k) for k in range(depth(13) + 1)]
+    assert (auto.critical_flops, auto.work_flops) == min((p.critical_flops, p.work_flops) for p in every)
+    assert builds <= len(every)
+
+
+def test_auto_skips_depths_whose_products_cost_more_than_the_best_plan():
+    # 3 -> 300 -> 3 -> ...: a level-0 product (300x3 by 3x300, dense 300x300) alone costs more than
+    # the whole linear scan, so depth 1 is abandoned and no deeper depth is tried
+    model = Sequential(*[Linear(300 if i % 2 else 3, 3 if i % 2 else 300, dtype=np.float64, rng=i)
+                         for i in range(6)])
+    auto = model.plan((3,), "hybrid", "auto")
+    assert model.plan_builds == 2  # depth 0, and the abandoned depth 1
+    every = [model.plan((3,), "hybrid", k) for k in range(depth(6) + 1)]
+    assert auto.critical_flops == min(p.critical_flops for p in every)
+    assert auto.levels == 0
 
 
 @pytest.mark.parametrize("n", range(1, 34))

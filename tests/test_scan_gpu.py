@@ -22,7 +22,7 @@ from sparse_scan import _scan_gpu, backend, spgemm
 from sparse_scan._scan_gpu import FIELDS, PRODUCT, ROWWISE, SPMV, run_plan_gpu
 from sparse_scan.csr import Pattern
 from sparse_scan.scan import ScanPlan, run_plan
-from sparse_scan.spgemm import matvec, multiply, plan_product, row_reduction
+from sparse_scan.spgemm import matvec, multiply, plan_product
 
 INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 VALUE_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -105,7 +105,7 @@ class Table:
         self._add(SPMV, pattern.shape[0], False,
                   [self.ptr(pattern.indptr), self.ptr(pattern.indices), self.ptr(data), stride,
                    self.ptr(vec), pattern.shape[1], self.ptr(out)],
-                  out, matvec(pattern, row_reduction(pattern), data, vec))
+                  out, matvec(pattern, data, vec))
 
     def product(self, plan, a, b, index_dtype):
         shared = a.ndim == b.ndim == 1
