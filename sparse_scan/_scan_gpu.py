@@ -4,6 +4,8 @@ The steps of a scan level are independent. Each becomes a descriptor (a row of `
 kind, first work item, samples, items per sample, device pointers and strides; layout in
 ``rawkernels/scan.cu``) in one host table for the whole plan, and a level runs as one launch of
 ``scan_level<I, T>`` over its rows: SpMVs, general products, scalings and row-wise products alike.
+Products with a selection (``gather`` plans) run as general products: the kernel tests the per-sample
+operand first and skips the multiply-adds of its explicit zeros.
 
 What depends only on the plan, the batch size and the value dtype is built once and cached in a
 :class:`_Workspace`: the descriptor table, every intermediate buffer, and the plan's index arrays on the
@@ -38,7 +40,7 @@ __all__ = ["PRODUCT_FALLBACKS", "run_plan_gpu"]
 KERNEL_FILE = "scan.cu"
 FIELDS = 16
 SPMV, PRODUCT, ROWWISE = 0, 1, 2
-KERNEL_METHODS = ("general", "rowwise", "scale_columns", "scale_rows")
+KERNEL_METHODS = ("gather", "general", "rowwise", "scale_columns", "scale_rows")
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 PRODUCT_FALLBACKS: dict[str, Callable[[ProductPlan, Any, Any], Any]] = {}
@@ -183,7 +185,7 @@ def _product_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
     index = {k: 0 if v is None else _device_index(product, k + "_pos", v, dtype)
              for k, v in positions.items()}
     starts = 0
-    if product.method == "general" and product.starts is not None:
+    if product.method in ("general", "gather") and product.starts is not None:
         starts = _device_index(product, "starts", _starts_with_end(product), dtype)
     a = (index["a"], step.right, layout.stride(step.right))
     b = (index["b"], step.left, layout.stride(step.left))
@@ -202,8 +204,9 @@ def _rowwise_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
             step.left, layout.stride(step.left), step.out, layout.stride(step.out)]
 
 
-_FIELD_BUILDERS = {"general": _product_fields, "scale_columns": _product_fields,
-                   "scale_rows": _product_fields, "rowwise": _rowwise_fields}
+_FIELD_BUILDERS = {"general": _product_fields, "gather": _product_fields,
+                   "scale_columns": _product_fields, "scale_rows": _product_fields,
+                   "rowwise": _rowwise_fields}
 
 
 def _step_fields(step: Step, layout: _Layout, dtype: np.dtype, batch: int) -> list[Any]:

@@ -406,7 +406,7 @@ def build_plan(
             step.product = product
             step.shape = (m, k, left_pattern.shape[1])
             step.flops = product.flops
-            step.flops_live = product.flops
+            step.flops_live = product.flops_live
             step.out_nnz = product.out.nnz
             step.plan_bytes = product.nbytes
             kind = "diagonal" if right_kind == left_kind == "diagonal" else "general"

@@ -8,7 +8,8 @@ explicit zeros included (SciPy's ``@`` drops numerical zeros and serves only as 
 
 Diagonal operands (ReLU, tanh, sigmoid, LeakyReLU, Flatten) are scalings, never general products:
 ``A @ D`` scales ``A``'s columns and ``D @ B`` scales ``B``'s rows, with ``C``'s pattern the other
-operand's.
+operand's. Selection operands (max-pool) make gathers over their live entries only
+(:mod:`sparse_scan.selection`).
 
 FLOPs follow ARCHITECTURE.md: a multiply-add counts 2, so ``A @ B`` costs
 ``2 * sum_k nnzcol_A(k) * nnzrow_B(k)`` and ``A @ v`` costs ``2 * nnz(A)``. A scaling costs one
@@ -31,6 +32,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,7 @@ import scipy.sparse
 
 from .blocks import BlockProduct, block_layout, multiply_blocks, plan_block_product
 from .csr import Pattern, choose_index_dtype
+from .selection import SelectionGather, multiply_live, plan_selection_gather
 
 __all__ = ["PlanBudgetError", "ProductPlan", "count_multiply_adds", "matvec", "multiply", "plan_product"]
 
@@ -48,6 +51,9 @@ SCRATCH_BYTES = 256 * 2**20
 
 PRODUCT_PLAN_BYTES = 12
 """Stored bytes per multiply-add of a ``general`` plan (two int32 positions, a share of ``starts``)."""
+
+SELECTION_PLAN_BYTES = 8
+"""Further bytes per multiply-add of a ``gather`` plan (its multiply-adds regrouped by selection entry)."""
 
 PRODUCT_BUILD_BYTES = 48
 """Transient bytes per multiply-add while a chunk of products is expanded and sorted."""
@@ -73,10 +79,12 @@ class ProductPlan:
 
     Attributes
     ----------
-    method : {"block", "general", "rowwise", "scale_columns", "scale_rows"}
+    method : {"block", "gather", "general", "rowwise", "scale_columns", "scale_rows"}
         ``block``: both operands are dense channel blocks (unpruned convolutions, linear layers, and
         their scalings): batched dense GEMMs per slot (:mod:`sparse_scan.blocks`);
-        ``general``: gather-multiply-segment-sum over stored multiply-adds; ``rowwise``: the lean
+        ``general``: gather-multiply-segment-sum over stored multiply-adds; ``gather``: one operand
+        is a selection (max-pool JT), only its live entries' multiply-adds run (the ``general``
+        arrays are kept too, for kernels that skip zeros instead); ``rowwise``: the lean
         method for products whose multiply-add lists would exceed the memory budget (only ``C``'s
         pattern is stored; the numeric phase expands the products of a few rows at a time and sums
         them into the known pattern); ``scale_columns``: ``B`` is diagonal, ``C = A`` with columns
@@ -96,6 +104,8 @@ class ProductPlan:
         ``(A, B)``, kept by ``rowwise`` plans to expand products in the numeric phase.
     blocks : BlockProduct or None
         The block structure of a ``block`` plan.
+    selection : SelectionGather or None
+        The live-entry structure of a ``gather`` plan.
     """
 
     method: str
@@ -106,6 +116,7 @@ class ProductPlan:
     multiply_adds: int
     operands: tuple[Pattern, Pattern] | None = None
     blocks: BlockProduct | None = None
+    selection: SelectionGather | None = None
 
     @property
     def flops(self) -> int:
@@ -113,12 +124,19 @@ class ProductPlan:
         return self.multiply_adds if self.method.startswith("scale") else 2 * self.multiply_adds
 
     @property
+    def flops_live(self) -> int:
+        """FLOPs over the live entries: a ``gather`` runs one selection entry per column (at most
+        ``2 * selection.live_multiply_adds``); other methods run their whole pattern."""
+        return self.flops if self.selection is None else 2 * self.selection.live_multiply_adds
+
+    @property
     def nbytes(self) -> int:
         """Bytes of index structure held by the plan (the output pattern included)."""
         if self.blocks is not None:
             return self.blocks.nbytes
         arrays = (self.a_pos, self.b_pos, self.starts)
-        return self.out.nbytes + sum(int(a.nbytes) for a in arrays if a is not None)
+        extra = 0 if self.selection is None else self.selection.nbytes
+        return self.out.nbytes + extra + sum(int(a.nbytes) for a in arrays if a is not None)
 
 
 def _exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
@@ -276,7 +294,15 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: 
         chunk_products = max(1, min(chunk_products, budget_bytes // PRODUCT_BUILD_BYTES))
         if total * PRODUCT_PLAN_BYTES > budget_bytes:
             return _rowwise_plan(a, b, total, chunk_products, budget_bytes, index_dtype)
-    return _general_plan(a, b, total, chunk_products, index_dtype)
+    plan = _general_plan(a, b, total, chunk_products, index_dtype)
+    fits = budget_bytes is None or total * (PRODUCT_PLAN_BYTES + SELECTION_PLAN_BYTES) <= budget_bytes
+    if "selection" in (a_kind, b_kind) and fits:
+        operand = "a" if a_kind == "selection" else "b"
+        gather = plan_selection_gather(a if operand == "a" else b, operand, plan.out.nnz, plan.a_pos,
+                                       plan.b_pos, plan.starts)
+        if gather is not None:
+            plan = dataclasses.replace(plan, method="gather", selection=gather)
+    return plan
 
 
 def _chunk_size(batch: int, itemsize: int, scratch_bytes: int) -> int:
@@ -294,18 +320,20 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
     """
     if plan.method == "block":
         return multiply_blocks(plan.blocks, a_data, b_data, scratch_bytes=scratch_bytes)
+    if plan.method == "gather" and (a_data if plan.selection.operand == "a" else b_data).ndim == 2:
+        return multiply_live(plan.selection, plan.out.nnz, a_data, b_data)
     if plan.method == "scale_columns":
         return a_data * b_data[..., plan.b_pos]
     if plan.method == "scale_rows":
         return a_data[..., plan.a_pos] * b_data
-    if plan.method == "general" and plan.starts is None:
+    if plan.method in ("general", "gather") and plan.starts is None:
         return a_data[..., plan.a_pos] * b_data[..., plan.b_pos]
     lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
     dtype = np.result_type(a_data, b_data)
     out = np.empty(lead + (plan.out.nnz,), dtype=dtype)
     batch = int(np.prod(lead)) if lead else 1
     limit = _chunk_size(batch, dtype.itemsize, scratch_bytes)
-    if plan.method == "general":
+    if plan.method in ("general", "gather"):
         _multiply_stored(plan, a_data, b_data, out, limit)
     else:
         _multiply_rowwise(plan, a_data, b_data, out, limit)

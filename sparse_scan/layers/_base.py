@@ -26,8 +26,9 @@ class Layer:
     name : str or None
         Used in error messages (set by model builders; defaults to the class name).
     jacobian_kind : {"general", "diagonal", "selection"}
-        ``"diagonal"``: JT is diagonal (a product with it is a scaling); ``"selection"``: JT holds one
-        live entry per output, chosen by the input (a product with it is a gather); ``"general"``
+        ``"diagonal"``: JT is diagonal (a product with it is a scaling); ``"selection"``: JT holds at
+        most one non-zero per column (output) per sample, chosen by the input (a product with it is
+        a gather over those entries, :mod:`sparse_scan.selection`); ``"general"``
         otherwise. The scan planner uses this to avoid general SpGEMMs.
     sample_independent : bool
         Whether JT's values are the same for every sample (then ``data`` has shape ``(nnz,)``).

@@ -1,0 +1,173 @@
+"""Products with a selection operand (a max-pool JT): gathers over the live entries only.
+
+A selection JT ``S`` (``jacobian_kind == "selection"``) has a fixed pattern (every input of every
+pooling window) but, per sample, one live entry per column (the window's maximum holds 1, the other
+window entries are explicit zeros). In ``C = S @ B`` (rows gathered) or ``C = A @ S`` (columns
+gathered) a multiply-add with a dead ``S`` entry only ever adds zero. ``C`` keeps the full symbolic
+pattern, so its entries that only dead entries reach are explicit zeros, but the numeric phase does
+not pay for them: it finds the live ``S`` entries of each sample and runs only their multiply-adds,
+grouped by ``S`` entry when the plan was built.
+
+Layout: the multiply-adds of column ``j`` of ``S`` are laid out in ``L_j`` slots, ``L_j`` the most
+any entry of the column carries, with one table row per window position ``k``: slot ``t`` of row
+``k`` holds the ``C`` entry and the other operand's entry of the ``t``-th multiply-add of the
+column's ``k``-th entry (or a dummy). Per sample, the live ``k`` of every column picks a row, so the
+numeric phase is a few batched gathers over ``sum_j L_j`` slots with index arrays fixed by the plan.
+That is also the static bound on live FLOPs reported per step (exact when all of a column's entries
+carry as many multiply-adds, as for a pool on the left of a product).
+
+Gathers apply when every ``C`` entry can receive at most one live multiply-add (non-overlapping
+windows, or any pool on the right of a product); overlapping windows on the left keep the
+``general`` method. The plan keeps the ``general`` arrays too (multiply-adds grouped by ``C`` entry),
+for backends that run every multiply-add and skip the zero ones (the GPU kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .csr import Pattern
+
+__all__ = ["SelectionGather", "multiply_live", "plan_selection_gather"]
+
+
+@dataclass(frozen=True, eq=False)
+class SelectionGather:
+    """The live-entry layout of ``C = A @ B`` with a selection operand ``S``.
+
+    Attributes
+    ----------
+    operand : {"a", "b"}
+        Which operand is the selection.
+    entries : ndarray, shape (window, columns)
+        ``S``'s entry at window position ``k`` of every column (``valid`` says which exist).
+    valid : ndarray of bool, shape (window, columns)
+    column_of_slot : ndarray, shape (slots,)
+        The column of ``S`` each slot belongs to.
+    out_pos : ndarray, shape (window, slots)
+        Per window position and slot: the ``C`` entry (``nnz_C`` for a dummy).
+    other_pos : ndarray, shape (window, slots) or (slots,)
+        ... and the other operand's entry (0 for a dummy); one row for every window position when
+        they all read the same entries (a pool on the left: each column reads one row of ``B``).
+    """
+
+    operand: str
+    entries: np.ndarray
+    valid: np.ndarray
+    column_of_slot: np.ndarray
+    out_pos: np.ndarray
+    other_pos: np.ndarray
+
+    @property
+    def live_multiply_adds(self) -> int:
+        """Multiply-adds the numeric phase runs per sample (the slots)."""
+        return int(self.column_of_slot.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index tables."""
+        arrays = (self.entries, self.valid, self.column_of_slot, self.out_pos, self.other_pos)
+        return sum(int(a.nbytes) for a in arrays)
+
+
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """For sorted group labels, each element's position within its group."""
+    starts = np.flatnonzero(np.concatenate(([True], groups[1:] != groups[:-1])))
+    lengths = np.diff(np.append(starts, len(groups)))
+    return np.arange(len(groups)) - np.repeat(starts, lengths)
+
+
+def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos: np.ndarray,
+                          b_pos: np.ndarray, starts: np.ndarray | None) -> SelectionGather | None:
+    """The live-entry layout from a ``general`` plan (multiply-adds grouped by ``C`` entry).
+
+    Parameters
+    ----------
+    selection : Pattern
+        The selection operand's pattern.
+    operand : {"a", "b"}
+        Which operand of ``A @ B`` it is.
+    out_nnz : int
+        Entries of ``C``.
+    a_pos, b_pos, starts : ndarray
+        The ``general`` plan: operand entries of every multiply-add, and the first multiply-add of
+        every ``C`` entry (None when each has exactly one).
+
+    Returns
+    -------
+    SelectionGather or None
+        None when a ``C`` entry can receive live multiply-adds from two columns of ``S`` (two
+        windows sharing their maximum): those products keep the ``general`` method.
+    """
+    total = len(a_pos)
+    if starts is None:
+        out_of_product = np.arange(total, dtype=np.int64)
+    else:
+        out_of_product = np.repeat(np.arange(out_nnz, dtype=np.int64),
+                                   np.diff(np.append(np.asarray(starts, np.int64), total)))
+    selected, other = (a_pos, b_pos) if operand == "a" else (b_pos, a_pos)
+    selected = np.asarray(selected, dtype=np.int64)
+    column = np.asarray(selection.indices, dtype=np.int64)
+    columns = selection.shape[1]
+    reach = np.unique(out_of_product * columns + column[selected])
+    if np.any(np.diff(reach // columns) == 0):
+        return None
+    # window position of every S entry: its rank among its column's entries
+    by_column = np.argsort(column, kind="stable")
+    window_pos = np.empty(selection.nnz, dtype=np.int64)
+    window_pos[by_column] = _rank_within(column[by_column])
+    window = int(window_pos.max()) + 1 if selection.nnz else 1
+    entries = np.zeros((window, columns), dtype=np.int64)
+    valid = np.zeros((window, columns), dtype=bool)
+    entries[window_pos, column] = np.arange(selection.nnz)
+    valid[window_pos, column] = True
+    # slots: the t-th multiply-add of an entry goes to slot t of its column
+    order = np.argsort(selected, kind="stable")
+    rank = _rank_within(selected[order])
+    per_entry = np.bincount(selected, minlength=selection.nnz)
+    width = np.zeros(columns, dtype=np.int64)
+    np.maximum.at(width, column, per_entry)
+    first_slot = np.cumsum(width) - width
+    slot = first_slot[column[selected[order]]] + rank
+    slots = int(width.sum())
+    dtype = a_pos.dtype
+    out_pos = np.full((window, slots), out_nnz, dtype=dtype)
+    other_pos = np.zeros((window, slots), dtype=dtype)
+    row = window_pos[selected[order]]
+    out_pos[row, slot] = out_of_product[order]
+    other_pos[row, slot] = np.asarray(other)[order]
+    column_of_slot = np.repeat(np.arange(columns), width).astype(dtype)
+    filled = out_pos < out_nnz
+    if np.all(np.where(filled, other_pos, other_pos[0]) == other_pos[0]) and filled[0].all():
+        other_pos = other_pos[0]
+    return SelectionGather(operand, entries.astype(dtype), valid, column_of_slot, out_pos, other_pos)
+
+
+def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Any, b_data: Any) -> Any:
+    """Values of ``C`` (host arrays): zeros, then the live entries' multiply-adds.
+
+    The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.
+    Returns ``(B, nnz_C)`` (a view of a buffer with one more, dummy, column per sample).
+    """
+    selection, other = (a_data, b_data) if gather.operand == "a" else (b_data, a_data)
+    window_values = selection[:, gather.entries] * gather.valid  # (B, window, columns)
+    live = np.argmax(window_values != 0, axis=1)  # a column without a live entry picks a zero
+    weight = np.take_along_axis(window_values, live[:, None, :], axis=1)[:, 0, :]
+    slots = gather.out_pos.shape[1]
+    flat = live.astype(gather.out_pos.dtype)[:, gather.column_of_slot]  # (B, slots): live row
+    flat *= slots
+    flat += np.arange(slots, dtype=flat.dtype)
+    if gather.other_pos.ndim == 1:
+        values = np.take(other, gather.other_pos, axis=-1)
+    else:
+        other_pos = gather.other_pos.reshape(-1)[flat]
+        values = other[other_pos] if other.ndim == 1 else np.take_along_axis(other, other_pos, axis=1)
+    values = np.broadcast_to(values, flat.shape)
+    if not np.all(weight == 1):  # max-pool's live entries are ones: nothing to scale
+        values = values * weight[:, gather.column_of_slot]
+    out = np.zeros((selection.shape[0], out_nnz + 1), dtype=np.result_type(a_data, b_data))
+    np.put_along_axis(out, gather.out_pos.reshape(-1)[flat], values, axis=1)
+    return out[:, :out_nnz]
