@@ -85,7 +85,8 @@ def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
             start = time.perf_counter()
             plan = plan_product(a_pat, b_pat, a_kind, b_kind, channels=channels)
             row["plan_s"] = time.perf_counter() - start
-            row.update(method=plan.method, out_nnz=plan.out.nnz, plan_bytes=plan.nbytes,
+            row.update(method=plan.method, flops=plan.flops, flops_live=plan.flops_live,
+                       out_nnz=plan.out.nnz, plan_bytes=plan.nbytes,
                        shared_operands=a_data.ndim == 1 and b_data.ndim == 1)
             result = multiply(plan, a_data, b_data)
             values[out] = (plan.out, "general", result)

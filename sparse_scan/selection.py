@@ -112,8 +112,10 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
     selected = np.asarray(selected, dtype=np.int64)
     column = np.asarray(selection.indices, dtype=np.int64)
     columns = selection.shape[1]
-    reach = np.unique(out_of_product * columns + column[selected])
-    if np.any(np.diff(reach // columns) == 0):
+    # multiply-adds are grouped by C entry: two columns within one group can both be live
+    column_of_product = column[selected]
+    if np.any((out_of_product[1:] == out_of_product[:-1])
+              & (column_of_product[1:] != column_of_product[:-1])):
         return None
     # window position of every S entry: its rank among its column's entries
     by_column = np.argsort(column, kind="stable")
@@ -131,7 +133,7 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
     width = np.zeros(columns, dtype=np.int64)
     np.maximum.at(width, column, per_entry)
     first_slot = np.cumsum(width) - width
-    slot = first_slot[column[selected[order]]] + rank
+    slot = first_slot[column_of_product[order]] + rank
     slots = int(width.sum())
     dtype = a_pos.dtype
     out_pos = np.full((window, slots), out_nnz, dtype=dtype)
