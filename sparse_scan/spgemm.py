@@ -316,6 +316,11 @@ def _chunk_size(batch: int, itemsize: int, scratch_bytes: int) -> int:
     return max(1, scratch_bytes // (batch * itemsize * 3 + PRODUCT_BUILD_BYTES))
 
 
+def _stored_chunk_size(itemsize: int, scratch_bytes: int) -> int:
+    """Multiply-adds per chunk of :func:`_multiply_stored`: one matrix's values and indices."""
+    return max(1, scratch_bytes // (itemsize + 16))
+
+
 def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
              scratch_bytes: int = SCRATCH_BYTES) -> Any:
     """Numeric phase of ``A @ B``: values of ``C`` in ``plan.out``'s entry order.
@@ -340,21 +345,45 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
     batch = int(np.prod(lead)) if lead else 1
     limit = _chunk_size(batch, dtype.itemsize, scratch_bytes)
     if plan.method in ("general", "gather"):
-        _multiply_stored(plan, a_data, b_data, out, limit)
+        _multiply_stored(plan, a_data, b_data, out, _stored_chunk_size(dtype.itemsize, scratch_bytes))
     else:
         _multiply_rowwise(plan, a_data, b_data, out, limit)
     return out
 
 
 def _multiply_stored(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limit: int) -> None:
+    """Stored multiply-adds as sparse matrix-vector products through SciPy's compiled kernels.
+
+    With one operand's values fixed, ``C``'s values are linear in the other's: ``c = M x`` where
+    ``M`` (``nnz_C`` rows, one column per entry of ``x``'s operand) has the plan's pattern (row
+    ``e``: the multiply-adds of ``C`` entry ``e``, column: their ``x`` entry) and holds the fixed
+    operand's values at the multiply-adds (one gather). The vector operand is the per-sample one, so
+    a shared operand (conv weights) is gathered once and all samples go through one multi-vector
+    product; two per-sample operands take one product per sample. ``M`` is stored whole, explicit
+    zeros included, so ``C``'s pattern stays the symbolic one. ``limit`` bounds ``M``'s entries
+    held at once (chunks of ``C`` entries).
+    """
+    swap = a_data.ndim == 2 and b_data.ndim == 1  # the vectors: the per-sample operand
+    vectors, fixed = (a_data, b_data) if swap else (b_data, a_data)
+    vector_pos, fixed_pos = (plan.a_pos, plan.b_pos) if swap else (plan.b_pos, plan.a_pos)
     starts, total, entry = plan.starts, plan.multiply_adds, 0
+    columns = vectors.shape[-1]
+    stacked = np.ascontiguousarray(vectors.T) if vectors.ndim == 2 and fixed.ndim == 1 else None
     while entry < plan.out.nnz:
         first = int(starts[entry])
-        stop = int(np.searchsorted(starts, first + limit, side="right"))
-        stop = max(stop, entry + 1)
+        stop = max(int(np.searchsorted(starts, first + limit, side="right")), entry + 1)
         last = int(starts[stop]) if stop < plan.out.nnz else total
-        products = a_data[..., plan.a_pos[first:last]] * b_data[..., plan.b_pos[first:last]]
-        out[..., entry:stop] = np.add.reduceat(products, starts[entry:stop] - first, axis=-1)
+        indptr = np.append(starts[entry:stop], starts.dtype.type(last)) - starts.dtype.type(first)
+        pattern = Pattern(indptr, vector_pos[first:last], (stop - entry, columns))
+        positions = fixed_pos[first:last]
+        if fixed.ndim == 1:
+            matrix = _scipy_matrix(pattern, fixed[positions])
+            result = matrix @ (vectors if stacked is None else stacked)
+            out[..., entry:stop] = result if stacked is None else result.T
+        else:
+            for sample in range(out.shape[0]):
+                matrix = _scipy_matrix(pattern, fixed[sample, positions])
+                out[sample, entry:stop] = matrix @ (vectors if vectors.ndim == 1 else vectors[sample])
         entry = stop
 
 
