@@ -21,8 +21,11 @@ result nothing uses are dropped. :func:`run_plan` executes the numeric phase for
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -198,11 +201,20 @@ class ScanPlan:
                 released[index].append(element)
         return released
 
+    @functools.cached_property
+    def levels_of_steps(self) -> list[list[int]]:
+        """Indices of the steps of every level, in level order."""
+        levels: dict[int, list[int]] = {}
+        for index, step in enumerate(self.steps):
+            levels.setdefault(step.level, []).append(index)
+        return [levels[level] for level in sorted(levels)]
+
     def peak_bytes(self, batch: int, itemsize: int) -> int:
         """Peak bytes of live scan values for ``batch`` samples of ``itemsize``-byte values.
 
-        The inputs (``g_n`` and every JT) are live from the start; a step's result from that step;
-        every value until its last use, and the gradients to the end.
+        The inputs (``g_n`` and every JT) are live from the start; the results of a level from that
+        level (its steps may run at once); every value until the end of the level of its last use,
+        and the gradients to the end.
         """
         def size(element: Element) -> int:
             shared, per_sample = self.element_bytes[element]
@@ -210,10 +222,10 @@ class ScanPlan:
 
         live = sum(size(Element(j, j)) for j in range(self.n + 1))
         peak = live
-        for step, released in zip(self.steps, self.releases, strict=True):
-            live += size(step.out)
+        for level in self.levels_of_steps:
+            live += sum(size(self.steps[index].out) for index in level)
             peak = max(peak, live)
-            live -= sum(size(element) for element in released)
+            live -= sum(size(element) for index in level for element in self.releases[index])
         return peak
 
     def report(self, batch: int = 1, itemsize: int = 4) -> dict[str, Any]:
@@ -417,8 +429,21 @@ def build_plan(
     return ScanPlan(method, levels, n, steps, outputs, element_bytes)
 
 
-def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[Any]:
+def cpu_threads() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
+             threads: int | None = None) -> list[Any]:
     """Numeric phase: execute ``plan`` for one batch.
+
+    The steps of a level are independent: with ``threads > 1`` they run concurrently (NumPy's and
+    SciPy's kernels release the GIL), which is the scan's parallelism on a multi-core CPU. Values
+    are released at the end of the level of their last use.
 
     Parameters
     ----------
@@ -428,6 +453,8 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[An
     jacobians : sequence of BatchedCSR
         ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``); their patterns
         are the ones the plan was built from.
+    threads : int, optional
+        Worker threads per level (default: the cores this process may use).
 
     Returns
     -------
@@ -439,15 +466,25 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[An
     for j, jt in enumerate(jacobians, start=1):
         values[Element(j, j)] = jt.data
         patterns[Element(j, j)] = jt.pattern
-    for step, released in zip(plan.steps, plan.releases, strict=True):
+
+    def compute(step: Step) -> Any:
         right = values[step.right]
         if step.scaling:  # a diagonal JT holds its whole diagonal, in order
-            values[step.out] = right * values[step.left]
-        elif step.kind == "mv":
-            values[step.out] = matvec(patterns[step.right], right, values[step.left])
-        else:
-            values[step.out] = multiply(step.product, right, values[step.left])
-            patterns[step.out] = step.product.out
-        for element in released:
-            del values[element]
+            return right * values[step.left]
+        if step.kind == "mv":
+            return matvec(patterns[step.right], right, values[step.left])
+        return multiply(step.product, right, values[step.left])
+
+    workers = cpu_threads() if threads is None else max(1, int(threads))
+    with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        for level in plan.levels_of_steps:
+            steps = [plan.steps[index] for index in level]
+            run = pool.map if pool is not None and len(steps) > 1 else map
+            for step, result in zip(steps, list(run(compute, steps)), strict=True):
+                values[step.out] = result
+                if step.product is not None:
+                    patterns[step.out] = step.product.out
+            for index in level:
+                for element in plan.releases[index]:
+                    values.pop(element, None)
     return [values[element] for element in plan.outputs]

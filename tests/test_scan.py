@@ -19,7 +19,7 @@ from sparse_scan.layers import (
     Sigmoid,
     Tanh,
 )
-from sparse_scan.scan import ScanCostError, depth
+from sparse_scan.scan import ScanCostError, depth, run_plan
 from sparse_scan.spgemm import multiply, plan_product
 
 POINTWISE = (ReLU, lambda: LeakyReLU(0.1), Tanh, Sigmoid)
@@ -230,6 +230,20 @@ def test_plan_report_figures():
     auto = model.plan(in_shape, "hybrid", "auto")
     assert auto.critical_flops == min(model.plan(in_shape, "hybrid", k).critical_flops
                                       for k in range(depth(8) + 1))
+
+
+@pytest.mark.parametrize("method, levels", [("blelloch", None), ("hybrid", 2)])
+def test_steps_of_a_level_run_concurrently_with_the_same_results(method, levels):
+    model, in_shape = random_chain(21, seed=11, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    y = model.forward(rng.standard_normal((3,) + in_shape))
+    grad = rng.standard_normal(y.shape).reshape(3, -1)
+    plan = model.plan(in_shape, method, levels)
+    assert max(len(level) for level in plan.levels_of_steps) > 1
+    jts = model.transposed_jacobians()[::-1]
+    serial = run_plan(plan, grad, jts, threads=1)
+    for got, want in zip(run_plan(plan, grad, jts, threads=4), serial, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_max_step_flops_gives_up_before_building_a_costlier_product():
