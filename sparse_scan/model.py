@@ -131,16 +131,17 @@ class Sequential:
         shape = tuple(int(s) for s in in_shape)
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-        if method == "hybrid" and levels == "auto":
-            return self._auto_plan(shape, max_step_flops)
         if method != "hybrid" and levels is not None:
             raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
                              f"with method={method!r}")
-        key = (shape, method, levels, self.memory_budget,
-               tuple(layer._structure_key() for layer in self.layers))
+        structure = tuple(layer._structure_key() for layer in self.layers)
+        auto = method == "hybrid" and levels == "auto"
+        # the auto choice depends on the limit (abandoned depths are not cached plans)
+        key = (shape, method, levels, self.memory_budget, structure) + ((max_step_flops,) if auto else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._build_plan(shape, method, levels, max_step_flops)
+            plan = (self._auto_plan(shape, max_step_flops) if auto
+                    else self._build_plan(shape, method, levels, max_step_flops))
             self._plans[key] = plan
         return plan
 

@@ -274,6 +274,7 @@ def test_auto_skips_depths_whose_products_cost_more_than_the_best_plan():
                          for i in range(6)])
     auto = model.plan((3,), "hybrid", "auto")
     assert model.plan_builds == 2  # depth 0, and the abandoned depth 1
+    assert model.plan((3,), "hybrid", "auto") is auto and model.plan_builds == 2  # choice cached
     every = [model.plan((3,), "hybrid", k) for k in range(depth(6) + 1)]
     assert auto.critical_flops == min(p.critical_flops for p in every)
     assert auto.levels == 0
