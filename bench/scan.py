@@ -63,7 +63,7 @@ def schedules(n: int) -> list[tuple[str, Any]]:
 
 def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
-    model = vgg11_features(prune)
+    model = vgg11_features(pruned=prune > 0)
     name = f"vgg11-pruned{int(prune * 100)}" if prune else "vgg11"
     x = rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32)
     grad = rng.standard_normal(model.forward(x).shape).astype(np.float32)

@@ -48,7 +48,7 @@ def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
     rows = []
     rng = np.random.default_rng(0)
     for batch in (1, args.batch):
-        model = vgg11_features(prune)
+        model = vgg11_features(pruned=prune > 0)
         x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
         model.forward(x)
         n = len(model)

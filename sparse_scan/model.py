@@ -59,12 +59,15 @@ class Sequential:
 
     Attributes
     ----------
+    input_shape : tuple of int or None
+        The per-sample input shape, when known (set by :func:`sparse_scan.load_model`).
     plan_builds : int
         How many scan plans were built (symbolic work); a cached plan is reused for every batch and
         batch size with the same per-sample input shape, method and levels.
     """
 
-    def __init__(self, *layers: Layer, memory_budget: int | None = None) -> None:
+    def __init__(self, *layers: Layer, memory_budget: int | None = None,
+                 input_shape: Sequence[int] | None = None) -> None:
         if not layers:
             raise ValueError("Sequential needs at least one layer")
         for position, layer in enumerate(layers):
@@ -74,6 +77,7 @@ class Sequential:
                 layer.name = str(position)
         self.layers: list[Layer] = list(layers)
         self.memory_budget = memory_budget
+        self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.plan_builds = 0
         self._plans: dict[Hashable, ScanPlan] = {}
         self._products: dict[Hashable, dict[Any, ProductPlan]] = {}

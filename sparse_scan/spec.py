@@ -1,0 +1,245 @@
+"""Model specs: a YAML list of layers with PyTorch's argument names, plus optional weights.
+
+.. code-block:: yaml
+
+    input_shape: [3, 32, 32]          # one sample, no batch axis
+    weights: model.npz                # optional, relative to the spec; "<layer>.weight", "<layer>.bias"
+    init: {seed: 0}                   # optional: seeded initialisation for layers without stored weights
+    prune: {amount: 0.97}             # optional: magnitude-prune conv/linear weights, pattern follows
+    layers:
+      - {name: conv1, type: conv2d, out_channels: 64, kernel_size: 3, padding: 1}
+      - {name: relu1, type: relu}
+      - {name: pool1, type: maxpool2d, kernel_size: 2, stride: 2}
+      - {name: flat, type: flatten}
+      - {name: fc, type: linear, out_features: 10}
+
+``in_channels``/``in_features`` are inferred from the previous layer (given, they must agree). Every
+problem is a :class:`SpecError` naming the file, the layer and the field; the spec and the weights file
+are only read.
+
+Examples
+--------
+>>> import pathlib, tempfile
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "tiny.yaml"
+>>> _ = path.write_text("input_shape: [1, 6, 6]\\ninit: {seed: 0}\\nlayers:\\n"
+...                     "  - {name: conv, type: conv2d, out_channels: 2, kernel_size: 3}\\n"
+...                     "  - {type: relu}\\n  - {type: flatten}\\n"
+...                     "  - {name: fc, type: linear, out_features: 3}\\n")
+>>> model = load_model(path)
+>>> model.input_shape, [layer.name for layer in model.layers]
+((1, 6, 6), ['conv', '1', '2', 'fc'])
+>>> model.layers[3].in_features
+32
+"""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .layers import AvgPool2d, Conv2d, Flatten, Layer, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
+from .model import Sequential
+
+__all__ = ["LAYER_TYPES", "SpecError", "load_model"]
+
+LAYER_TYPES: dict[str, type[Layer]] = {
+    "conv2d": Conv2d, "linear": Linear, "relu": ReLU, "leaky_relu": LeakyReLU, "tanh": Tanh,
+    "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
+}
+"""Spec ``type`` -> layer class (arguments: the class's, PyTorch's names)."""
+
+TOP_LEVEL = ("input_shape", "layers", "weights", "init", "prune")
+INFERRED = {Conv2d: ("in_channels", lambda shape: shape[0]), Linear: ("in_features", lambda shape: shape[0])}
+ENGINE_ARGUMENTS = ("dtype", "rng", "prune_pattern")  # set by the loader, not by the spec
+_LAYER_MESSAGE = re.compile(r"^layer [^:]+: ([^:]+): (.*)$", re.DOTALL)
+
+
+class SpecError(ValueError):
+    """A model spec or its weights are invalid: the message names the file, the layer and the field."""
+
+
+def _fail(path: pathlib.Path, where: str, field: str, message: str) -> SpecError:
+    return SpecError(f"{path}: {where}{', ' if where else ''}field {field!r}: {message}")
+
+
+def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as error:
+        raise SpecError(f"{path}: cannot read: {error.strerror or error}") from None
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{path}: malformed YAML{at}: {getattr(error, 'problem', None) or error}") from None
+    if not isinstance(spec, dict):
+        raise SpecError(f"{path}: expected a mapping with {', '.join(TOP_LEVEL[:2])}, ...; "
+                        f"got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(TOP_LEVEL))
+    if unknown:
+        raise _fail(path, "", unknown[0], f"unknown key (allowed: {', '.join(TOP_LEVEL)})")
+    for key in TOP_LEVEL[:2]:
+        if key not in spec:
+            raise _fail(path, "", key, "missing")
+    return spec
+
+
+def _input_shape(path: pathlib.Path, value: Any) -> tuple[int, ...]:
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in value)):
+        raise _fail(path, "", "input_shape", f"must be a list of positive ints (one sample, no batch "
+                    f"axis), got {value!r}")
+    return tuple(value)
+
+
+def _options(path: pathlib.Path, spec: dict[str, Any], key: str, field: str, check) -> Any:
+    """``spec[key][field]`` (None when ``key`` is absent), validated by ``check``."""
+    if key not in spec:
+        return None
+    block = spec[key]
+    if not isinstance(block, dict) or set(block) != {field}:
+        raise _fail(path, "", key, f"must be a mapping with exactly the key {field!r}, got {block!r}")
+    value = block[field]
+    if not check(value):
+        raise _fail(path, "", f"{key}.{field}", f"invalid value {value!r}")
+    return value
+
+
+def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, ...], dtype: Any,
+                 rng: np.random.Generator, prune: bool) -> tuple[Layer, str]:
+    if not isinstance(entry, dict):
+        raise _fail(path, f"layers[{index}]", "type", f"each layer must be a mapping, got {entry!r}")
+    name = str(entry.get("name", index))
+    where = f"layer {name!r} (layers[{index}])"
+    kind = entry.get("type")
+    if kind not in LAYER_TYPES:
+        raise _fail(path, where, "type", f"unknown layer type {kind!r} (known: {', '.join(LAYER_TYPES)})")
+    cls = LAYER_TYPES[kind]
+    arguments = {k: v for k, v in entry.items() if k not in ("name", "type")}
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self",)]
+    for argument in arguments:
+        if argument not in accepted or argument in ENGINE_ARGUMENTS:
+            allowed = [p for p in accepted if p not in ENGINE_ARGUMENTS]
+            raise _fail(path, where, argument, f"unknown argument of {kind} (allowed: {', '.join(allowed)})")
+    if cls is Linear and len(shape) != 1:
+        raise _fail(path, where, "input", f"a linear layer needs a flat input, got shape {list(shape)}; "
+                    "add a flatten layer before it")
+    if cls in INFERRED:
+        field, infer = INFERRED[cls]
+        inferred = infer(shape)
+        if field in arguments and arguments[field] != inferred:
+            raise _fail(path, where, field, f"is {arguments[field]!r} but the input to this layer has "
+                        f"{inferred} (shape {list(shape)})")
+        arguments[field] = inferred
+        arguments.update(dtype=dtype, rng=rng, prune_pattern=prune)
+    try:
+        layer = cls(**arguments)
+        layer.name = name
+        out_shape = tuple(layer.output_shape(shape))
+    except (TypeError, ValueError) as error:
+        match = _LAYER_MESSAGE.match(str(error))
+        field, message = match.groups() if match else ("arguments", str(error))
+        raise _fail(path, where, field, message) from None
+    return layer, out_shape
+
+
+def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
+    if not isinstance(weights, str):
+        raise _fail(path, "", "weights", f"must be a file name, got {weights!r}")
+    file = path.parent / weights
+    try:
+        with np.load(file, allow_pickle=False) as stored:
+            return {key: stored[key] for key in stored.files}
+    except FileNotFoundError:
+        raise _fail(path, "", "weights", f"no such file: {file}") from None
+    except (OSError, ValueError) as error:
+        raise _fail(path, "", "weights", f"{file} is not a readable .npz: {error}") from None
+
+
+def _magnitude_prune(layer: Any, amount: float) -> None:
+    """Zero the ``amount`` fraction of smallest-magnitude weights (ties at the threshold included)."""
+    weight = layer.weight.copy()
+    threshold = np.quantile(np.abs(weight), amount)
+    weight[np.abs(weight) <= threshold] = 0
+    layer.weight = weight
+
+
+def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential:
+    """Build the :class:`~sparse_scan.Sequential` a spec describes.
+
+    Parameters
+    ----------
+    path : str or path-like
+        The YAML spec (format in the module docstring).
+    dtype : numpy dtype
+        Parameter dtype (float32 or float64); stored weights are cast to it.
+
+    Returns
+    -------
+    Sequential
+        With ``input_shape`` (per-sample) set.
+
+    Raises
+    ------
+    SpecError
+        Unreadable or malformed file, unknown key, layer type or argument, shapes that do not chain,
+        missing, unused or misshaped weights: the message names the file, the layer and the field.
+    """
+    path = pathlib.Path(path)
+    spec = _read_yaml(path)
+    shape = _input_shape(path, spec["input_shape"])
+    seed = _options(path, spec, "init", "seed", lambda v: isinstance(v, int) and not isinstance(v, bool)
+                    and v >= 0)
+    amount = _options(path, spec, "prune", "amount",
+                      lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1)
+    stored = _load_weights(path, spec["weights"]) if "weights" in spec else {}
+    if not isinstance(spec["layers"], list) or not spec["layers"]:
+        raise _fail(path, "", "layers", "must be a non-empty list of layers")
+    rng = np.random.default_rng(seed)
+    layers, names, in_shape = [], set(), shape
+    for index, entry in enumerate(spec["layers"]):
+        layer, shape = _build_layer(path, index, entry, shape, dtype, rng, amount is not None)
+        if layer.name in names:
+            raise _fail(path, f"layer {layer.name!r} (layers[{index}])", "name", "used by an earlier layer")
+        names.add(layer.name)
+        layers.append(layer)
+        _set_weights(path, index, layer, stored, seed is not None)
+        if amount is not None and hasattr(layer, "weight"):
+            _magnitude_prune(layer, amount)
+    unused = sorted(set(stored) - {f"{layer.name}.{p}" for layer in layers for p in ("weight", "bias")})
+    if unused:
+        raise _fail(path, "", "weights", f"{unused[0]!r} in the weights file matches no layer parameter")
+    return Sequential(*layers, input_shape=in_shape)
+
+
+def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str, np.ndarray],
+                 initialised: bool) -> None:
+    if not hasattr(layer, "weight"):
+        return
+    where = f"layer {layer.name!r} (layers[{index}])"
+    parameters = ["weight"] + (["bias"] if layer.bias is not None else [])
+    for parameter in parameters:
+        key = f"{layer.name}.{parameter}"
+        if key not in stored:
+            if not initialised:
+                raise _fail(path, where, parameter, f"no {key!r} in the weights file and no init: seed "
+                            "to initialise it")
+            continue
+        value = stored[key]
+        if value.dtype.kind != "f":
+            raise _fail(path, where, parameter, f"{key!r} has dtype {value.dtype}, expected floats")
+        if not np.all(np.isfinite(value)):
+            raise _fail(path, where, parameter, f"{key!r} holds NaN or Inf")
+        try:
+            setattr(layer, parameter, value.astype(layer.dtype))
+        except ValueError as error:
+            match = _LAYER_MESSAGE.match(str(error))
+            raise _fail(path, where, parameter, match.group(2) if match else str(error)) from None
