@@ -1,7 +1,8 @@
 """The ``sparse-scan`` click group.
 
-Subcommands are registered on :data:`main` with ``@main.command()`` (or ``main.add_command``) in
-later modules; each one only reads its input, calls :mod:`sparse_scan` and prints the result.
+Subcommands are registered on :data:`main` with ``@main.command()`` in their own modules (imported at
+the end of this one); each only reads its input, calls :mod:`sparse_scan` and prints the result.
+Errors are one line on stderr and exit code 2 (:func:`fail`), never a traceback.
 
 Examples
 --------
@@ -14,11 +15,14 @@ True
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 import click
 
 from sparse_scan import __version__
 
-__all__ = ["main"]
+__all__ = ["fail", "main", "parse_levels"]
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -30,11 +34,31 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 def main() -> None:
     """Back-propagation as a parallel scan (BPPSA) over sparse transposed Jacobians.
 
-    The engine's foundation is in place: layers whose transposed Jacobians are generated
-    analytically in CSR, on the CPU (NumPy/SciPy) or the GPU (CuPy RawKernels). Commands that
-    run a model, the scan and FLOP analysis come in later releases; use the Python library
-    (import sparse_scan) meanwhile.
+    Models are YAML specs (see README): `sparse-scan flops MODEL.yaml` analyses the backward
+    pass statically. Running the scan on data is a library call for now (import sparse_scan).
     """
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``sparse-scan: error: message`` on stderr and exit with status 2."""
+    click.echo(f"sparse-scan: error: {message}", err=True)
+    sys.exit(2)
+
+
+def parse_levels(levels: str | None) -> int | str | None:
+    """``--levels``: None, ``"auto"`` or a non-negative int (else a one-line error)."""
+    if levels is None or levels == "auto":
+        return levels
+    try:
+        value = int(levels)
+    except ValueError:
+        value = -1
+    if value < 0:
+        fail(f"--levels must be a non-negative int or 'auto', got {levels!r}")
+    return value
+
+
+from . import flops  # noqa: E402, F401, I001 - registers the subcommand on main
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m sparse_scan.cli.app`

@@ -46,7 +46,7 @@ def test_unknown_command_is_a_usage_error(runner):
 
 def test_main_is_an_extensible_group(runner):
     assert isinstance(app.main, click.Group)
-    assert app.__all__ == ["main"]
+    assert "main" in app.__all__ and "flops" in app.main.commands
 
     @click.command("probe")
     def probe():

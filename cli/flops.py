@@ -1,0 +1,105 @@
+"""``sparse-scan flops MODEL.yaml``: static FLOP analysis of the backward pass (no values).
+
+Parses the options, loads the spec, calls :func:`sparse_scan.flops.analyse` and prints a table or
+JSON; ``--plot`` draws the paper's Fig. 10 (FLOPs per step against ``m·n·k``) with matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import click
+
+from sparse_scan import SpecError, load_model
+from sparse_scan.flops import analyse
+from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
+
+from .app import fail, main, parse_levels
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [f"{'layer':10} {'type':10} {'JT shape':>20} {'nnz':>12} {'sparsity':>9} "
+             f"{'CSR MiB':>9} {'dense MiB':>11}"]
+    for layer in report["layers"]:
+        shape = "x".join(str(s) for s in layer["shape"])
+        lines.append(f"{layer['name']:10} {layer['type']:10} {shape:>20} {layer['nnz']:>12,} "
+                     f"{layer['sparsity']:>9.5f} {layer['csr_bytes'] / 2**20:>9.2f} "
+                     f"{layer['dense_bytes'] / 2**20:>11.1f}")
+    lines.append("")
+    lines.append(f"{'level':>5} {'phase':6} {'kind':4} {'method':13} {'m·n·k':>24} {'FLOPs':>14} "
+                 f"{'live FLOPs':>14} critical")
+    for step in report["steps"]:
+        mnk = "x".join(str(s) for s in step["mnk"])
+        lines.append(f"{step['level']:>5} {step['phase']:6} {step['kind']:4} {step['method']:13} "
+                     f"{mnk:>24} {step['flops']:>14,} {step['flops_live']:>14,} "
+                     f"{'*' if step['critical'] else ''}")
+    totals = report["totals"]
+    levels = "" if report["levels"] is None else f", levels {report['levels']}"
+    lines += ["", f"{report['method']}{levels}: {totals['critical_steps']} sequential steps",
+              f"BP FLOPs               {totals['bp_flops']:>16,}",
+              f"BPPSA critical FLOPs   {totals['critical_flops']:>16,}",
+              f"BPPSA work FLOPs       {totals['work_flops']:>16,}",
+              f"peak memory            {totals['peak_bytes'] / 2**20:>13.1f} MiB"]
+    return "\n".join(lines)
+
+
+def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
+    """The paper's Fig. 10: FLOPs per step against m·n·k, BP's gradient operators beside."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        fail("--plot needs matplotlib: pip install 'sparse-scan[plot]'")
+    figure, axes = plt.subplots(figsize=(6.4, 4.8))
+    bp = [(layer["shape"][0] * layer["shape"][1], 2 * layer["nnz"]) for layer in report["layers"]]
+    axes.scatter(*zip(*bp, strict=True), marker="s", facecolors="none", edgecolors="grey",
+                 label="BP: gradient operator (JT·g)")
+    for kind, marker in (("mm", "o"), ("mv", "^")):
+        for critical, colour in ((False, "tab:blue"), (True, "tab:red")):
+            points = [(max(1, s["mnk"][0] * s["mnk"][1] * s["mnk"][2]), max(1, s["flops"]))
+                      for s in report["steps"] if s["kind"] == kind and s["critical"] == critical]
+            if points:
+                axes.scatter(*zip(*points, strict=True), marker=marker, color=colour, alpha=0.7,
+                             label=f"BPPSA {kind}{' (critical path)' if critical else ''}")
+    axes.set(xscale="log", yscale="log", xlabel="m·n·k", ylabel="FLOPs",
+             title=f"{report['method']}: FLOPs per step")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
+@click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
+@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="samples assumed for peak memory")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--max-step-flops", type=float, default=1e10, show_default=True,
+              help="give up before planning a costlier product")
+@click.option("--json", "as_json", is_flag=True, help="print JSON only")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=pathlib.Path), default=None,
+              help="write the paper's Fig. 10 (needs matplotlib)")
+@click.option("--force", is_flag=True, help="overwrite an existing --plot file")
+def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtype: str,
+          max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool) -> None:
+    """Static FLOP analysis of MODEL's backward pass: per layer, per scan step, totals."""
+    if plot is not None and plot.exists() and not force:
+        fail(f"{plot}: exists (use --force to overwrite)")
+    try:
+        network = load_model(model, dtype=dtype)
+        report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops))
+    except SpecError as error:
+        fail(str(error))
+    except (ScanCostError, ScanMemoryError) as error:
+        fail(f"{model}: {error}")
+    except ValueError as error:
+        fail(f"{model}: {error}")
+    if plot is not None:
+        _plot(report, plot)
+    click.echo(json.dumps(report, indent=2) if as_json else _table(report))

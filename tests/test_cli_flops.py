@@ -1,0 +1,103 @@
+"""``sparse-scan flops``: static analysis through the CLI, its JSON contract and its errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from sparse_scan import load_model
+from sparse_scan.cli import app
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+
+
+def invoke(*args):
+    return CliRunner().invoke(app.main, ["flops", *map(str, args)])
+
+
+def test_json_contract_on_the_tiny_model():
+    result = invoke(DATA / "tiny.yaml", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert [layer["name"] for layer in report["layers"]] == [
+        "conv1", "relu1", "pool1", "conv2", "tanh2", "flat", "fc"]
+    for layer in report["layers"]:
+        assert set(layer) == {"name", "type", "shape", "nnz", "sparsity", "csr_bytes", "dense_bytes"}
+    assert {"level", "phase", "kind", "mnk", "flops", "critical"} <= set(report["steps"][0])
+    assert set(report["totals"]) >= {"bp_flops", "critical_flops", "work_flops", "peak_bytes"}
+    # every level has exactly one critical step, the costliest; critical FLOPs are their sum
+    levels = {step["level"] for step in report["steps"]}
+    critical = [step for step in report["steps"] if step["critical"]]
+    assert sorted(step["level"] for step in critical) == sorted(levels)
+    for step in critical:
+        assert step["flops"] == max(s["flops"] for s in report["steps"] if s["level"] == step["level"])
+    assert sum(step["flops"] for step in critical) == report["totals"]["critical_flops"]
+    assert report["totals"]["work_flops"] == sum(step["flops"] for step in report["steps"])
+    # BP: one SpMV per layer, 2 FLOPs per JT non-zero; the linear scan is exactly that
+    linear = json.loads(invoke(DATA / "tiny.yaml", "--json", "--method", "linear").output)
+    assert linear["totals"]["critical_flops"] == linear["totals"]["bp_flops"] == sum(
+        2 * layer["nnz"] for layer in report["layers"])
+
+
+def test_vgg11_shows_the_papers_table_1():
+    result = invoke(DATA / "vgg11.yaml", "--method", "linear", "--json")
+    assert result.exit_code == 0, result.output
+    layers = {layer["name"]: layer for layer in json.loads(result.output)["layers"]}
+    assert round(layers["conv1"]["sparsity"], 5) == 0.99157 and layers["conv1"]["nnz"] == 1_696_512
+    assert round(layers["relu1"]["sparsity"], 5) == 0.99998
+    assert round(layers["pool1"]["sparsity"], 5) == 0.99994
+    assert layers["conv1"]["dense_bytes"] == 768 * 2**20
+    table = invoke(DATA / "vgg11.yaml", "--method", "linear").output
+    assert "conv1" in table and "0.99157" in table and "BP FLOPs" in table
+
+
+def test_hybrid_auto_reports_the_chosen_depth():
+    result = invoke(DATA / "tiny.yaml", "--method", "hybrid", "--levels", "auto", "--json")
+    report = json.loads(result.output)
+    model = load_model(DATA / "tiny.yaml")
+    assert report["levels"] == model.plan(model.input_shape, "hybrid", "auto").levels
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["nope.yaml"], "nope.yaml: no such file"),
+    ([DATA / "tiny.yaml", "--method", "hybrid", "--levels", "9"], "levels in 0..3"),
+    ([DATA / "tiny.yaml", "--method", "hybrid", "--levels", "many"], "--levels must be"),
+    ([DATA / "tiny.yaml", "--levels", "1"], "levels applies to method='hybrid' only"),
+    ([DATA / "vgg11-pruned.yaml", "--max-step-flops", "1e6"], "over the limit of 1000000"),
+])
+def test_errors_are_one_line_with_exit_2(args, fragment):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert fragment in result.output and result.output.count("\n") == 1
+    assert "Traceback" not in result.output
+
+
+def test_plot_never_overwrites_without_force(tmp_path):
+    target = tmp_path / "fig.png"
+    target.write_bytes(b"keep me")
+    result = invoke(DATA / "tiny.yaml", "--plot", target)
+    assert result.exit_code == 2 and "exists" in result.output
+    assert target.read_bytes() == b"keep me"
+
+
+def test_plot_draws_the_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "fig.png"
+    result = invoke(DATA / "tiny.yaml", "--plot", target)
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_installed_command_runs_as_a_subprocess():
+    command = shutil.which("sparse-scan")
+    if command is None:
+        pytest.skip("the sparse-scan entry point is not on PATH")
+    done = subprocess.run([command, "flops", str(DATA / "tiny.yaml"), "--json"], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["totals"]["bp_flops"] > 0
