@@ -193,6 +193,31 @@ class Sequential:
         return build_plan(n, method, levels, element_pattern, vector_size, products, budget, describe,
                           vector_channels, max_step_flops)
 
+    # --- parameter gradients ---------------------------------------------------------------------
+    def parameter_gradients(self, grads: Sequence[Any]) -> dict[str, Any]:
+        """Gradients of every weight and bias (paper Eq. 2), summed over the batch like PyTorch.
+
+        Parameters
+        ----------
+        grads : sequence of ndarray
+            :meth:`backward`'s result for the last :meth:`forward`: ``grads[i + 1]`` is the gradient
+            w.r.t. layer ``i``'s output.
+
+        Returns
+        -------
+        dict
+            ``"<layer>.weight"`` and ``"<layer>.bias"`` (state_dict names) for layers with parameters.
+        """
+        activations = self._require_forward()
+        if len(grads) != len(activations):
+            raise ValueError(f"expected {len(activations)} gradients (x_0 .. x_n), got {len(grads)}")
+        out = {}
+        for index, layer in enumerate(self.layers):
+            if hasattr(layer, "parameter_gradients"):
+                for name, value in layer.parameter_gradients(activations[index], grads[index + 1]).items():
+                    out[f"{layer.name}.{name}"] = value
+        return out
+
     # --- backward ------------------------------------------------------------------------------
     def backward(self, grad_out: Any, method: str = "blelloch", levels: int | str | None = None,
                  device: str | None = None) -> list[Any]:

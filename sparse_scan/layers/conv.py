@@ -227,24 +227,48 @@ class Conv2d(WeightedLayer):
         self._check_input_dtype(x)
         g = self.geometry(x.shape[1:])
         xp = _backend.of(x).xp
-        top, bottom, left, right = self._pads
-        padded = xp.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+        columns = self._columns(x, g)
+        taps = columns.shape[2]
         batch = x.shape[0]
-        # windows[b, ci, kh, kw, oh, ow]: input tapped by offset (kh, kw) of output (oh, ow)
-        # columns[b, ci, kh, kw, oh, ow]: the input element tapped by offset (kh, kw) of (oh, ow)
-        columns = xp.stack([
-            padded[:, :, kh * g.dilation[0]:, kw * g.dilation[1]:]
-                  [:, :, : (g.out_height - 1) * g.stride[0] + 1: g.stride[0],
-                   : (g.out_width - 1) * g.stride[1] + 1: g.stride[1]]
-            for kh in range(g.kernel[0]) for kw in range(g.kernel[1])], axis=2)
-        taps = g.cin_per_group * g.kernel[0] * g.kernel[1]
-        columns = columns.reshape(batch, g.groups, taps, g.out_height * g.out_width)
         weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, taps)
         out = xp.matmul(weight[None], columns)
         out = out.reshape(batch, g.out_channels, g.out_height, g.out_width)
         if self.bias is not None:
             out = out + xp.asarray(self.bias)[None, :, None, None]
         return out
+
+    def _columns(self, x: Any, g: ConvGeometry) -> Any:
+        """``(B, groups, taps, out pixels)``: the input element each kernel tap of each output reads
+        (``taps = in_channels / groups * kh * kw``, zeros in the padding)."""
+        xp = _backend.of(x).xp
+        top, bottom, left, right = self._pads
+        padded = xp.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+        columns = xp.stack([
+            padded[:, :, kh * g.dilation[0]:, kw * g.dilation[1]:]
+                  [:, :, : (g.out_height - 1) * g.stride[0] + 1: g.stride[0],
+                   : (g.out_width - 1) * g.stride[1] + 1: g.stride[1]]
+            for kh in range(g.kernel[0]) for kw in range(g.kernel[1])], axis=2)
+        taps = g.cin_per_group * g.kernel[0] * g.kernel[1]
+        return columns.reshape(x.shape[0], g.groups, taps, g.out_height * g.out_width)
+
+    def parameter_gradients(self, x: Any, grad_out: Any) -> dict[str, Any]:
+        """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch.
+
+        ``dW[g] = sum_b grad_out[b, g] @ columns[b, g]^T``: one GEMM per group over all samples.
+        """
+        x = self._check_input(x)
+        g = self.geometry(x.shape[1:])
+        xp = _backend.of(x).xp
+        columns = self._columns(x, g)
+        batch, pixels = x.shape[0], g.out_height * g.out_width
+        grad = xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
+        # (groups, cout, B * pixels) @ (groups, B * pixels, taps)
+        left = grad.transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels)
+        right = columns.transpose(1, 0, 3, 2).reshape(g.groups, batch * pixels, columns.shape[2])
+        grads = {"weight": xp.matmul(left, right).reshape(self.weight.shape)}
+        if self.bias is not None:
+            grads["bias"] = grad.sum(axis=(0, 3)).reshape(-1)
+        return grads
 
     # --- pattern -------------------------------------------------------------------------------
     def _structural_pattern(

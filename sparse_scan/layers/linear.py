@@ -72,6 +72,15 @@ class Linear(WeightedLayer):
         y = x @ be.asarray(self.weight).T
         return y if self.bias is None else y + be.asarray(self.bias)
 
+    def parameter_gradients(self, x: Any, grad_out: Any) -> dict[str, Any]:
+        """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch."""
+        x = self._check_input(x)
+        grad = _backend.of(x).xp.asarray(grad_out)
+        grads = {"weight": grad.T @ x}
+        if self.bias is not None:
+            grads["bias"] = grad.sum(axis=0)
+        return grads
+
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
     ) -> tuple[Pattern, Any]:

@@ -1,0 +1,82 @@
+"""Parameter gradients (paper Eq. 2): finite differences always, PyTorch autograd when installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan import Sequential
+from sparse_scan.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
+
+CONVS = [dict(in_channels=2, out_channels=3, kernel_size=3),
+         dict(in_channels=4, out_channels=6, kernel_size=(2, 3), stride=2, padding=(1, 0), groups=2),
+         dict(in_channels=2, out_channels=2, kernel_size=3, dilation=2, padding=2, bias=False)]
+
+
+@pytest.mark.parametrize("kwargs", CONVS)
+def test_conv_parameter_gradients_match_finite_differences(kwargs):
+    rng = np.random.default_rng(0)
+    conv = Conv2d(**kwargs, dtype=np.float64, rng=1)
+    x = rng.standard_normal((3, kwargs["in_channels"], 7, 6))
+    g = rng.standard_normal(conv.forward(x).shape)
+    grads = conv.parameter_gradients(x, g)
+
+    weight = conv.weight.copy()
+
+    def loss_with(w):
+        conv.weight = w
+        return float(np.sum(g * conv.forward(x)))
+
+    eps = 1e-6
+    for index in [(0, 0, 0, 0), tuple(s - 1 for s in weight.shape), (1, 0, 1, 0)]:
+        up, down = weight.copy(), weight.copy()
+        up[index] += eps
+        down[index] -= eps
+        numeric = (loss_with(up) - loss_with(down)) / (2 * eps)
+        assert grads["weight"][index] == pytest.approx(numeric, rel=1e-6, abs=1e-8)
+    if conv.bias is not None:
+        np.testing.assert_allclose(grads["bias"], g.sum(axis=(0, 2, 3)))
+    else:
+        assert "bias" not in grads
+
+
+def test_linear_parameter_gradients_are_the_outer_products_summed():
+    rng = np.random.default_rng(1)
+    linear = Linear(5, 3, dtype=np.float64, rng=0)
+    x, g = rng.standard_normal((4, 5)), rng.standard_normal((4, 3))
+    grads = linear.parameter_gradients(x, g)
+    np.testing.assert_allclose(grads["weight"], sum(np.outer(g[b], x[b]) for b in range(4)))
+    np.testing.assert_allclose(grads["bias"], g.sum(axis=0))
+
+
+def model_and_data():
+    model = Sequential(Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(), MaxPool2d(2),
+                       Conv2d(3, 4, 2, stride=2, groups=1, dtype=np.float64, rng=1), Tanh(), Flatten(),
+                       Linear(4, 5, dtype=np.float64, rng=2))
+    rng = np.random.default_rng(3)
+    return model, rng.standard_normal((3, 2, 4, 4)), rng.standard_normal((3, 5))
+
+
+@pytest.mark.parametrize("method, levels", [("linear", None), ("blelloch", None), ("hybrid", 1)])
+def test_model_parameter_gradients_equal_torch_autograd(method, levels):
+    torch = pytest.importorskip("torch")
+    model, x, g = model_and_data()
+    model.forward(x)
+    grads = model.parameter_gradients(model.backward(g, method=method, levels=levels))
+    assert set(grads) == {f"{i}.{p}" for i in (0, 3, 6) for p in ("weight", "bias")}
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Conv2d(3, 4, 2, stride=2), torch.nn.Tanh(), torch.nn.Flatten(),
+                              torch.nn.Linear(4, 5)).double()
+    net.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in (
+        (f"{i}.{p}", getattr(model.layers[i], p)) for i in (0, 3, 6) for p in ("weight", "bias"))})
+    out = net(torch.from_numpy(x))
+    out.backward(torch.from_numpy(g))
+    for name, parameter in net.named_parameters():
+        np.testing.assert_allclose(grads[name], parameter.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_parameter_gradients_need_every_activation_gradient():
+    model, x, g = model_and_data()
+    model.forward(x)
+    with pytest.raises(ValueError, match="expected 8 gradients"):
+        model.parameter_gradients(model.backward(g)[:3])
