@@ -34,8 +34,8 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 def main() -> None:
     """Back-propagation as a parallel scan (BPPSA) over sparse transposed Jacobians.
 
-    Models are YAML specs (see README): `sparse-scan flops MODEL.yaml` analyses the backward
-    pass statically. Running the scan on data is a library call for now (import sparse_scan).
+    Models are YAML specs (see README): `sparse-scan run MODEL.yaml` computes the gradients of a
+    batch by a scan, `sparse-scan flops MODEL.yaml` analyses the backward pass statically.
     """
 
 
@@ -58,7 +58,7 @@ def parse_levels(levels: str | None) -> int | str | None:
     return value
 
 
-from . import flops  # noqa: E402, F401, I001 - registers the subcommand on main
+from . import flops, run  # noqa: E402, F401, I001 - registers the subcommands on main
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m sparse_scan.cli.app`

@@ -62,6 +62,11 @@ class Backend:
         """Return ``array`` as a NumPy array (copying from the GPU when needed)."""
         return array.get() if self.name == "gpu" else np.asarray(array)
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing); a no-op on the CPU."""
+        if self.name == "gpu":
+            self.xp.cuda.get_current_stream().synchronize()  # sync: timing only
+
 
 @functools.lru_cache(maxsize=None)
 def _cupy() -> ModuleType | None:

@@ -1,0 +1,181 @@
+"""``sparse-scan run MODEL.yaml``: the backward pass of a model on data, by a scan.
+
+Parses the options, loads the spec and the arrays, calls :class:`sparse_scan.Sequential` and writes the
+gradients (``.npz``, atomically, never over an existing file without ``--force``) and a timing
+breakdown. Every problem is one line on stderr with exit code 2, and then nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+import time
+from typing import Any
+
+import click
+import numpy as np
+
+from sparse_scan import SpecError, backend, load_model
+from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
+
+from .app import fail, main, parse_levels
+
+
+def _load_array(path: pathlib.Path, option: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        fail(f"{option} {path}: no such file")
+    except (OSError, ValueError) as error:
+        fail(f"{option} {path}: not a readable .npy file: {error}")
+
+
+def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int,
+            dtype: np.dtype) -> np.ndarray:
+    shape = model.input_shape
+    if input_path is None:
+        return np.random.default_rng(seed).standard_normal((random,) + shape).astype(dtype)
+    x = _load_array(input_path, "--input")
+    if tuple(x.shape[1:]) != shape:
+        fail(f"--input {input_path}: shape {list(x.shape)}, the model takes "
+             f"(N, {', '.join(map(str, shape))})")
+    if x.dtype.kind not in "fiu":
+        fail(f"--input {input_path}: dtype {x.dtype}, expected numbers")
+    if not np.all(np.isfinite(x)):
+        fail(f"--input {input_path}: holds NaN or Inf")
+    return x.astype(dtype)
+
+
+def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
+              labels_path: pathlib.Path | None) -> tuple[np.ndarray, float | None]:
+    """The gradient w.r.t. the output, and the loss when labels give one."""
+    if grad_path is not None:
+        grad = _load_array(grad_path, "--grad")
+        if grad.shape != output.shape:
+            fail(f"--grad {grad_path}: shape {list(grad.shape)}, the output has {list(output.shape)}")
+        if grad.dtype.kind != "f" or not np.all(np.isfinite(grad)):
+            fail(f"--grad {grad_path}: must hold finite floats")
+        return grad.astype(output.dtype), None
+    if labels_path is None:
+        return np.ones_like(output), None  # L = sum of the outputs
+    labels = _load_array(labels_path, "--labels")
+    if output.ndim != 2:
+        fail(f"--labels {labels_path}: needs a model with flat (N, classes) output, got {list(output.shape)}")
+    if labels.shape != (output.shape[0],) or labels.dtype.kind not in "iu":
+        fail(f"--labels {labels_path}: expected {output.shape[0]} integer labels, got shape "
+             f"{list(labels.shape)} of {labels.dtype}")
+    if labels.min() < 0 or labels.max() >= output.shape[1]:
+        fail(f"--labels {labels_path}: labels must lie in 0..{output.shape[1] - 1}")
+    # softmax cross-entropy, mean over the batch (PyTorch's CrossEntropyLoss)
+    shifted = output.astype(np.float64) - output.max(axis=1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    rows = np.arange(len(labels))
+    loss = float(-log_p[rows, labels].mean())
+    grad = np.exp(log_p)
+    grad[rows, labels] -= 1
+    return (grad / len(labels)).astype(output.dtype), loss
+
+
+def _write_atomically(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            np.savez(stream, **arrays)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
+@click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
+              help="inputs (N, *input_shape) as .npy")
+@click.option("--random", type=click.IntRange(min=1), help="N seeded random inputs instead of --input")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of --random")
+@click.option("--grad", "grad_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
+              help="gradient w.r.t. the output as .npy (default: ones, i.e. L = sum of outputs)")
+@click.option("--labels", "labels_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
+              help="integer class labels as .npy: softmax cross-entropy (mean over the batch)")
+@click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
+@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--check", is_flag=True, help="compare with the linear scan (back-propagation)")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=pathlib.Path),
+              help="write the gradients (.npz)")
+@click.option("--force", is_flag=True, help="overwrite an existing --out file")
+@click.option("--json", "as_json", is_flag=True, help="print JSON only")
+def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None, seed: int,
+        grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
+        levels: str | None, device: str, dtype: str, check: bool, out: pathlib.Path | None,
+        force: bool, as_json: bool) -> None:
+    """Gradients of MODEL's loss w.r.t. its input, every layer output and every parameter."""
+    if (input_path is None) == (random is None):
+        fail("give exactly one of --input X.npy and --random N")
+    if grad_path is not None and labels_path is not None:
+        fail("give at most one of --grad and --labels")
+    if out is not None and out.exists() and not force:
+        fail(f"--out {out}: exists (use --force to overwrite)")
+    if out is not None and not out.parent.is_dir():
+        fail(f"--out {out}: no such directory {out.parent}")
+    levels_value = parse_levels(levels)
+    try:
+        be = backend.get(device)
+    except (backend.GPUUnavailableError, ValueError) as error:
+        fail(f"--device {device}: {error}")
+    try:
+        network = load_model(model, dtype=dtype)
+    except SpecError as error:
+        fail(str(error))
+    x = _inputs(network, input_path, random, seed, np.dtype(dtype))
+    timings: dict[str, float] = {}
+    try:
+        start = time.perf_counter()
+        output = network.forward(be.asarray(x))
+        be.synchronize()
+        timings["forward_s"] = time.perf_counter() - start
+        grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
+        builds = network.plan_builds
+        grads = network.backward(be.asarray(grad), method, levels_value, timings=timings)
+        start = time.perf_counter()
+        parameters = network.parameter_gradients(grads)
+        be.synchronize()
+        timings["parameter_grads_s"] = time.perf_counter() - start
+        reference = network.backward(be.asarray(grad), "linear") if check else None
+    except (ScanCostError, ScanMemoryError, ValueError) as error:
+        fail(f"{model}: {error}")
+    report: dict[str, Any] = {"model": str(model), "method": method, "levels": levels_value,
+                              "device": be.name, "dtype": dtype, "batch": int(x.shape[0]),
+                              "plan_cache_hit": network.plan_builds == builds, "timings": timings}
+    if loss is not None:
+        report["loss"] = loss
+    if reference is not None:
+        report["max_rel_error_vs_linear"] = max(
+            float(be.to_host(abs(g - r).max())) / max(float(be.to_host(abs(r).max())), 1e-30)
+            for g, r in zip(grads, reference, strict=True))
+    if out is not None:
+        arrays = {"input.grad": be.to_host(grads[0])}
+        arrays.update({f"{layer.name}.out.grad": be.to_host(g)
+                       for layer, g in zip(network.layers, grads[1:], strict=True)})
+        arrays.update({f"{name}.grad": be.to_host(g) for name, g in parameters.items()})
+        _write_atomically(out, arrays)
+        report["out"] = str(out)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    levels_text = "" if levels_value is None else f" (levels {levels_value})"
+    click.echo(f"{model}: {method}{levels_text} on {be.name}, batch {x.shape[0]}, {dtype}")
+    plan_note = "cache hit" if report["plan_cache_hit"] else "built"
+    for name, label in (("forward_s", "forward"), ("plan_s", f"plan ({plan_note})"),
+                        ("values_s", "JT values"), ("scan_s", "scan"),
+                        ("parameter_grads_s", "parameter grads")):
+        click.echo(f"  {label:22} {timings[name] * 1e3:10.2f} ms")
+    if loss is not None:
+        click.echo(f"  loss {loss:.6g}")
+    if reference is not None:
+        click.echo(f"  max relative error vs linear scan: {report['max_rel_error_vs_linear']:.3g}")
+    if out is not None:
+        click.echo(f"  gradients written to {out}")
