@@ -12,7 +12,7 @@ RUFF_ARGS = --select E,W,F,I,B --line-length 110 --config "lint.isort.known-firs
 
 help:
 	@echo "make install      pip install -e '.[test]' into $(PYTHON)"
-	@echo "make demo         install, then run the main job on bundled data (bench/jacobians.py --quick)"
+	@echo "make demo         install, then run the main job on bundled data (Table 1, a scan on LeNet-5, FLOPs of pruned VGG-11)"
 	@echo "make test         install, then run the test suite (gpu tests skip where no GPU is usable)"
 	@echo "make test-gpu     install offline (no deps, no build isolation), run only the tests marked gpu"
 	@echo "make bench        install, then run the Jacobian benchmark and print JSON (BENCH_ARGS=...)"
@@ -36,6 +36,8 @@ bench: install
 
 demo: install
 	$(PYTHON) bench/jacobians.py --quick
+	$(PYTHON) -m sparse_scan.cli run data/lenet5.yaml --random 16 --method blelloch --check
+	$(PYTHON) -m sparse_scan.cli flops data/vgg11-pruned.yaml --method hybrid --levels 1
 
 lint:
 	@if $(PYTHON) -m ruff --version >/dev/null 2>&1; then \

@@ -9,9 +9,10 @@ Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed J
 from . import backend, csr, layers
 from ._version import __version__
 from .csr import BatchedCSR, Pattern
+from .export import export_torch
 from .model import Sequential
 from .scan import ScanPlan
 from .spec import SpecError, load_model
 
 __all__ = ["BatchedCSR", "Pattern", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "csr",
-           "layers", "load_model"]
+           "export_torch", "layers", "load_model"]
