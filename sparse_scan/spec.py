@@ -3,7 +3,8 @@
 .. code-block:: yaml
 
     input_shape: [3, 32, 32]          # one sample, no batch axis
-    weights: model.npz                # optional, relative to the spec; "<layer>.weight", "<layer>.bias"
+    weights: model.npz                # optional, relative to the spec; "<layer>.weight", "<layer>.bias";
+                                      # .safetensors too when the safetensors package is installed
     init: {seed: 0}                   # optional: seeded initialisation for layers without stored weights
     prune: {amount: 0.97}             # optional: magnitude-prune conv/linear weights, pattern follows
     layers:
@@ -152,14 +153,25 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
 
 
 def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
+    """The arrays of a ``.npz`` or (when the ``safetensors`` package is installed) ``.safetensors``."""
     if not isinstance(weights, str):
         raise _fail(path, "", "weights", f"must be a file name, got {weights!r}")
     file = path.parent / weights
+    if not file.is_file():
+        raise _fail(path, "", "weights", f"no such file: {file}")
+    if file.suffix == ".safetensors":
+        try:
+            from safetensors.numpy import load_file  # noqa: PLC0415 - optional
+        except ImportError:
+            raise _fail(path, "", "weights", f"{file}: reading .safetensors needs the safetensors "
+                        "package (pip install safetensors)") from None
+        try:
+            return load_file(str(file))
+        except Exception as error:  # the package's own errors for a corrupt file
+            raise _fail(path, "", "weights", f"{file} is not a readable .safetensors: {error}") from None
     try:
         with np.load(file, allow_pickle=False) as stored:
             return {key: stored[key] for key in stored.files}
-    except FileNotFoundError:
-        raise _fail(path, "", "weights", f"no such file: {file}") from None
     except (OSError, ValueError) as error:
         raise _fail(path, "", "weights", f"{file} is not a readable .npz: {error}") from None
 

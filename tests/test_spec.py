@@ -61,6 +61,19 @@ def test_weights_from_npz_are_used_exactly(tmp_path):
     np.testing.assert_array_equal(model.layers[3].bias, weights["fc.bias"])
 
 
+def test_weights_from_safetensors(tmp_path):
+    numpy_io = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(0)
+    weights = {"conv.weight": rng.standard_normal((2, 1, 3, 3)), "conv.bias": rng.standard_normal(2),
+               "fc.weight": rng.standard_normal((3, 32)), "fc.bias": rng.standard_normal(3)}
+    numpy_io.save_file(weights, str(tmp_path / "w.safetensors"))
+    model = load_model(write(tmp_path, TINY.format(extra="weights: w.safetensors\n")), dtype=np.float64)
+    np.testing.assert_array_equal(model.layers[3].weight, weights["fc.weight"])
+    (tmp_path / "bad.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(SpecError, match="field 'weights': .*not a readable .safetensors"):
+        load_model(write(tmp_path, TINY.format(extra="weights: bad.safetensors\n"), "bad.yaml"))
+
+
 def test_prune_zeroes_the_smallest_weights_and_drops_them_from_the_pattern(tmp_path):
     model = load_model(write(tmp_path, TINY.format(extra="init: {seed: 0}\nprune: {amount: 0.5}\n")))
     conv = model.layers[0]
