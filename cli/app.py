@@ -16,13 +16,13 @@ True
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import click
 
 from sparse_scan import __version__
 
-__all__ = ["fail", "main", "parse_levels"]
+__all__ = ["fail", "main", "parse_levels", "plan_progress"]
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -56,6 +56,17 @@ def parse_levels(levels: str | None) -> int | str | None:
     if value < 0:
         fail(f"--levels must be a non-negative int or 'auto', got {levels!r}")
     return value
+
+
+def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:
+    """A plan-build progress line on stderr when it is a terminal (None when quiet or redirected)."""
+    if quiet or not sys.stderr.isatty():
+        return None
+
+    def show(phase: str, done: int, total: int) -> None:
+        click.echo(f"\r  planning: {phase} {done}/{total}", err=True, nl=done == total)
+
+    return show
 
 
 from . import flops, run  # noqa: E402, F401, I001 - registers the subcommands on main

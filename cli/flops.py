@@ -16,7 +16,7 @@ from sparse_scan import SpecError, load_model
 from sparse_scan.flops import analyse
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
-from .app import fail, main, parse_levels
+from .app import fail, main, parse_levels, plan_progress
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -86,14 +86,17 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=pathlib.Path), default=None,
               help="write the paper's Fig. 10 (needs matplotlib)")
 @click.option("--force", is_flag=True, help="overwrite an existing --plot file")
+@click.option("--quiet", is_flag=True, help="no progress line while the plan is built")
 def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtype: str,
-          max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool) -> None:
+          max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool,
+          quiet: bool) -> None:
     """Static FLOP analysis of MODEL's backward pass: per layer, per scan step, totals."""
     if plot is not None and plot.exists() and not force:
         fail(f"{plot}: exists (use --force to overwrite)")
     try:
         network = load_model(model, dtype=dtype)
-        report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops))
+        report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops),
+                         progress=plan_progress(quiet))
     except SpecError as error:
         fail(str(error))
     except (ScanCostError, ScanMemoryError) as error:

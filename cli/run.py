@@ -20,7 +20,7 @@ import numpy as np
 from sparse_scan import SpecError, backend, load_model
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
-from .app import fail, main, parse_levels
+from .app import fail, main, parse_levels, plan_progress
 
 
 def _load_array(path: pathlib.Path, option: str) -> np.ndarray:
@@ -108,10 +108,11 @@ def _write_atomically(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None
               help="write the gradients (.npz)")
 @click.option("--force", is_flag=True, help="overwrite an existing --out file")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
+@click.option("--quiet", is_flag=True, help="no progress line while the plan is built")
 def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None, seed: int,
         grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
         levels: str | None, device: str, dtype: str, check: bool, out: pathlib.Path | None,
-        force: bool, as_json: bool) -> None:
+        force: bool, as_json: bool, quiet: bool) -> None:
     """Gradients of MODEL's loss w.r.t. its input, every layer output and every parameter."""
     if (input_path is None) == (random is None):
         fail("give exactly one of --input X.npy and --random N")
@@ -139,7 +140,11 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         timings["forward_s"] = time.perf_counter() - start
         grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
         builds = network.plan_builds
+        start = time.perf_counter()
+        network.plan(network.input_shape, method, levels_value, progress=plan_progress(quiet))
+        planned = time.perf_counter() - start
         grads = network.backward(be.asarray(grad), method, levels_value, timings=timings)
+        timings["plan_s"] = planned  # the build above; backward's own lookup was a cache hit
         start = time.perf_counter()
         parameters = network.parameter_gradients(grads)
         be.synchronize()

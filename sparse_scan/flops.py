@@ -21,7 +21,7 @@ True
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,7 +34,8 @@ LAYER_KEYS = ("name", "type", "shape", "nnz", "sparsity", "csr_bytes", "dense_by
 
 
 def analyse(model: Sequential, method: str = "blelloch", levels: int | str | None = None,
-            batch: int = 1, dtype: Any = np.float32, max_step_flops: int | None = None) -> dict[str, Any]:
+            batch: int = 1, dtype: Any = np.float32, max_step_flops: int | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """FLOP and memory figures of ``model``'s backward pass under a scan schedule.
 
     Parameters
@@ -49,6 +50,8 @@ def analyse(model: Sequential, method: str = "blelloch", levels: int | str | Non
         Value dtype assumed for byte counts.
     max_step_flops : int, optional
         Give up (:class:`~sparse_scan.scan.ScanCostError`) before planning a costlier product.
+    progress : callable, optional
+        ``progress(phase, done, total)`` while the plan is built.
 
     Returns
     -------
@@ -64,7 +67,7 @@ def analyse(model: Sequential, method: str = "blelloch", levels: int | str | Non
     itemsize = np.dtype(dtype).itemsize
     layers = [{key: row[key] for key in LAYER_KEYS}
               for row in chain_stats(model.layers, model.input_shape, dtype)]
-    plan = model.plan(model.input_shape, method, levels, max_step_flops=max_step_flops)
+    plan = model.plan(model.input_shape, method, levels, max_step_flops=max_step_flops, progress=progress)
     report = plan.report(batch, itemsize)
     costliest: dict[int, int] = {}
     for step in report["steps"]:

@@ -20,7 +20,7 @@ True
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -121,7 +121,8 @@ class Sequential:
 
     # --- planning ------------------------------------------------------------------------------
     def plan(self, in_shape: Sequence[int], method: str = "blelloch",
-             levels: int | str | None = None, max_step_flops: int | None = None) -> ScanPlan:
+             levels: int | str | None = None, max_step_flops: int | None = None,
+             progress: Callable[[str, int, int], None] | None = None) -> ScanPlan:
         """The cached :class:`~sparse_scan.scan.ScanPlan` for ``in_shape``, method and levels.
 
         ``levels="auto"`` (hybrid) picks the depth with the fewest critical-path FLOPs in the plans'
@@ -132,6 +133,8 @@ class Sequential:
 
         ``max_step_flops`` makes planning give up with :class:`~sparse_scan.scan.ScanCostError`
         before building a costlier product (a cached plan is returned whatever its cost).
+        ``progress(phase, done, total)`` is called while a plan is built
+        (:func:`~sparse_scan.scan.build_plan`).
         """
         shape = tuple(int(s) for s in in_shape)
         if method not in METHODS:
@@ -145,19 +148,20 @@ class Sequential:
         key = (shape, method, levels, self.memory_budget, structure) + ((max_step_flops,) if auto else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = (self._auto_plan(shape, max_step_flops) if auto
-                    else self._build_plan(shape, method, levels, max_step_flops))
+            plan = (self._auto_plan(shape, max_step_flops, progress) if auto
+                    else self._build_plan(shape, method, levels, max_step_flops, progress))
             self._plans[key] = plan
         return plan
 
-    def _auto_plan(self, shape: Shape, max_step_flops: int | None) -> ScanPlan:
+    def _auto_plan(self, shape: Shape, max_step_flops: int | None,
+                   progress: Callable[[str, int, int], None] | None) -> ScanPlan:
         best: ScanPlan | None = None
         for k in range(depth(len(self)) + 1):
             limit = max_step_flops if best is None else best.critical_flops
             if max_step_flops is not None:
                 limit = min(limit, max_step_flops)
             try:
-                candidate = self.plan(shape, "hybrid", k, max_step_flops=limit)
+                candidate = self.plan(shape, "hybrid", k, max_step_flops=limit, progress=progress)
             except ScanCostError:
                 if best is None:
                     raise
@@ -167,8 +171,8 @@ class Sequential:
                 best = candidate
         return best
 
-    def _build_plan(self, shape: Shape, method: str, levels: Any,
-                    max_step_flops: int | None) -> ScanPlan:
+    def _build_plan(self, shape: Shape, method: str, levels: Any, max_step_flops: int | None,
+                    progress: Callable[[str, int, int], None] | None) -> ScanPlan:
         n = len(self.layers)
         shapes = self.shapes(shape)
         structure = tuple(layer._structure_key() for layer in self.layers)
@@ -192,7 +196,7 @@ class Sequential:
 
         self.plan_builds += 1
         return build_plan(n, method, levels, element_pattern, vector_size, products, budget, describe,
-                          vector_channels, max_step_flops)
+                          vector_channels, max_step_flops, progress)
 
     # --- parameter gradients ---------------------------------------------------------------------
     def parameter_gradients(self, grads: Sequence[Any]) -> dict[str, Any]:

@@ -319,6 +319,7 @@ def build_plan(
     describe: Callable[[Element], str] = lambda e: f"elements {e.lo}..{e.hi}",
     vector_channels: Callable[[int], int] | None = None,
     max_step_flops: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> ScanPlan:
     """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
 
@@ -346,7 +347,11 @@ def build_plan(
     max_step_flops : int, optional
         Give up with :class:`ScanCostError` before planning a product of more FLOPs (over the
         pattern) than this: deep levels of large networks can need billions of multiply-adds.
+    progress : callable, optional
+        ``progress(phase, done, total)`` after each layer pattern (``"patterns"``) and each step
+        (``"steps"``) is planned: long plan builds can show progress.
     """
+    report = progress if progress is not None else (lambda phase, done, total: None)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if method == "hybrid":
@@ -371,6 +376,7 @@ def build_plan(
     matrices: dict[Element, tuple[Pattern, str, bool]] = {}
     for j in range(1, n + 1):
         matrices[Element(j, j)] = element_pattern(j)
+        report("patterns", j, n)
     element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
     for j in range(1, n + 1):
         pattern, _, shared = matrices[Element(j, j)]
@@ -426,6 +432,7 @@ def build_plan(
             matrices[out] = (product.out, kind, shared)
             element_bytes[out] = (product.out.nnz, 0) if shared else (0, product.out.nnz)
         steps.append(step)
+        report("steps", len(steps), len(kept))
     return ScanPlan(method, levels, n, steps, outputs, element_bytes)
 
 

@@ -246,6 +246,19 @@ def test_steps_of_a_level_run_concurrently_with_the_same_results(method, levels)
         np.testing.assert_array_equal(got, want)
 
 
+def test_plan_build_reports_progress_once_per_pattern_and_step():
+    model, in_shape = random_chain(8, seed=2, dtype=np.float32)
+    calls = []
+    plan = model.plan(in_shape, "blelloch", progress=lambda *call: calls.append(call))
+    patterns = [c for c in calls if c[0] == "patterns"]
+    steps = [c for c in calls if c[0] == "steps"]
+    assert patterns == [("patterns", j, 8) for j in range(1, 9)]
+    assert steps == [("steps", k, len(plan.steps)) for k in range(1, len(plan.steps) + 1)]
+    calls.clear()
+    model.plan(in_shape, "blelloch", progress=lambda *call: calls.append(call))
+    assert calls == []  # cached: nothing to build
+
+
 def test_max_step_flops_gives_up_before_building_a_costlier_product():
     model, in_shape = random_chain(8, seed=5, dtype=np.float32)
     full = model.plan(in_shape, "blelloch")
