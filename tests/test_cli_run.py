@@ -45,13 +45,14 @@ def torch_mirror(model):
 @pytest.mark.parametrize("spec, method, levels", [("tiny.yaml", "blelloch", None),
                                                   ("tiny.yaml", "hybrid", "1"),
                                                   ("lenet5.yaml", "blelloch", None),
-                                                  ("vgg11-pruned.yaml", "hybrid", "1")])
+                                                  ("vgg11-pruned.yaml", "hybrid", "1"),
+                                                  ("vgg11.yaml", "linear", None)])
 def test_gradients_equal_torch_autograd(tmp_path, spec, method, levels):
     model = load_model(DATA / spec, dtype=np.float64)
     torch, net = torch_mirror(model)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3,) + model.input_shape)
-    labels = rng.integers(0, 10, 3) if spec != "vgg11-pruned.yaml" else None
+    labels = None if spec.startswith("vgg11") else rng.integers(0, 10, 3)
     np.save(tmp_path / "x.npy", x)
     args = [DATA / spec, "--input", tmp_path / "x.npy", "--method", method, "--dtype", "float64",
             "--out", tmp_path / "g.npz", "--json", "--check"]
