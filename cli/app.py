@@ -69,7 +69,7 @@ def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:
     return show
 
 
-from . import flops, run  # noqa: E402, F401, I001 - registers the subcommands on main
+from . import flops, run, train  # noqa: E402, F401, I001 - registers the subcommands on main
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m sparse_scan.cli.app`

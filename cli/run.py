@@ -8,9 +8,7 @@ breakdown. Every problem is one line on stderr with exit code 2, and then nothin
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import tempfile
 import time
 from typing import Any
 
@@ -18,7 +16,9 @@ import click
 import numpy as np
 
 from sparse_scan import SpecError, backend, load_model
+from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
+from sparse_scan.weights import write_npz_atomically
 
 from .app import fail, main, parse_levels, plan_progress
 
@@ -68,25 +68,8 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
              f"{list(labels.shape)} of {labels.dtype}")
     if labels.min() < 0 or labels.max() >= output.shape[1]:
         fail(f"--labels {labels_path}: labels must lie in 0..{output.shape[1] - 1}")
-    # softmax cross-entropy, mean over the batch (PyTorch's CrossEntropyLoss)
-    shifted = output.astype(np.float64) - output.max(axis=1, keepdims=True)
-    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    rows = np.arange(len(labels))
-    loss = float(-log_p[rows, labels].mean())
-    grad = np.exp(log_p)
-    grad[rows, labels] -= 1
-    return (grad / len(labels)).astype(output.dtype), loss
-
-
-def _write_atomically(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            np.savez(stream, **arrays)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    loss, grad = softmax_cross_entropy(output, labels)  # mean over the batch, like PyTorch
+    return grad, loss
 
 
 @main.command()
@@ -166,7 +149,7 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         arrays.update({f"{layer.name}.out.grad": be.to_host(g)
                        for layer, g in zip(network.layers, grads[1:], strict=True)})
         arrays.update({f"{name}.grad": be.to_host(g) for name, g in parameters.items()})
-        _write_atomically(out, arrays)
+        write_npz_atomically(out, arrays)
         report["out"] = str(out)
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -1,0 +1,53 @@
+"""A model's parameters by state_dict name, and atomic ``.npz`` writes.
+
+Examples
+--------
+>>> from sparse_scan import Sequential
+>>> from sparse_scan.layers import Linear
+>>> sorted(state_dict(Sequential(Linear(2, 3, rng=0))))
+['0.bias', '0.weight']
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+from typing import Any
+
+import numpy as np
+
+__all__ = ["load_state_dict", "state_dict", "write_npz_atomically"]
+
+
+def state_dict(model: Any) -> dict[str, np.ndarray]:
+    """``"<layer>.weight"`` / ``"<layer>.bias"`` -> the parameter array (not a copy)."""
+    out = {}
+    for layer in model.layers:
+        for name in ("weight", "bias"):
+            value = getattr(layer, name, None)
+            if value is not None:
+                out[f"{layer.name}.{name}"] = value
+    return out
+
+
+def load_state_dict(model: Any, values: dict[str, Any]) -> None:
+    """Set parameters by state_dict name (the layers validate shape and dtype)."""
+    layers = {layer.name: layer for layer in model.layers}
+    for key, value in values.items():
+        layer_name, _, name = key.rpartition(".")
+        setattr(layers[layer_name], name, value)
+
+
+def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Any]) -> None:
+    """Write ``arrays`` to ``path`` through a temporary file in the same folder and a rename, so that
+    an interruption leaves either the old file or the new one, never a partial one."""
+    path = pathlib.Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            np.savez(stream, **{key: np.asarray(value) for key, value in arrays.items()})
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise

@@ -1,0 +1,86 @@
+"""SGD and Adam: PyTorch's trajectories on copied weights; pruned weights stay zero."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan import Sequential
+from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU
+from sparse_scan.loss import softmax_cross_entropy
+from sparse_scan.optim import SGD, Adam
+from sparse_scan.weights import state_dict
+
+
+def small_model(dtype=np.float32, prune=False):
+    model = Sequential(Conv2d(1, 3, 3, dtype=dtype, rng=0, prune_pattern=prune), ReLU(), Flatten(),
+                       Linear(3 * 4 * 4, 4, dtype=dtype, rng=1))
+    if prune:
+        weight = model.layers[0].weight.copy()
+        weight[np.abs(weight) < np.quantile(np.abs(weight), 0.5)] = 0
+        model.layers[0].weight = weight
+    return model
+
+
+def data(seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((5, 1, 6, 6)).astype(np.float32), rng.integers(0, 4, 5)
+
+
+def our_steps(model, optimizer, steps):
+    losses = []
+    for step in range(steps):
+        x, y = data(step)
+        loss, grad = softmax_cross_entropy(model.forward(x), y)
+        optimizer.step(model.parameter_gradients(model.backward(grad, method="blelloch")))
+        losses.append(loss)
+    return losses
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("sgd", dict(lr=0.1)),
+    ("sgd", dict(lr=0.05, momentum=0.9)),
+    ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2)),
+    ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True)),
+    ("adam", dict(lr=1e-2)),
+    ("adam", dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2)),
+])
+def test_steps_follow_pytorch(name, kwargs):
+    torch = pytest.importorskip("torch")
+    model = small_model()
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(48, 4))
+    net.load_state_dict({"0.weight": torch.from_numpy(model.layers[0].weight.copy()),
+                         "0.bias": torch.from_numpy(model.layers[0].bias.copy()),
+                         "3.weight": torch.from_numpy(model.layers[3].weight.copy()),
+                         "3.bias": torch.from_numpy(model.layers[3].bias.copy())})
+    ours = (SGD if name == "sgd" else Adam)(model, **kwargs)
+    theirs = (torch.optim.SGD if name == "sgd" else torch.optim.Adam)(net.parameters(), **kwargs)
+    losses = our_steps(model, ours, 4)
+    for step in range(4):
+        x, y = data(step)
+        theirs.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        theirs.step()
+        assert losses[step] == pytest.approx(loss.item(), rel=1e-5)
+    for key, value in state_dict(model).items():
+        np.testing.assert_allclose(value, dict(net.named_parameters())[key].detach().numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [lambda m: SGD(m, lr=0.1, momentum=0.9), lambda m: Adam(m, lr=0.05)])
+def test_pruned_weights_stay_exactly_zero(optimizer):
+    model = small_model(prune=True)
+    zeros = model.layers[0].weight == 0
+    assert zeros.any() and not zeros.all()
+    our_steps(model, optimizer(model), 5)
+    assert np.all(model.layers[0].weight[zeros] == 0)
+    assert np.all(model.layers[0].weight[~zeros] != 0)
+
+
+def test_bad_hyper_parameters():
+    with pytest.raises(ValueError, match="lr"):
+        SGD(small_model(), lr=0)
+    with pytest.raises(ValueError, match="nesterov"):
+        SGD(small_model(), lr=0.1, nesterov=True)
