@@ -80,3 +80,20 @@ def test_parameter_gradients_need_every_activation_gradient():
     model.forward(x)
     with pytest.raises(ValueError, match="expected 8 gradients"):
         model.parameter_gradients(model.backward(g)[:3])
+
+
+@pytest.mark.parametrize("kwargs", CONVS)
+def test_parameter_gradients_on_each_backend_equal_the_host_ones(be, kwargs):
+    rng = np.random.default_rng(4)
+    conv = Conv2d(**kwargs, dtype=np.float64, rng=1)
+    x = rng.standard_normal((3, kwargs["in_channels"], 7, 6))
+    g = rng.standard_normal(conv.forward(x).shape)
+    want = conv.parameter_gradients(x, g)
+    got = conv.parameter_gradients(be.asarray(x), be.asarray(g))
+    for name, value in want.items():
+        np.testing.assert_allclose(be.to_host(got[name]), value, rtol=1e-12, atol=1e-12)
+    linear = Linear(5, 3, dtype=np.float64, rng=0)
+    xs, gs = rng.standard_normal((4, 5)), rng.standard_normal((4, 3))
+    for name, value in linear.parameter_gradients(xs, gs).items():
+        got_value = linear.parameter_gradients(be.asarray(xs), be.asarray(gs))[name]
+        np.testing.assert_allclose(be.to_host(got_value), value, rtol=1e-12, atol=1e-12)
