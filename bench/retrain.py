@@ -3,7 +3,8 @@
 The bundled ``data/vgg11-pruned.yaml`` plus a classifier (flatten, linear 512 -> 10) is trained for a
 few SGD iterations on random CIFAR-shaped data (3x32x32, 10 classes) with each schedule; the pruned
 weights must stay exactly zero. Prints JSON: per schedule the median seconds per iteration (forward,
-loss, scan, parameter gradients, update, and the test batch's loss) and the losses, which must agree across schedules.
+loss, scan, parameter gradients, update, and the test batch's loss) and the losses, which must agree
+across schedules.
 """
 
 from __future__ import annotations

@@ -342,12 +342,11 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
     lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
     dtype = np.result_type(a_data, b_data)
     out = np.empty(lead + (plan.out.nnz,), dtype=dtype)
-    batch = int(np.prod(lead)) if lead else 1
-    limit = _chunk_size(batch, dtype.itemsize, scratch_bytes)
     if plan.method in ("general", "gather"):
         _multiply_stored(plan, a_data, b_data, out, _stored_chunk_size(dtype.itemsize, scratch_bytes))
     else:
-        _multiply_rowwise(plan, a_data, b_data, out, limit)
+        batch = int(np.prod(lead)) if lead else 1
+        _multiply_rowwise(plan, a_data, b_data, out, _chunk_size(batch, dtype.itemsize, scratch_bytes))
     return out
 
 
