@@ -39,12 +39,19 @@ def load_state_dict(model: Any, values: dict[str, Any]) -> None:
         setattr(layers[layer_name], name, value)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Any]) -> None:
     """Write ``arrays`` to ``path`` through a temporary file in the same folder and a rename, so that
     an interruption leaves either the old file or the new one, never a partial one."""
     path = pathlib.Path(path)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
     try:
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; a plain file would not be
         with os.fdopen(handle, "wb") as stream:
             np.savez(stream, **{key: np.asarray(value) for key, value in arrays.items()})
         os.replace(temporary, path)

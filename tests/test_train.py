@@ -74,6 +74,9 @@ def test_cli_trains_writes_weights_log_and_keeps_pruned_weights_zero(tmp_path):
     assert "max loss difference" in result.output
     with np.load(tmp_path / "w.npz") as stored:
         weight = stored["conv.weight"]
+    plain = tmp_path / "plain"
+    plain.touch()
+    assert (tmp_path / "w.npz").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
     assert zeros.any() and np.all(weight[zeros] == 0) and np.all(weight[~zeros] != 0)
     with (tmp_path / "log.csv").open() as stream:
         rows = list(csv.DictReader(stream))
