@@ -146,3 +146,16 @@ def test_ctrl_c_keeps_the_weights_written_so_far(tmp_path, monkeypatch):
     with np.load(tmp_path / "w.npz") as stored:
         assert set(stored.files) == {"conv.weight", "conv.bias", "fc.weight", "fc.bias"}
 
+
+
+def test_weights_round_trip_through_an_atomic_npz(tmp_path):
+    from sparse_scan.weights import load_state_dict, state_dict, write_npz_atomically
+
+    spec, _ = files(tmp_path)
+    trained, fresh = load_model(spec), load_model(spec)
+    trained.layers[0].weight = trained.layers[0].weight * 2
+    write_npz_atomically(tmp_path / "w.npz", state_dict(trained))
+    with np.load(tmp_path / "w.npz") as stored:
+        load_state_dict(fresh, dict(stored))
+    for key, value in state_dict(trained).items():
+        np.testing.assert_array_equal(state_dict(fresh)[key], value)
