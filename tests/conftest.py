@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparse_scan import backend
+from sparse_scan import backend, spgemm
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
 def be(request):
     """Each backend in turn: the same test body runs on NumPy and, where usable, on CuPy."""
     return backend.get(request.param)
+
+
+@pytest.fixture(params=["default", "all"], ids=["blocks-default", "blocks-always"])
+def block_products(request, monkeypatch):
+    """Plan dense-block products as usual, or for every dense-block pair however small."""
+    if request.param == "all":
+        monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
+        monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
+    return request.param

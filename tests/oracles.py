@@ -35,3 +35,33 @@ def torch_jt(module, x: np.ndarray) -> np.ndarray:
 
     jac = torch.autograd.functional.jacobian(f, torch.from_numpy(np.asarray(x, np.float64)))
     return jac.reshape(-1, x.size).T.numpy()
+
+
+def torch_modules(model) -> list:
+    """PyTorch float64 mirrors of a sparse_scan model's layers, with its weights copied."""
+    import torch  # noqa: PLC0415 - the callers importorskip it
+
+    modules = []
+    for layer in model.layers:
+        name = type(layer).__name__
+        if name == "Conv2d":
+            module = torch.nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                                     layer.padding, layer.dilation, layer.groups)
+        elif name == "Linear":
+            module = torch.nn.Linear(layer.in_features, layer.out_features)
+        elif name == "MaxPool2d":
+            module = torch.nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding, layer.dilation,
+                                        ceil_mode=layer.ceil_mode)
+        elif name == "AvgPool2d":
+            module = torch.nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding,
+                                        ceil_mode=layer.ceil_mode, count_include_pad=layer.count_include_pad)
+        elif name == "LeakyReLU":
+            module = torch.nn.LeakyReLU(layer.negative_slope)
+        else:
+            module = getattr(torch.nn, name)()
+        if hasattr(layer, "weight"):
+            module.weight.data = torch.from_numpy(np.asarray(layer.weight, np.float64))
+            if layer.bias is not None:
+                module.bias.data = torch.from_numpy(np.asarray(layer.bias, np.float64))
+        modules.append(module.double())
+    return modules

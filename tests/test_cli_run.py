@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from oracles import torch_modules
 
 from sparse_scan import load_model
 from sparse_scan.cli import app
@@ -19,29 +20,6 @@ def invoke(*args):
     return CliRunner().invoke(app.main, ["run", *map(str, args)])
 
 
-def torch_mirror(model):
-    """A PyTorch nn.Sequential with the model's layers and weights (float64)."""
-    torch = pytest.importorskip("torch")
-    modules = []
-    for layer in model.layers:
-        name = type(layer).__name__
-        if name == "Conv2d":
-            module = torch.nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
-                                     layer.padding, layer.dilation, layer.groups)
-        elif name == "Linear":
-            module = torch.nn.Linear(layer.in_features, layer.out_features)
-        elif name == "MaxPool2d":
-            module = torch.nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding, layer.dilation,
-                                        ceil_mode=layer.ceil_mode)
-        else:
-            module = {"ReLU": torch.nn.ReLU, "Tanh": torch.nn.Tanh, "Flatten": torch.nn.Flatten}[name]()
-        if hasattr(layer, "weight"):
-            module.weight.data = torch.from_numpy(np.asarray(layer.weight, np.float64))
-            module.bias.data = torch.from_numpy(np.asarray(layer.bias, np.float64))
-        modules.append(module.double())
-    return torch, torch.nn.Sequential(*modules)
-
-
 @pytest.mark.parametrize("spec, method, levels", [("tiny.yaml", "blelloch", None),
                                                   ("tiny.yaml", "hybrid", "1"),
                                                   ("lenet5.yaml", "blelloch", None),
@@ -49,7 +27,8 @@ def torch_mirror(model):
                                                   ("vgg11.yaml", "linear", None)])
 def test_gradients_equal_torch_autograd(tmp_path, spec, method, levels):
     model = load_model(DATA / spec, dtype=np.float64)
-    torch, net = torch_mirror(model)
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(*torch_modules(model))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3,) + model.input_shape)
     labels = None if spec.startswith("vgg11") else rng.integers(0, 10, 3)

@@ -16,7 +16,12 @@ from oracles import finite_difference_jt, torch_jt
 from sparse_scan import backend
 from sparse_scan.layers import pooling
 from sparse_scan.layers._geometry import output_size
-from sparse_scan.layers.pooling import AvgPool2d, MaxPool2d, _max_selection_cpu, _pattern_cpu
+from sparse_scan.layers.pooling import (
+    AvgPool2d,
+    MaxPool2d,
+    _max_selection_cpu,
+    _pattern_cpu,
+)
 
 CPU = backend.get("cpu")
 

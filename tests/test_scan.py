@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from oracles import torch_modules
 
 from sparse_scan import Sequential, spgemm
 from sparse_scan.csr import Pattern
@@ -92,15 +93,6 @@ def schedules(n: int):
     yield "hybrid", "auto"
 
 
-@pytest.fixture(params=["default", "all"], ids=["blocks-default", "blocks-always"])
-def block_products(request, monkeypatch):
-    """Plan dense-block products as usual, or for every dense-block pair however small."""
-    if request.param == "all":
-        monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
-        monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
-    return request.param
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 21])
 @pytest.mark.parametrize("batch", [1, 7])
 @pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-10), (np.float32, 1e-4)])
@@ -124,32 +116,6 @@ def test_every_schedule_equals_dense_backprop(n, batch, dtype, rtol, block_produ
         assert "block" in methods, methods
 
 
-def torch_mirror(model: Sequential):
-    torch = pytest.importorskip("torch")
-    modules = []
-    for layer in model.layers:
-        name = type(layer).__name__
-        if name == "Conv2d":
-            m = torch.nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
-                                layer.padding, layer.dilation, layer.groups)
-        elif name == "Linear":
-            m = torch.nn.Linear(layer.in_features, layer.out_features)
-        elif name == "MaxPool2d":
-            m = torch.nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding, layer.dilation)
-        elif name == "AvgPool2d":
-            m = torch.nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding,
-                                   count_include_pad=layer.count_include_pad)
-        elif name == "LeakyReLU":
-            m = torch.nn.LeakyReLU(layer.negative_slope)
-        else:
-            m = getattr(torch.nn, name)()
-        if hasattr(layer, "weight"):
-            m.weight.data = torch.from_numpy(layer.weight.astype(np.float64))
-            m.bias.data = torch.from_numpy(layer.bias.astype(np.float64))
-        modules.append(m.double())
-    return modules
-
-
 @pytest.mark.parametrize("n", [3, 8, 21])
 def test_blelloch_equals_torch_autograd(n):
     torch = pytest.importorskip("torch")
@@ -158,7 +124,7 @@ def test_blelloch_equals_torch_autograd(n):
     x = rng.standard_normal((4,) + in_shape)
     grad_out = rng.standard_normal(model.forward(x).shape)
     activations = [torch.from_numpy(x).requires_grad_(True)]
-    for module in torch_mirror(model):
+    for module in torch_modules(model):
         activations.append(module(activations[-1]))
         activations[-1].retain_grad()
     activations[-1].backward(torch.from_numpy(grad_out))

@@ -18,7 +18,7 @@ import scipy.sparse as sp
 from cuda_on_cpu import compile_for_cpu, pointer
 from test_scan import random_chain, schedules
 
-from sparse_scan import _scan_gpu, backend, spgemm
+from sparse_scan import _scan_gpu, backend
 from sparse_scan._scan_gpu import FIELDS, PRODUCT, ROWWISE, SPMV, run_plan_gpu
 from sparse_scan.csr import Pattern
 from sparse_scan.scan import ScanPlan, run_plan
@@ -241,15 +241,6 @@ def scan_on_cpu(kernels, monkeypatch):
     monkeypatch.setattr(_scan_gpu._kernels, "function", function)
     monkeypatch.setattr(_scan_gpu._kernels, "launch", launch)
     return launches
-
-
-@pytest.fixture(params=["default", "all"], ids=["blocks-default", "blocks-always"])
-def block_products(request, monkeypatch):
-    """Plan dense-block products as usual, or for every dense-block pair (as in test_scan.py)."""
-    if request.param == "all":
-        monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
-        monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
-    return request.param
 
 
 def chain_inputs(n, seed, batch, dtype):
