@@ -312,9 +312,9 @@ def _build_workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vecto
     slots.update({element: plan.n + 1 + k for k, element in enumerate(fresh)})
     builder = _TableBuilder(slots, buffers)
     bounds: list[tuple[int, int, int, list[Step]]] = []
-    for level in sorted({step.level for step in plan.steps}):
+    for level in plan.levels_of_steps:
         first, items, fallbacks = len(builder.rows), 0, []
-        for step in (s for s in plan.steps if s.level == level):
+        for step in (plan.steps[index] for index in level):
             if step.kind == "mm" and step.method not in KERNEL_METHODS:
                 fallbacks.append(step)
                 continue

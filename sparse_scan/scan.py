@@ -54,10 +54,6 @@ class ScanCostError(RuntimeError):
     expanding them is not), so a search over schedules can give up on one early.
     """
 
-    def __init__(self, message: str, flops: int) -> None:
-        super().__init__(message)
-        self.flops = flops
-
 METHODS = ("linear", "blelloch", "hybrid")
 
 Segment = tuple[int, int]  # elements lo..hi (inclusive) combined: hi's JT applied last
@@ -407,7 +403,7 @@ def build_plan(
                         raise ScanCostError(
                             f"scan step at level {level_ids[lvl]} ({phase} phase), the product of "
                             f"{describe(right)} and {describe(left)}, needs {flops} FLOPs, over the "
-                            f"limit of {max_step_flops}", flops)
+                            f"limit of {max_step_flops}")
                 channels = None if vector_channels is None else (
                     vector_channels(right.hi), vector_channels(left.hi), vector_channels(left.lo - 1))
                 try:
