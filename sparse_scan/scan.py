@@ -40,7 +40,7 @@ from .spgemm import (
 )
 
 __all__ = ["METHODS", "Element", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "build_plan",
-           "depth", "run_plan", "schedule"]
+           "checked_levels", "depth", "live_schedule", "run_plan", "scan_outputs", "schedule"]
 
 
 class ScanMemoryError(MemoryError):
@@ -304,6 +304,48 @@ def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, El
     return ops
 
 
+def checked_levels(n: int, method: str, levels: int | None) -> int | None:
+    """Validate ``method`` and, for ``hybrid``, ``levels`` (0 .. ``depth(n)``); return the levels."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method != "hybrid":
+        return levels
+    if levels is None or not 0 <= int(levels) <= depth(n):
+        raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} layers; got {levels!r}")
+    return int(levels)
+
+
+def scan_outputs(n: int) -> list[Element]:
+    """Where the results live: the gradient w.r.t. ``x_i`` is the prefix ``0..n-i`` (``i = 0..n``)."""
+    return [Element(0, n - i) for i in range(n + 1)]
+
+
+def live_schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, Element, Element]]:
+    """:func:`schedule` without the products nothing uses: ``(level, phase, left, right)`` per step.
+
+    Levels are renumbered densely (dropped steps may leave empty levels); steps of one level are
+    independent. Both element kinds of the engine run this schedule: sparse JTs (:func:`build_plan`)
+    and dense blocks (:mod:`sparse_scan.dense_scan`).
+
+    Examples
+    --------
+    >>> [(level, phase) for level, phase, _, _ in live_schedule(3, "blelloch", None)]
+    [(0, 'up'), (1, 'down'), (2, 'final')]
+    """
+    levels = checked_levels(n, method, levels)
+    needed = set(scan_outputs(n))
+    kept = []
+    for level, phase, left, right, _ in reversed(schedule(n, method, levels)):
+        out = Element(left.lo, right.hi)
+        if out in needed:  # the last producer of a value suffices: earlier duplicates drop out
+            kept.append((level, phase, left, right))
+            needed.discard(out)
+            needed.update((left, right))
+    kept.reverse()
+    level_ids = {level: rank for rank, level in enumerate(sorted({op[0] for op in kept}))}
+    return [(level_ids[level], phase, left, right) for level, phase, left, right in kept]
+
+
 def build_plan(
     n: int,
     method: str,
@@ -348,26 +390,9 @@ def build_plan(
         (``"steps"``) is planned: long plan builds can show progress.
     """
     report = progress if progress is not None else (lambda phase, done, total: None)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    if method == "hybrid":
-        if levels is None or not 0 <= int(levels) <= depth(n):
-            raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} layers; got {levels!r}")
-        levels = int(levels)
-    ops = schedule(n, method, levels)
-    # outputs: slot contents after the scan are prefixes; gradient w.r.t. x_i is the prefix 0..n-i
-    outputs = [Element(0, n - i) for i in range(n + 1)]
-    needed = set(outputs)
-    kept = []
-    for op in reversed(ops):
-        out = Element(op[2].lo, op[3].hi)
-        if out in needed:  # the last producer of a value suffices: earlier duplicates drop out
-            kept.append(op)
-            needed.discard(out)
-            needed.update((op[2], op[3]))
-    kept.reverse()
-    # renumber levels densely (dropped steps may leave empty levels)
-    level_ids = {lvl: rank for rank, lvl in enumerate(sorted({op[0] for op in kept}))}
+    levels = checked_levels(n, method, levels)
+    kept = live_schedule(n, method, levels)
+    outputs = scan_outputs(n)
 
     matrices: dict[Element, tuple[Pattern, str, bool]] = {}
     for j in range(1, n + 1):
@@ -379,11 +404,11 @@ def build_plan(
         element_bytes[Element(j, j)] = (pattern.nnz, 0) if shared else (0, pattern.nnz)
 
     steps = []
-    for lvl, phase, left, right, _ in kept:
+    for lvl, phase, left, right in kept:
         out = Element(left.lo, right.hi)
         right_pattern, right_kind, right_shared = matrices[right]
         m, k = right_pattern.shape
-        step = Step(level_ids[lvl], phase, "mv" if left.is_vector else "mm", left, right, out)
+        step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
         if left.is_vector:
             step.scaling = right_kind == "diagonal"
             step.shape = (m, k, 1)
@@ -401,7 +426,7 @@ def build_plan(
                     flops = 2 * count_multiply_adds(right_pattern, left_pattern)
                     if flops > max_step_flops:
                         raise ScanCostError(
-                            f"scan step at level {level_ids[lvl]} ({phase} phase), the product of "
+                            f"scan step at level {lvl} ({phase} phase), the product of "
                             f"{describe(right)} and {describe(left)}, needs {flops} FLOPs, over the "
                             f"limit of {max_step_flops}")
                 channels = None if vector_channels is None else (
@@ -411,7 +436,7 @@ def build_plan(
                                            budget_bytes=budget_bytes, channels=channels)
                 except PlanBudgetError as error:
                     raise ScanMemoryError(
-                        f"scan step at level {level_ids[lvl]} ({phase} phase), the product of "
+                        f"scan step at level {lvl} ({phase} phase), the product of "
                         f"{describe(right)} and {describe(left)}: its result alone needs more than "
                         f"{error.needed} bytes, over the memory budget of {error.budget} bytes "
                         "(raise the budget, or use method='linear' or a hybrid with fewer levels)"

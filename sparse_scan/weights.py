@@ -24,7 +24,7 @@ def state_dict(model: Any) -> dict[str, np.ndarray]:
     """``"<layer>.weight"`` / ``"<layer>.bias"`` -> the parameter array (not a copy)."""
     out = {}
     for layer in model.layers:
-        for name in ("weight", "bias"):
+        for name in getattr(layer, "parameter_names", ("weight", "bias")):
             value = getattr(layer, name, None)
             if value is not None:
                 out[f"{layer.name}.{name}"] = value

@@ -1,0 +1,387 @@
+"""Scans over dense blocks: the recurrent element kind of the scan engine.
+
+A recurrent network's backward pass is the chain ``G_t = d_t + A_{t+1} G_{t+1}`` over ``T`` steps,
+``A_t = (dh_t/dh_{t-1})^T`` a dense ``H×H`` block per sample and ``d_t`` the loss's direct gradient
+w.r.t. ``h_t``. Each step is an *affine* map ``x -> A x + d``, so the chain is the exclusive scan of
+``[d_T, F_1, ..., F_T]`` (``F_j: x -> A_{T-j+1} x + d_{T-j}``, ``d_0 = 0``) under "apply the left
+operand, then the right one", the operator ``◇`` of :mod:`sparse_scan.scan` with affine elements:
+
+``(M_r, v_r) ∘ (M_l, v_l) = (M_r M_l, M_r v_l + v_r)``, and on a vector ``v_l``: ``M_r v_l + v_r``.
+
+When only the last hidden state has a loss (the paper's RNN), every ``v`` of a block is zero and this
+is the paper's scan of plain products. The schedules are exactly the sparse engine's
+(:func:`sparse_scan.scan.live_schedule`): ``linear`` (BP: ``T`` sequential matrix-vector products),
+``blelloch`` (Algorithm 1) and ``hybrid`` (paper §5.3).
+
+A :class:`DenseScanPlan` depends on ``T``, the method and the levels only (not on ``H`` or the batch)
+and is cached. It groups the steps of every level by kind and output buffer, so that the numeric phase
+runs each level as a few batched array operations over all its pairs and samples: one ``matmul`` for
+all of a level's block products, instead of one call per step. Operands are read through strided
+views where the schedule is regular (the up- and down-sweeps of a power-of-two chain) and gathered
+otherwise.
+
+Examples
+--------
+>>> import numpy as np
+>>> rng = np.random.default_rng(0)
+>>> blocks = rng.standard_normal((5, 2, 3, 3)) / 3     # T=5 steps, batch 2, H=3: A_1 .. A_5
+>>> direct = rng.standard_normal((5, 2, 3))           # d_1 .. d_5
+>>> scan = dense_scan(blocks, direct, method="blelloch")
+>>> bp = dense_scan(blocks, direct, method="linear")
+>>> scan.shape, bool(np.allclose(scan, bp))           # G_0 .. G_5
+((6, 2, 3), True)
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import backend as _backend
+from .scan import Element, checked_levels, depth, live_schedule, scan_outputs
+
+__all__ = ["DenseScanPlan", "Location", "auto_levels", "dense_plan", "dense_scan"]
+
+INPUT = 0  # buffer id of the scan input: blocks (T, B, H, H) and direct vectors (T + 1, B, H)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a scan value lives: a row of a buffer (``INPUT`` or a level group's result)."""
+
+    buffer: int
+    row: int
+
+
+@dataclass(frozen=True)
+class DenseOp:
+    """One step ``out = right ∘ left``: ``mm`` (left is a block) or ``mv`` (left is a vector)."""
+
+    phase: str
+    left: Location
+    right: Location
+
+
+class _Reader:
+    """Reads the rows of one operand side of a group: a strided view where the rows are regular."""
+
+    def __init__(self, locations: Sequence[Location]) -> None:
+        self.count = len(locations)
+        by_buffer: dict[int, tuple[list[int], list[int]]] = {}
+        for position, location in enumerate(locations):
+            positions, rows = by_buffer.setdefault(location.buffer, ([], []))
+            positions.append(position)
+            rows.append(location.row)
+        self.pieces = [(buffer, _compact(positions), _compact(rows))
+                       for buffer, (positions, rows) in by_buffer.items()]
+        self.buffers = tuple(by_buffer)
+
+    def read(self, xp: Any, arrays: dict[int, Any]) -> Any:
+        """The operand stack ``(count, ...)``: a view when one regular piece covers it."""
+        if len(self.pieces) == 1:
+            buffer, _, rows = self.pieces[0]
+            return arrays[buffer][rows]
+        first = arrays[self.pieces[0][0]]
+        out = xp.empty((self.count,) + first.shape[1:], dtype=first.dtype)
+        for buffer, positions, rows in self.pieces:
+            out[positions] = arrays[buffer][rows]
+        return out
+
+
+def _compact(values: Sequence[int]) -> slice | np.ndarray:
+    """An arithmetic progression as a slice (so indexing gives a view), anything else as indices."""
+    if len(values) == 1:
+        return slice(values[0], values[0] + 1)
+    step = values[1] - values[0]
+    if step != 0 and all(b - a == step for a, b in zip(values, values[1:])):
+        stop = values[-1] + step
+        return slice(values[0], None if stop < 0 else stop, step)
+    return np.asarray(values, dtype=np.intp)
+
+
+@dataclass
+class DenseGroup:
+    """Steps of one level and one kind, written to rows ``0..len(ops)-1`` of buffer ``buffer``."""
+
+    kind: str
+    buffer: int
+    ops: list[DenseOp]
+
+    def __post_init__(self) -> None:
+        self.left = _Reader([op.left for op in self.ops])
+        self.right = _Reader([op.right for op in self.ops])
+
+
+@dataclass
+class DenseScanPlan:
+    """The schedule of a dense-block scan over ``n`` steps, grouped for batched numeric work.
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+        Up-sweep levels of a ``hybrid`` plan.
+    n : int
+        Number of blocks (time steps).
+    levels_of_groups : list of list of DenseGroup
+        Per level (in order), its groups; groups of one level are independent.
+    outputs : list of Location
+        ``outputs[i]`` holds the total gradient w.r.t. ``h_i`` (``i = 0..n``).
+    """
+
+    method: str
+    levels: int | None
+    n: int
+    levels_of_groups: list[list[DenseGroup]]
+    outputs: list[Location]
+
+    @functools.cached_property
+    def output_reader(self) -> _Reader:
+        return _Reader(self.outputs)
+
+    @functools.cached_property
+    def last_level(self) -> dict[int, int]:
+        """Per buffer, the last level that reads it (outputs are read after the last level)."""
+        last: dict[int, int] = {}
+        for index, groups in enumerate(self.levels_of_groups):
+            for group in groups:
+                for buffer in group.left.buffers + group.right.buffers:
+                    last[buffer] = index
+        for buffer in self.output_reader.buffers:
+            last[buffer] = len(self.levels_of_groups)
+        return last
+
+    @functools.cached_property
+    def releases(self) -> list[list[int]]:
+        """Per level, the buffers read for the last time there."""
+        released: list[list[int]] = [[] for _ in self.levels_of_groups]
+        for buffer, last in self.last_level.items():
+            if last < len(released):
+                released[last].append(buffer)
+        return released
+
+    @property
+    def steps(self) -> list[tuple[int, DenseGroup, DenseOp]]:
+        """Every step as ``(level, group, op)``."""
+        return [(index, group, op) for index, groups in enumerate(self.levels_of_groups)
+                for group in groups for op in group.ops]
+
+    @property
+    def critical_steps(self) -> int:
+        """Sequential levels."""
+        return len(self.levels_of_groups)
+
+    def step_flops(self, kind: str, size: int) -> int:
+        """FLOPs of one step for one sample (ARCHITECTURE.md convention on dense ``size×size``
+        blocks: ``mm`` is a block product plus its matrix-vector product, ``mv`` a matrix-vector
+        product; the additions of direct gradients, ``size`` per step as in BP, are not counted)."""
+        return 2 * size**3 + 2 * size**2 if kind == "mm" else 2 * size**2
+
+    def level_flops(self, size: int) -> list[int]:
+        """Per level, the FLOPs of all its steps for one sample."""
+        return [sum(len(group.ops) * self.step_flops(group.kind, size) for group in groups)
+                for groups in self.levels_of_groups]
+
+    def critical_flops(self, size: int) -> int:
+        """Sum over levels of the costliest step of the level (one sample)."""
+        return sum(max(self.step_flops(group.kind, size) for group in groups)
+                   for groups in self.levels_of_groups)
+
+    def work_flops(self, size: int) -> int:
+        """FLOPs of every step (one sample)."""
+        return sum(self.level_flops(size))
+
+    def peak_bytes(self, batch: int, size: int, itemsize: int) -> int:
+        """Peak bytes of live scan values: the input from the start, every group's result from its
+        level to the end of the level of its last read, the outputs to the end."""
+        block, vector = size * size * batch * itemsize, size * batch * itemsize
+        live = self.n * block + (self.n + 1) * vector
+        sizes = {INPUT: live}
+        peak = live
+        for index, groups in enumerate(self.levels_of_groups):
+            for group in groups:
+                sizes[group.buffer] = len(group.ops) * (vector + (block if group.kind == "mm" else 0))
+                live += sizes[group.buffer]
+            peak = max(peak, live)
+            live -= sum(sizes[buffer] for buffer, last in self.last_level.items() if last == index)
+        return peak
+
+    def report(self, batch: int, size: int, itemsize: int = 4) -> dict[str, Any]:
+        """Per-level figures and totals (JSON-friendly)."""
+        return {
+            "method": self.method, "levels": self.levels, "n": self.n,
+            "levels_detail": [
+                {"level": index, "phases": sorted({op.phase for group in groups for op in group.ops}),
+                 "mm": sum(len(g.ops) for g in groups if g.kind == "mm"),
+                 "mv": sum(len(g.ops) for g in groups if g.kind == "mv"), "flops": flops * batch}
+                for index, (groups, flops) in enumerate(zip(self.levels_of_groups,
+                                                            self.level_flops(size)))],
+            "totals": {"critical_flops": self.critical_flops(size) * batch,
+                       "work_flops": self.work_flops(size) * batch, "critical_steps": self.critical_steps,
+                       "peak_bytes": self.peak_bytes(batch, size, itemsize)},
+        }
+
+
+@functools.lru_cache(maxsize=64)
+def dense_plan(n: int, method: str = "blelloch", levels: int | None = None) -> DenseScanPlan:
+    """Plan a dense-block scan over ``n`` steps (cached per ``n``, method and levels).
+
+    Parameters
+    ----------
+    n : int
+        Number of blocks (time steps), at least 1.
+    method : {"linear", "blelloch", "hybrid"}
+    levels : int, optional
+        Up-sweep levels of ``hybrid`` (0 .. ``depth(n)``).
+    """
+    if n < 1:
+        raise ValueError(f"a dense scan needs at least one step; got n={n}")
+    levels = checked_levels(n, method, levels)
+    where: dict[Element, Location] = {Element(j, j): Location(INPUT, n - j) for j in range(n + 1)}
+    by_level: dict[int, list[tuple[str, Element, Element]]] = {}
+    for level, phase, left, right in live_schedule(n, method, levels):
+        by_level.setdefault(level, []).append((phase, left, right))
+    levels_of_groups: list[list[DenseGroup]] = []
+    buffer = INPUT
+    for level in sorted(by_level):  # operands come from earlier levels: place results per level
+        groups, placed = [], {}
+        for kind in ("mm", "mv"):
+            entries = [(phase, left, right) for phase, left, right in by_level[level]
+                       if (kind == "mv") == left.is_vector]
+            if not entries:
+                continue
+            buffer += 1
+            groups.append(DenseGroup(kind, buffer, [DenseOp(phase, where[left], where[right])
+                                                    for phase, left, right in entries]))
+            for row, (_, left, right) in enumerate(entries):
+                placed[Element(left.lo, right.hi)] = Location(buffer, row)
+        where.update(placed)
+        levels_of_groups.append(groups)
+    return DenseScanPlan(method, levels, n, levels_of_groups, [where[e] for e in scan_outputs(n)])
+
+
+def _matmul(xp: Any, right: Any, left: Any, pool: ThreadPoolExecutor | None) -> Any:
+    """``right @ left`` over stacks ``(N, B, r, c)``; split over the pool's threads when large."""
+    if pool is None or right.shape[0] * right.shape[1] < 64:
+        return xp.matmul(right, left)
+    out = xp.empty(right.shape[:-1] + left.shape[-1:], dtype=right.dtype)
+    axis = 0 if right.shape[0] >= right.shape[1] else 1
+    bounds = np.linspace(0, right.shape[axis], pool._max_workers + 1).astype(int)
+    parts = [(slice(None),) * axis + (slice(a, b),) for a, b in zip(bounds, bounds[1:]) if b > a]
+    list(pool.map(lambda part: xp.matmul(right[part], left[part], out=out[part]), parts))
+    return out
+
+
+def _run_level(xp: Any, groups: list[DenseGroup], blocks: dict[int, Any], vectors: dict[int, Any],
+               pool: ThreadPoolExecutor | None, affine: bool) -> None:
+    """One level: every group's products; without direct gradients (``affine=False``) blocks carry
+    no vector part, so products of blocks skip it."""
+    for group in groups:
+        right = group.right.read(xp, blocks)
+        if group.kind == "mm":
+            blocks[group.buffer] = _matmul(xp, right, group.left.read(xp, blocks), pool)
+            if not affine:
+                continue
+        product = _matmul(xp, right, group.left.read(xp, vectors)[..., None], pool)[..., 0]
+        if affine:
+            product += group.right.read(xp, vectors)
+        vectors[group.buffer] = product
+
+
+def _scan_arrays(xp: Any, plan: DenseScanPlan, blocks: Any, direct: Any,
+                 pool: ThreadPoolExecutor | None) -> Any:
+    affine = direct.ndim == 3
+    n, (batch, size) = plan.n, direct.shape[-2:]
+    inputs = xp.zeros((n + 1, batch, size), dtype=blocks.dtype)  # row 0: d_0 = 0
+    if affine:
+        inputs[1:] = direct
+    else:
+        inputs[n] = direct
+    block_values, vector_values = {INPUT: blocks}, {INPUT: inputs}
+    for index, groups in enumerate(plan.levels_of_groups):
+        _run_level(xp, groups, block_values, vector_values, pool, affine)
+        for buffer in plan.releases[index]:
+            block_values.pop(buffer, None)
+            vector_values.pop(buffer, None)
+    return plan.output_reader.read(xp, vector_values)
+
+
+def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
+              threads: int | None) -> Any:
+    from .scan import cpu_threads  # noqa: PLC0415 - one definition of the core count
+
+    workers = cpu_threads() if threads is None else max(1, int(threads))
+    if workers == 1:
+        return _scan_arrays(np, plan, blocks, direct, None)
+    with ThreadPoolExecutor(workers) as pool:
+        return _scan_arrays(np, plan, blocks, direct, pool)
+
+
+def _scan_gpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
+              threads: int | None) -> Any:
+    return _scan_arrays(be.xp, plan, blocks, direct, None)
+
+
+_scan = _backend.twin(cpu=_scan_cpu, gpu=_scan_gpu)
+
+# Cost model of `levels="auto"`: seconds per level (a Python-level step on the CPU, a launch on the
+# GPU) and sustained FLOP/s of batched small block products. CPU: NumPy's stacked matmul on 20x20
+# blocks, measured on a 2-core machine (bench/rnn.py); GPU: a conservative fraction of an H100.
+_LEVEL_SECONDS = {"cpu": 8e-6, "gpu": 5e-6}
+_FLOPS_PER_SECOND = {"cpu": 3e10, "gpu": 5e12}
+
+
+def auto_levels(n: int, batch: int, size: int, device: str = "cpu") -> int:
+    """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least modelled time.
+
+    Each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU
+    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not.
+    """
+    best, best_cost = 0, None
+    for levels in range(depth(n) + 1):
+        plan = dense_plan(n, "hybrid", levels)
+        cost = sum(_LEVEL_SECONDS[device] + flops * batch / _FLOPS_PER_SECOND[device]
+                   for flops in plan.level_flops(size))
+        if best_cost is None or cost < best_cost:
+            best, best_cost = levels, cost
+    return best
+
+
+def dense_scan(blocks: Any, direct: Any, method: str = "blelloch", levels: int | str | None = None,
+               threads: int | None = None) -> Any:
+    """Total gradients of a recurrent chain by a scan over dense blocks.
+
+    Parameters
+    ----------
+    blocks : ndarray, shape (T, B, H, H)
+        ``blocks[t - 1]`` is ``(dh_t/dh_{t-1})^T`` per sample (time-major), NumPy or CuPy.
+    direct : ndarray, shape (T, B, H) or (B, H)
+        ``direct[t - 1]`` is the loss's direct gradient w.r.t. ``h_t``; a ``(B, H)`` array is the
+        gradient w.r.t. ``h_T`` alone (a loss on the last hidden state, as in the paper), which
+        makes the scan a chain of plain block products (no vector parts).
+    method : {"linear", "blelloch", "hybrid"}
+    levels : int or "auto", optional
+        Up-sweep levels of ``hybrid``; ``"auto"`` picks them with :func:`auto_levels`.
+    threads : int, optional
+        CPU threads that share each level's block products (default: the cores available).
+
+    Returns
+    -------
+    ndarray, shape (T + 1, B, H)
+        ``out[t]`` is the total gradient w.r.t. ``h_t`` (``out[0]``: w.r.t. the initial state).
+    """
+    be = _backend.of(blocks)
+    n, batch = blocks.shape[:2]
+    if blocks.ndim != 4 or blocks.shape[2] != blocks.shape[3] or \
+            direct.shape not in ((n, batch, blocks.shape[2]), (batch, blocks.shape[2])):
+        raise ValueError(f"blocks must be (T, B, H, H) and direct (T, B, H) or (B, H); got "
+                         f"{blocks.shape} and {direct.shape}")
+    size = blocks.shape[2]
+    if levels == "auto":
+        method, levels = "hybrid", auto_levels(n, batch, size, be.name)
+    plan = dense_plan(n, method, levels)
+    return _scan(be, plan, blocks, be.xp.asarray(direct, dtype=blocks.dtype), threads)

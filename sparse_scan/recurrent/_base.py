@@ -1,0 +1,199 @@
+"""What recurrent layers share: parameters by PyTorch name, input checks, backward through the scan.
+
+A subclass defines the cell: ``_forward_steps`` (the sequential forward, keeping what the Jacobians
+need), ``_blocks`` (every ``(dh_t/dh_{t-1})^T`` in one batched pass) and ``_pre_activation_grads``
+(gradients of the gate pre-activations from the total gradients w.r.t. the hidden states), from
+which every input and parameter gradient is one GEMM or one sum over all steps and samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import backend as _backend
+from ..dense_scan import dense_scan
+from ..layers._weighted import RngLike, as_float_dtype, as_rng
+
+__all__ = ["Recurrent"]
+
+
+class Recurrent:
+    """Base of :class:`~sparse_scan.recurrent.RNN` and :class:`~sparse_scan.recurrent.GRU`.
+
+    Attributes
+    ----------
+    weight_ih : ndarray, shape (gates * hidden_size, input_size)
+    weight_hh : ndarray, shape (gates * hidden_size, hidden_size)
+    bias_ih, bias_hh : ndarray, shape (gates * hidden_size,)
+    name : str or None
+        Prefix of this layer's parameters in a model's state_dict.
+    """
+
+    gates = 1
+    parameter_names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+    def __init__(self, input_size: int, hidden_size: int, *, dtype: Any = None, rng: RngLike = None,
+                 name: str | None = None) -> None:
+        for field, value in (("input_size", input_size), ("hidden_size", hidden_size)):
+            if int(value) < 1:
+                raise ValueError(f"layer {type(self).__name__}: {field}: must be positive, got {value}")
+        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.dtype = as_float_dtype(dtype, type(self).__name__)
+        self.name = name
+        generator, bound = as_rng(rng), 1.0 / math.sqrt(self.hidden_size)  # PyTorch's initialisation
+        for key, shape in self.parameter_shapes().items():
+            setattr(self, key, generator.uniform(-bound, bound, shape).astype(self.dtype))
+        self._saved: dict[str, Any] | None = None
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """PyTorch's shapes of the parameters, by name."""
+        rows = self.gates * self.hidden_size
+        return {"weight_ih": (rows, self.input_size), "weight_hh": (rows, self.hidden_size),
+                "bias_ih": (rows,), "bias_hh": (rows,)}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The parameters by name (not copies)."""
+        return {key: getattr(self, key) for key in self.parameter_names}
+
+    def load_state_dict(self, values: dict[str, Any]) -> None:
+        """Copy parameters in, by this layer's names or ``nn.RNN``/``nn.GRU``'s (``weight_ih_l0``, ...).
+
+        Raises
+        ------
+        ValueError
+            A name is unknown or missing, or a value has the wrong shape or is not finite.
+        """
+        shapes = self.parameter_shapes()
+        given = {key[:-3] if key.endswith("_l0") else key: value for key, value in values.items()}
+        unknown = sorted(set(given) - set(shapes))
+        missing = sorted(set(shapes) - set(given))
+        if unknown or missing:
+            raise ValueError(f"layer {type(self).__name__}: state_dict: unknown {unknown}, missing {missing}")
+        checked = {}
+        for key, value in given.items():
+            array = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+            if array.shape != shapes[key]:
+                raise ValueError(f"layer {type(self).__name__}: {key}: expected shape {shapes[key]}, "
+                                 f"got {array.shape}")
+            if not np.all(np.isfinite(array)):
+                raise ValueError(f"layer {type(self).__name__}: {key}: values must be finite")
+            checked[key] = array.astype(self.dtype)
+        for key, array in checked.items():
+            setattr(self, key, array)
+
+    def _check_inputs(self, x: Any, h0: Any) -> tuple[Any, Any]:
+        be = _backend.of(x)
+        xp = be.xp
+        layer = f"layer {type(self).__name__}"
+        if x.ndim != 3 or x.shape[2] != self.input_size or x.shape[1] < 1:
+            raise ValueError(f"{layer}: input: expected (batch, time, {self.input_size}) with time >= 1, "
+                             f"got {tuple(x.shape)}")
+        if not bool(xp.all(xp.isfinite(x))):
+            raise ValueError(f"{layer}: input: values must be finite")
+        x = xp.asarray(x, dtype=self.dtype)
+        if h0 is None:
+            return x, xp.zeros((x.shape[0], self.hidden_size), dtype=self.dtype)
+        if tuple(h0.shape) != (x.shape[0], self.hidden_size):
+            raise ValueError(f"{layer}: h0: expected ({x.shape[0]}, {self.hidden_size}), got {tuple(h0.shape)}")
+        return x, be.asarray(h0, dtype=self.dtype)
+
+    def _parameters_on(self, xp: Any) -> dict[str, Any]:
+        return {key: xp.asarray(getattr(self, key)) for key in self.parameter_names}
+
+    def forward(self, x: Any, h0: Any = None) -> Any:
+        """Run the sequence; keep what the Jacobians and the parameter gradients need.
+
+        Parameters
+        ----------
+        x : ndarray, shape (B, T, input_size)
+            Batch first, NumPy (CPU) or CuPy (GPU).
+        h0 : ndarray, shape (B, hidden_size), optional
+            Initial hidden state (zeros by default).
+
+        Returns
+        -------
+        ndarray, shape (B, T, hidden_size)
+            Every hidden state ``h_1 .. h_T``.
+        """
+        x, h0 = self._check_inputs(x, h0)
+        xp = _backend.of(x).xp
+        x_steps = xp.ascontiguousarray(x.transpose(1, 0, 2))  # time-major inside
+        saved = self._forward_steps(xp, x_steps, h0, self._parameters_on(xp))
+        saved.update(x=x_steps, h0=h0)
+        self._saved = saved
+        return xp.ascontiguousarray(saved["h"].transpose(1, 0, 2))
+
+    def previous_states(self, xp: Any) -> Any:
+        """``h_0 .. h_{T-1}``, time-major ``(T, B, H)``, of the last forward."""
+        saved = self._require_forward()
+        return xp.concatenate([saved["h0"][None], saved["h"][:-1]])
+
+    def _require_forward(self) -> dict[str, Any]:
+        if self._saved is None:
+            raise RuntimeError(f"layer {type(self).__name__}: call forward before backward")
+        return self._saved
+
+    def transposed_jacobians(self) -> Any:
+        """Every ``(dh_t/dh_{t-1})^T`` of the last forward, time-major ``(T, B, H, H)``."""
+        saved = self._require_forward()
+        xp = _backend.of(saved["h"]).xp
+        return self._blocks(xp, saved, self._parameters_on(xp))
+
+    def backward(self, grad_h: Any, method: str = "blelloch", levels: int | str | None = None,
+                 threads: int | None = None) -> dict[str, Any]:
+        """Gradients of a loss through the last forward, by a scan over the hidden-state chain.
+
+        Parameters
+        ----------
+        grad_h : ndarray, shape (B, T, hidden_size) or (B, hidden_size)
+            The loss's direct gradient w.r.t. every hidden state, or w.r.t. the last one only.
+        method : {"blelloch", "linear", "hybrid"}
+            ``linear`` is back-propagation through time emulated with the Jacobians.
+        levels : int or "auto", optional
+            Up-sweep levels of ``hybrid``; ``"auto"`` picks them from the scan's cost model.
+        threads : int, optional
+            CPU threads sharing each scan level.
+
+        Returns
+        -------
+        dict
+            ``h`` (B, T, H): total gradient w.r.t. each ``h_t``; ``x`` (B, T, input_size); ``h0``
+            (B, H); and ``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh`` (summed over the batch).
+        """
+        saved = self._require_forward()
+        xp = _backend.of(saved["h"]).xp
+        steps, batch, size = saved["h"].shape
+        layer = f"layer {type(self).__name__}"
+        if tuple(grad_h.shape) not in ((batch, steps, size), (batch, size)):
+            raise ValueError(f"{layer}: grad_h: expected ({batch}, {steps}, {size}) or ({batch}, {size}), "
+                             f"got {tuple(grad_h.shape)}")
+        grad_h = xp.asarray(grad_h, dtype=self.dtype)
+        direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
+        parameters = self._parameters_on(xp)
+        totals = dense_scan(self._blocks(xp, saved, parameters), direct, method, levels, threads)
+        grad_gi, grad_gh = self._pre_activation_grads(xp, saved, totals[1:])
+        x, rows = saved["x"], grad_gi.shape[-1]
+        flat_gi, flat_gh = grad_gi.reshape(-1, rows), grad_gh.reshape(-1, rows)
+        return {
+            "h": xp.ascontiguousarray(totals[1:].transpose(1, 0, 2)),
+            "x": xp.ascontiguousarray((grad_gi @ parameters["weight_ih"]).transpose(1, 0, 2)),
+            "h0": totals[0],
+            "weight_ih": flat_gi.T @ x.reshape(-1, self.input_size),
+            "weight_hh": flat_gh.T @ self.previous_states(xp).reshape(-1, size),
+            "bias_ih": flat_gi.sum(axis=0),
+            "bias_hh": flat_gh.sum(axis=0),
+        }
+
+    # cell-specific parts -------------------------------------------------------------------------
+    def _forward_steps(self, xp: Any, x: Any, h0: Any, p: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
+        """Gradients w.r.t. the input-side and hidden-side gate pre-activations, ``(T, B, gates*H)``."""
+        raise NotImplementedError

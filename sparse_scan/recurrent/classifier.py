@@ -1,0 +1,133 @@
+"""The paper's recurrent classifier (§4.1): a recurrent layer, then softmax over a linear map of the
+last hidden state, trained with cross-entropy; and its training loop.
+
+Examples
+--------
+>>> import numpy as np
+>>> from sparse_scan.optim import Adam
+>>> from sparse_scan.recurrent import RNN, Bitstream
+>>> model = RecurrentClassifier(RNN(1, 8, rng=0), classes=10, rng=1)
+>>> sorted(model.state_dict())[:3]
+['fc.bias', 'fc.weight', 'rnn.bias_hh']
+>>> records = train_recurrent(model, Bitstream(steps=30, samples=64), Adam(model, lr=1e-2), iterations=3,
+...                           batch_size=16)
+>>> [r["iteration"] for r in records]
+[0, 1, 2]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import backend as _backend
+from ..layers import Linear
+from ..loss import softmax_cross_entropy
+from ._base import Recurrent
+
+__all__ = ["RecurrentClassifier", "train_recurrent"]
+
+
+class RecurrentClassifier:
+    """``logits = fc(h_T)`` after a recurrent layer ``rnn``; loss is softmax cross-entropy.
+
+    Parameters
+    ----------
+    recurrent : RNN or GRU
+        Named ``"rnn"`` in the state_dict unless it has a name.
+    classes : int
+    rng : numpy.random.Generator or int, optional
+        Initialisation of ``fc`` (PyTorch's).
+
+    Attributes
+    ----------
+    layers : list
+        ``[recurrent, fc]``: what :mod:`sparse_scan.optim` and :mod:`sparse_scan.weights` walk.
+    """
+
+    def __init__(self, recurrent: Recurrent, classes: int, rng: Any = None) -> None:
+        recurrent.name = recurrent.name or "rnn"
+        self.recurrent = recurrent
+        self.fc = Linear(recurrent.hidden_size, classes, dtype=recurrent.dtype, rng=rng)
+        self.fc.name = "fc"
+        self.layers = [recurrent, self.fc]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every parameter by ``"<layer>.<name>"`` (not copies)."""
+        from ..weights import state_dict  # noqa: PLC0415 - weights imports nothing of ours back
+
+        return state_dict(self)
+
+    def loss_and_gradients(self, x: Any, labels: Any, method: str = "blelloch",
+                           levels: int | str | None = None) -> tuple[float, dict[str, Any]]:
+        """Forward, loss and every parameter's gradient (the hidden-state chain by the scan).
+
+        Returns
+        -------
+        loss : float
+            Mean cross-entropy over the batch.
+        grads : dict
+            By state_dict name, summed like PyTorch's (the loss is a mean).
+        """
+        hidden = self.recurrent.forward(x)
+        last = hidden[:, -1]
+        logits = self.fc.forward(last)
+        be = _backend.of(logits)
+        loss, grad_logits = softmax_cross_entropy(be.to_host(logits), be.to_host(labels))
+        grad_logits = be.asarray(grad_logits)
+        weight = be.asarray(self.fc.weight)
+        grads = {"fc.weight": grad_logits.T @ last, "fc.bias": grad_logits.sum(axis=0)}
+        recurrent = self.recurrent.backward(grad_logits @ weight, method=method, levels=levels)
+        for key in self.recurrent.parameter_names:
+            grads[f"{self.recurrent.name}.{key}"] = recurrent[key]
+        return loss, grads
+
+    def loss(self, x: Any, labels: Any) -> float:
+        """Mean cross-entropy of a batch (forward only)."""
+        logits = self.fc.forward(self.recurrent.forward(x)[:, -1])
+        be = _backend.of(logits)
+        return softmax_cross_entropy(be.to_host(logits), be.to_host(labels))[0]
+
+
+def train_recurrent(model: RecurrentClassifier, data: Any, optimizer: Any, iterations: int, batch_size: int,
+                    method: str = "blelloch", levels: int | str | None = None, seed: int = 0,
+                    device: str = "cpu",
+                    progress: Callable[[int, int, float], None] | None = None) -> list[dict[str, Any]]:
+    """Mini-batch training; one record per iteration.
+
+    Parameters
+    ----------
+    model : RecurrentClassifier
+    data : Bitstream or any object with ``len(data)`` and ``data.batch(indices) -> (x, labels)``
+    optimizer : sparse_scan.optim.Optimizer
+        Built on ``model``.
+    iterations, batch_size : int
+    method, levels
+        Of the scan (``linear`` is back-propagation through time).
+    seed : int
+        Batch order (a permutation per pass over the data): the same seed gives the same batches.
+    device : {"cpu", "gpu", "auto"}
+        Where the forward and the scan run (parameters stay NumPy arrays for the optimizer).
+    progress : callable, optional
+        ``progress(iteration, iterations, loss)`` after each iteration.
+
+    Returns
+    -------
+    list of dict
+        ``{"iteration", "loss"}`` per iteration (the batch's loss before the update).
+    """
+    be = _backend.get(device)
+    order = np.random.default_rng(seed)
+    permutation, position, records = order.permutation(len(data)), 0, []
+    for iteration in range(iterations):
+        if position + batch_size > len(permutation):
+            permutation, position = order.permutation(len(data)), 0
+        x, labels = data.batch(permutation[position:position + batch_size])
+        position += batch_size
+        loss, grads = model.loss_and_gradients(be.asarray(x), labels, method=method, levels=levels)
+        optimizer.step({key: be.to_host(value) for key, value in grads.items()})
+        records.append({"iteration": iteration, "loss": loss})
+        if progress is not None:
+            progress(iteration + 1, iterations, loss)
+    return records

@@ -1,0 +1,86 @@
+"""GRU (paper Eq. 8, PyTorch's gate layout ``[r, z, n]``):
+
+``r = σ(W_ir x + b_ir + W_hr h + b_hr)``, ``z = σ(W_iz x + b_iz + W_hz h + b_hz)``,
+``n = tanh(W_in x + b_in + r ∘ (W_hn h + b_hn))``, ``h' = (1 - z) ∘ n + z ∘ h``.
+
+Appendix D's decomposition, fused into one block per step and sample:
+``(dh_t/dh_{t-1})^T = W_hr^T diag(a) + W_hz^T diag(e) + W_hn^T diag(c) + diag(z)`` with
+``a = (1-z)(1-n²) M r(1-r)``, ``c = (1-z)(1-n²) r``, ``e = (h_{t-1} - n) z(1-z)``, ``M = W_hn h + b_hn``.
+
+Examples
+--------
+>>> import numpy as np
+>>> gru = GRU(3, 5, dtype=np.float64, rng=0)
+>>> h = gru.forward(np.random.default_rng(1).standard_normal((2, 7, 3)))
+>>> grads = gru.backward(np.ones((2, 7, 5)), method="hybrid", levels=2)
+>>> sorted(grads)
+['bias_hh', 'bias_ih', 'h', 'h0', 'weight_hh', 'weight_ih', 'x']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._base import Recurrent
+
+__all__ = ["GRU"]
+
+
+def _sigmoid(xp: Any, a: Any) -> Any:
+    return 1 / (1 + xp.exp(-a))
+
+
+class GRU(Recurrent):
+    """PyTorch's ``nn.GRU`` (one layer, ``batch_first=True``) with its backward as a scan.
+
+    Parameters
+    ----------
+    input_size, hidden_size : int
+    dtype : numpy dtype, optional
+        float32 (default) or float64.
+    rng : numpy.random.Generator or int, optional
+        Source of PyTorch's uniform initialisation ``U(-1/sqrt(H), 1/sqrt(H))``.
+    name : str, optional
+    """
+
+    gates = 3
+
+    def _forward_steps(self, xp: Any, x: Any, h0: Any, p: dict[str, Any]) -> dict[str, Any]:
+        size = self.hidden_size
+        gi = x @ p["weight_ih"].T + p["bias_ih"]  # every step's input part at once: (T, B, 3H)
+        w_hh_t, b_hh = p["weight_hh"].T, p["bias_hh"]
+        steps, batch = gi.shape[:2]
+        saved = {key: xp.empty((steps, batch, size), dtype=gi.dtype) for key in ("h", "r", "z", "n", "m")}
+        h = h0
+        for t in range(steps):
+            gh = h @ w_hh_t + b_hh
+            r = _sigmoid(xp, gi[t, :, :size] + gh[:, :size])
+            z = _sigmoid(xp, gi[t, :, size:2 * size] + gh[:, size:2 * size])
+            m = gh[:, 2 * size:]
+            n = xp.tanh(gi[t, :, 2 * size:] + r * m)
+            h = n + z * (h - n)
+            for key, value in (("h", h), ("r", r), ("z", z), ("n", n), ("m", m)):
+                saved[key][t] = value
+        return saved
+
+    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> Any:
+        size = self.hidden_size
+        r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
+        gate_n = (1 - z) * (1 - n * n)
+        w_hr_t, w_hz_t, w_hn_t = (p["weight_hh"][k * size:(k + 1) * size].T for k in range(3))
+        blocks = xp.empty(z.shape + (size,), dtype=z.dtype)  # C order: the scan reads it in place
+        xp.multiply(w_hr_t, (gate_n * m * r * (1 - r))[:, :, None, :], out=blocks)
+        blocks += w_hz_t * ((self.previous_states(xp) - n) * z * (1 - z))[:, :, None, :]
+        blocks += w_hn_t * (gate_n * r)[:, :, None, :]
+        diagonal = xp.arange(size)
+        blocks[:, :, diagonal, diagonal] += z
+        return blocks
+
+    def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
+        r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
+        grad_pre_n = totals * (1 - z) * (1 - n * n)
+        grad_r = grad_pre_n * m * r * (1 - r)
+        grad_z = totals * (self.previous_states(xp) - n) * z * (1 - z)
+        grad_gi = xp.concatenate([grad_r, grad_z, grad_pre_n], axis=-1)
+        grad_gh = xp.concatenate([grad_r, grad_z, grad_pre_n * r], axis=-1)
+        return grad_gi, grad_gh
