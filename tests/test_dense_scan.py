@@ -1,0 +1,98 @@
+"""The dense-block scan against a dense reference chain, for every schedule and levels value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
+from sparse_scan.scan import depth
+
+SCHEDULES = [("linear", None), ("blelloch", None)]
+
+
+def reference(blocks: np.ndarray, direct: np.ndarray) -> np.ndarray:
+    """``G_T = d_T``, ``G_t = d_t + A_{t+1} G_{t+1}``, ``G_0 = A_1 G_1``, one step after another."""
+    steps = len(blocks)
+    if direct.ndim == 2:
+        last, direct = direct, np.zeros(blocks.shape[:3])
+        direct[-1] = last
+    totals = np.zeros((steps + 1,) + direct.shape[1:])
+    totals[steps] = direct[steps - 1]
+    for t in range(steps - 1, -1, -1):
+        totals[t] = (direct[t - 1] if t > 0 else 0) + np.einsum("bij,bj->bi", blocks[t], totals[t + 1])
+    return totals
+
+
+def every_schedule(n: int) -> list[tuple[str, int | None]]:
+    return SCHEDULES + [("hybrid", k) for k in range(depth(n) + 1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 21, 64])
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("affine", [True, False], ids=["every-step", "last-only"])
+def test_every_schedule_equals_the_sequential_chain(n, batch, affine):
+    rng = np.random.default_rng(n * 10 + batch)
+    size = 4
+    blocks = rng.standard_normal((n, batch, size, size)) / 2.5
+    direct = rng.standard_normal((n, batch, size) if affine else (batch, size))
+    expected = reference(blocks, direct)
+    scale = np.abs(expected).max()
+    for method, levels in every_schedule(n):
+        got = dense_scan(blocks, direct, method, levels)
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10 * scale, err_msg=f"{method} {levels}")
+        single = dense_scan(blocks.astype(np.float32), direct.astype(np.float32), method, levels, threads=1)
+        assert single.dtype == np.float32
+        np.testing.assert_allclose(single, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=f"{method} {levels}")
+
+
+def test_threads_split_large_levels_without_changing_results():
+    rng = np.random.default_rng(0)
+    blocks = rng.standard_normal((300, 16, 6, 6)) / 4
+    direct = rng.standard_normal((300, 16, 6))
+    one = dense_scan(blocks, direct, "blelloch", threads=1)
+    np.testing.assert_allclose(dense_scan(blocks, direct, "blelloch", threads=3), one, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(one, reference(blocks, direct), rtol=1e-10, atol=1e-12)
+
+
+def test_auto_levels_is_a_valid_hybrid_and_deeper_on_a_gpu_model():
+    rng = np.random.default_rng(1)
+    blocks = rng.standard_normal((40, 2, 3, 3)) / 2
+    direct = rng.standard_normal((40, 2, 3))
+    np.testing.assert_allclose(dense_scan(blocks, direct, levels="auto"), reference(blocks, direct), rtol=1e-10)
+    cpu, gpu = auto_levels(1000, 16, 20, "cpu"), auto_levels(1000, 16, 20, "gpu")
+    assert 0 <= cpu <= gpu <= depth(1000)
+    assert gpu > cpu  # on a GPU the shorter critical path pays for the extra products
+
+
+def test_plans_are_cached_and_report_the_scan_figures():
+    plan = dense_plan(1000, "blelloch")
+    assert dense_plan(1000, "blelloch") is plan
+    linear = dense_plan(1000, "linear")
+    size = 20
+    assert linear.critical_steps == 1000
+    assert linear.work_flops(size) == linear.critical_flops(size) == 1000 * 2 * size**2
+    assert plan.critical_steps <= 2 * depth(1000) + 1
+    # Blelloch: about n block products in all, one per level on the critical path
+    mm = sum(1 for _, group, _ in plan.steps if group.kind == "mm")
+    assert 900 < mm < 1000
+    report = plan.report(batch=16, size=size, itemsize=4)
+    assert report["totals"]["work_flops"] == 16 * plan.work_flops(size)
+    assert report["totals"]["peak_bytes"] > 1000 * 16 * size * size * 4  # the input blocks at least
+    assert sum(level["mm"] + level["mv"] for level in report["levels_detail"]) == len(plan.steps)
+
+
+@pytest.mark.parametrize("blocks_shape, direct_shape", [((3, 2, 4, 4), (3, 2, 5)), ((3, 2, 4, 5), (3, 2, 4)),
+                                                        ((3, 2, 4, 4), (2, 2, 4)), ((3, 2, 4, 4), (3, 4))])
+def test_shape_mismatches_are_named(blocks_shape, direct_shape):
+    with pytest.raises(ValueError, match="blocks must be"):
+        dense_scan(np.zeros(blocks_shape), np.zeros(direct_shape))
+
+
+def test_bad_methods_and_levels_are_errors():
+    with pytest.raises(ValueError, match="method must be one of"):
+        dense_plan(4, "tree")
+    with pytest.raises(ValueError, match="hybrid needs levels"):
+        dense_plan(4, "hybrid", 7)
+    with pytest.raises(ValueError, match="at least one step"):
+        dense_plan(0)

@@ -1,0 +1,151 @@
+"""RNN and GRU gradients: float64 finite differences always, PyTorch autograd when installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan.recurrent import GRU, RNN, Bitstream
+from sparse_scan.scan import depth
+
+CELLS = [("rnn-tanh", lambda i, h, **kw: RNN(i, h, **kw)),
+         ("rnn-relu", lambda i, h, **kw: RNN(i, h, nonlinearity="relu", **kw)),
+         ("gru", lambda i, h, **kw: GRU(i, h, **kw))]
+PARAMETERS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def schedules(steps: int) -> list[tuple[str, int | str | None]]:
+    return [("linear", None), ("blelloch", None), ("hybrid", "auto")] + [
+        ("hybrid", k) for k in range(depth(steps) + 1)]
+
+
+def inputs(steps: int, batch: int = 3, size: int = 2, hidden: int = 5, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, steps, size)), rng.standard_normal((batch, hidden)) / 2,
+            rng.standard_normal((batch, steps, hidden)))
+
+
+@pytest.mark.parametrize("name, make", CELLS, ids=[c[0] for c in CELLS])
+@pytest.mark.parametrize("steps", [1, 2, 5, 13])
+def test_gradients_match_finite_differences(name, make, steps):
+    cell = make(2, 5, dtype=np.float64, rng=steps)
+    x, h0, grad_h = inputs(steps)
+
+    def loss() -> float:  # L = sum(grad_h * h): its gradient w.r.t. every h_t directly is grad_h
+        return float(np.sum(grad_h * cell.forward(x, h0)))
+
+    cell.forward(x, h0)
+    results = {(m, lv): cell.backward(grad_h, m, lv) for m, lv in schedules(steps)}
+    reference = results[("linear", None)]
+    rng, eps = np.random.default_rng(7), 1e-6
+    for key, array in [("x", x), ("h0", h0)] + [(p, getattr(cell, p)) for p in PARAMETERS]:
+        direction = rng.standard_normal(array.shape)
+        array += eps * direction
+        plus = loss()
+        array -= 2 * eps * direction
+        minus = loss()
+        array += eps * direction
+        numeric = (plus - minus) / (2 * eps)
+        analytic = float(np.sum(reference[key] * direction))
+        assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8), key
+    for (method, levels), result in results.items():
+        for key in ("h", "x", "h0") + PARAMETERS:
+            np.testing.assert_allclose(result[key], reference[key], rtol=1e-10, atol=1e-12,
+                                       err_msg=f"{name} {method} {levels} {key}")
+
+
+@pytest.mark.parametrize("name, make", CELLS, ids=[c[0] for c in CELLS])
+def test_total_hidden_gradients_follow_the_chain_rule(name, make):
+    cell = make(3, 4, dtype=np.float64, rng=1)
+    x, h0, grad_h = inputs(6, size=3, hidden=4)
+    cell.forward(x, h0)
+    blocks = cell.transposed_jacobians()
+    totals = cell.backward(grad_h, "blelloch")["h"]
+    for t in range(5):  # G_t = d_t + (dh_{t+1}/dh_t)^T G_{t+1}
+        expected = grad_h[:, t] + np.einsum("bij,bj->bi", blocks[t + 1], totals[:, t + 1])
+        np.testing.assert_allclose(totals[:, t], expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name, make", CELLS, ids=[c[0] for c in CELLS])
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-10), (np.float32, 2e-4)])
+def test_gradients_equal_pytorch_autograd(name, make, dtype, rtol):
+    torch = pytest.importorskip("torch")
+    steps, batch, size, hidden = 23, 4, 3, 6
+    if name == "gru":
+        module = torch.nn.GRU(size, hidden, batch_first=True)
+    else:
+        module = torch.nn.RNN(size, hidden, nonlinearity=name.split("-")[1], batch_first=True)
+    module = module.to(torch.float64 if dtype == np.float64 else torch.float32)
+    cell = make(size, hidden, dtype=dtype, rng=0)
+    cell.load_state_dict(module.state_dict())
+    x, h0, grad_h = (a.astype(dtype) for a in inputs(steps, batch, size, hidden))
+    x_t = torch.tensor(x, requires_grad=True)
+    h0_t = torch.tensor(h0[None], requires_grad=True)
+    out, _ = module(x_t, h0_t)
+    np.testing.assert_allclose(cell.forward(x, h0), out.detach().numpy(), rtol=rtol, atol=rtol)
+    (out * torch.tensor(grad_h)).sum().backward()
+    expected = {"x": x_t.grad.numpy(), "h0": h0_t.grad.numpy()[0]}
+    expected.update({key[:-3]: value.grad.numpy() for key, value in module.named_parameters()})
+    for method, levels in schedules(steps):
+        result = cell.backward(grad_h, method, levels)
+        for key, value in expected.items():
+            scale = np.abs(value).max()
+            np.testing.assert_allclose(result[key], value, rtol=rtol, atol=rtol * scale,
+                                       err_msg=f"{name} {method} {levels} {key}")
+
+
+def test_a_loss_on_the_last_state_only_equals_a_full_gradient_with_zeros():
+    cell = GRU(2, 5, dtype=np.float64, rng=3)
+    x, h0, grad_h = inputs(9)
+    cell.forward(x, h0)
+    full = np.zeros_like(grad_h)
+    full[:, -1] = grad_h[:, -1]
+    last_only, with_zeros = cell.backward(grad_h[:, -1], "blelloch"), cell.backward(full, "blelloch")
+    for key in with_zeros:
+        np.testing.assert_allclose(last_only[key], with_zeros[key], rtol=1e-12, atol=1e-15)
+
+
+def test_state_dicts_copy_in_with_either_naming_and_bad_ones_are_named():
+    rnn = RNN(2, 3, dtype=np.float64, rng=0)
+    values = {f"{key}_l0": np.full(shape, 0.5) for key, shape in rnn.parameter_shapes().items()}
+    rnn.load_state_dict(values)
+    assert all((value == 0.5).all() for value in rnn.state_dict().values())
+    with pytest.raises(ValueError, match=r"weight_hh: expected shape \(3, 3\)"):
+        rnn.load_state_dict(dict(values, weight_hh_l0=np.zeros((3, 2))))
+    with pytest.raises(ValueError, match="missing"):
+        rnn.load_state_dict({"weight_ih": np.zeros((3, 2))})
+    with pytest.raises(ValueError, match="bias_ih: values must be finite"):
+        rnn.load_state_dict(dict(values, bias_ih_l0=np.full(3, np.nan)))
+    assert GRU(2, 3).parameter_shapes()["weight_hh"] == (9, 3)
+
+
+def test_bad_inputs_name_the_layer_and_the_field():
+    gru = GRU(2, 3)
+    with pytest.raises(ValueError, match="layer GRU: input: expected"):
+        gru.forward(np.zeros((2, 4, 3)))
+    with pytest.raises(ValueError, match="layer GRU: input: values must be finite"):
+        gru.forward(np.full((2, 4, 2), np.inf))
+    with pytest.raises(ValueError, match="layer GRU: h0"):
+        gru.forward(np.zeros((2, 4, 2)), h0=np.zeros((3, 3)))
+    with pytest.raises(RuntimeError, match="call forward before backward"):
+        gru.backward(np.zeros((2, 3)))
+    gru.forward(np.zeros((2, 4, 2)))
+    with pytest.raises(ValueError, match="layer GRU: grad_h"):
+        gru.backward(np.zeros((2, 5, 3)))
+    with pytest.raises(ValueError, match="nonlinearity"):
+        RNN(1, 2, nonlinearity="gelu")
+    with pytest.raises(ValueError, match="hidden_size: must be positive"):
+        RNN(1, 0)
+
+
+def test_bitstream_is_deterministic_and_follows_the_class_probabilities():
+    data = Bitstream(steps=4000, samples=200, seed=5)
+    x, labels = data.batch(np.arange(200))
+    again, _ = Bitstream(steps=4000, samples=200, seed=5).batch([17, 3])
+    np.testing.assert_array_equal(again, x[[17, 3]])
+    assert set(np.unique(x)) <= {0.0, 1.0}
+    rates = x.mean(axis=(1, 2))
+    np.testing.assert_allclose(rates, 0.05 + 0.1 * labels, atol=0.03)  # 4000 draws: sd <= 0.008
+    assert not np.array_equal(Bitstream(steps=50, seed=6).batch([0])[0], Bitstream(steps=50, seed=5).batch([0])[0])
+    with pytest.raises(IndexError):
+        data.batch([200])
