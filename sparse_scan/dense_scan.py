@@ -97,7 +97,7 @@ def _compact(values: Sequence[int]) -> slice | np.ndarray:
     if len(values) == 1:
         return slice(values[0], values[0] + 1)
     step = values[1] - values[0]
-    if step != 0 and all(b - a == step for a, b in zip(values, values[1:])):
+    if step != 0 and all(b - a == step for a, b in zip(values, values[1:], strict=False)):
         stop = values[-1] + step
         return slice(values[0], None if stop < 0 else stop, step)
     return np.asarray(values, dtype=np.intp)
@@ -219,7 +219,7 @@ class DenseScanPlan:
                  "mm": sum(len(g.ops) for g in groups if g.kind == "mm"),
                  "mv": sum(len(g.ops) for g in groups if g.kind == "mv"), "flops": flops * batch}
                 for index, (groups, flops) in enumerate(zip(self.levels_of_groups,
-                                                            self.level_flops(size)))],
+                                                            self.level_flops(size), strict=True))],
             "totals": {"critical_flops": self.critical_flops(size) * batch,
                        "work_flops": self.work_flops(size) * batch, "critical_steps": self.critical_steps,
                        "peak_bytes": self.peak_bytes(batch, size, itemsize)},
@@ -271,7 +271,8 @@ def _matmul(xp: Any, right: Any, left: Any, pool: ThreadPoolExecutor | None) -> 
     out = xp.empty(right.shape[:-1] + left.shape[-1:], dtype=right.dtype)
     axis = 0 if right.shape[0] >= right.shape[1] else 1
     bounds = np.linspace(0, right.shape[axis], pool._max_workers + 1).astype(int)
-    parts = [(slice(None),) * axis + (slice(a, b),) for a, b in zip(bounds, bounds[1:]) if b > a]
+    parts = [(slice(None),) * axis + (slice(a, b),)
+             for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
     list(pool.map(lambda part: xp.matmul(right[part], left[part], out=out[part]), parts))
     return out
 
@@ -323,7 +324,10 @@ def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: An
 
 def _scan_gpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
               threads: int | None) -> Any:
-    return _scan_arrays(be.xp, plan, blocks, direct, None)
+    # one RawKernel launch per level (rawkernels/dense_scan.cu); imported here: it imports this module
+    from ._dense_scan_gpu import run_dense_plan_gpu  # noqa: PLC0415
+
+    return run_dense_plan_gpu(plan, blocks, direct)
 
 
 _scan = _backend.twin(cpu=_scan_cpu, gpu=_scan_gpu)

@@ -40,10 +40,11 @@ def test_every_schedule_equals_the_sequential_chain(n, batch, affine):
     scale = np.abs(expected).max()
     for method, levels in every_schedule(n):
         got = dense_scan(blocks, direct, method, levels)
-        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10 * scale, err_msg=f"{method} {levels}")
+        label = f"{method} {levels}"
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10 * scale, err_msg=label)
         single = dense_scan(blocks.astype(np.float32), direct.astype(np.float32), method, levels, threads=1)
         assert single.dtype == np.float32
-        np.testing.assert_allclose(single, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=f"{method} {levels}")
+        np.testing.assert_allclose(single, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=label)
 
 
 def test_threads_split_large_levels_without_changing_results():
@@ -59,7 +60,8 @@ def test_auto_levels_is_a_valid_hybrid_and_deeper_on_a_gpu_model():
     rng = np.random.default_rng(1)
     blocks = rng.standard_normal((40, 2, 3, 3)) / 2
     direct = rng.standard_normal((40, 2, 3))
-    np.testing.assert_allclose(dense_scan(blocks, direct, levels="auto"), reference(blocks, direct), rtol=1e-10)
+    expected = reference(blocks, direct)
+    np.testing.assert_allclose(dense_scan(blocks, direct, levels="auto"), expected, rtol=1e-10)
     cpu, gpu = auto_levels(1000, 16, 20, "cpu"), auto_levels(1000, 16, 20, "gpu")
     assert 0 <= cpu <= gpu <= depth(1000)
     assert gpu > cpu  # on a GPU the shorter critical path pays for the extra products

@@ -71,7 +71,8 @@ class Recurrent:
         unknown = sorted(set(given) - set(shapes))
         missing = sorted(set(shapes) - set(given))
         if unknown or missing:
-            raise ValueError(f"layer {type(self).__name__}: state_dict: unknown {unknown}, missing {missing}")
+            raise ValueError(f"layer {type(self).__name__}: state_dict: unknown {unknown}, "
+                             f"missing {missing}")
         checked = {}
         for key, value in given.items():
             array = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
@@ -97,7 +98,8 @@ class Recurrent:
         if h0 is None:
             return x, xp.zeros((x.shape[0], self.hidden_size), dtype=self.dtype)
         if tuple(h0.shape) != (x.shape[0], self.hidden_size):
-            raise ValueError(f"{layer}: h0: expected ({x.shape[0]}, {self.hidden_size}), got {tuple(h0.shape)}")
+            raise ValueError(f"{layer}: h0: expected ({x.shape[0]}, {self.hidden_size}), "
+                             f"got {tuple(h0.shape)}")
         return x, be.asarray(h0, dtype=self.dtype)
 
     def _parameters_on(self, xp: Any) -> dict[str, Any]:
