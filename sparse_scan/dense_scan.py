@@ -164,6 +164,25 @@ class DenseScanPlan:
                 released[last].append(buffer)
         return released
 
+    @functools.cached_property
+    def chains(self) -> dict[int, int]:
+        """Runs of levels that are one matrix-vector product each, every one on the previous one's
+        result (BP, and the linear middle of a hybrid): first level -> the level after the run.
+        The numeric phase runs them as a tight loop."""
+        runs: dict[int, int] = {}
+        start = None
+        for index, groups in enumerate(self.levels_of_groups + [[]]):
+            single = len(groups) == 1 and groups[0].kind == "mv" and len(groups[0].ops) == 1
+            follows = single and start is not None and groups[0].ops[0].left == Location(
+                self.levels_of_groups[index - 1][0].buffer, 0)
+            if start is not None and not follows:
+                if index - start >= 4:
+                    runs[start] = index
+                start = None
+            if single and start is None:
+                start = index
+        return runs
+
     @property
     def steps(self) -> list[tuple[int, DenseGroup, DenseOp]]:
         """Every step as ``(level, group, op)``."""
@@ -303,12 +322,35 @@ def _scan_arrays(xp: Any, plan: DenseScanPlan, blocks: Any, direct: Any,
     else:
         inputs[n] = direct
     block_values, vector_values = {INPUT: blocks}, {INPUT: inputs}
-    for index, groups in enumerate(plan.levels_of_groups):
-        _run_level(xp, groups, block_values, vector_values, pool, affine)
-        for buffer in plan.releases[index]:
-            block_values.pop(buffer, None)
-            vector_values.pop(buffer, None)
+    index = 0
+    while index < len(plan.levels_of_groups):
+        end = plan.chains.get(index)
+        if end is None:
+            _run_level(xp, plan.levels_of_groups[index], block_values, vector_values, pool, affine)
+            end = index + 1
+        else:
+            _run_chain(xp, plan.levels_of_groups[index:end], block_values, vector_values, affine)
+        for level in range(index, end):
+            for buffer in plan.releases[level]:
+                block_values.pop(buffer, None)
+                vector_values.pop(buffer, None)
+        index = end
     return plan.output_reader.read(xp, vector_values)
+
+
+def _run_chain(xp: Any, levels: list[list[DenseGroup]], blocks: dict[int, Any], vectors: dict[int, Any],
+               affine: bool) -> None:
+    """Levels of one matrix-vector product each, in a tight loop (results are rows of one array)."""
+    first = levels[0][0].ops[0].left
+    vector = vectors[first.buffer][first.row]
+    out = xp.empty((len(levels),) + vector.shape, dtype=vector.dtype)
+    for step, (group,) in enumerate(levels):
+        right = group.ops[0].right
+        xp.matmul(blocks[right.buffer][right.row], vector[:, :, None], out=out[step, :, :, None])
+        vector = out[step]
+        if affine:
+            vector += vectors[right.buffer][right.row]
+        vectors[group.buffer] = out[step:step + 1]
 
 
 def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
