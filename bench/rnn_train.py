@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         records = train_recurrent(model, data, Adam(model, lr=args.lr), args.iterations, args.batch_size,
                                   method=method, seed=args.seed, device=args.device,
-                                  progress=lambda i, n, loss: print(f"\r{method} {i}/{n} loss {loss:.4f}",
-                                                                    end="", file=sys.stderr))
+                                  progress=lambda i, n, loss, m=method: print(
+                                      f"\r{m} {i}/{n} loss {loss:.4f}", end="", file=sys.stderr))
         print(file=sys.stderr)
         seconds[method] = (time.perf_counter() - start) / args.iterations
         curves[method] = np.array([r["loss"] for r in records])
