@@ -283,21 +283,29 @@ def dense_plan(n: int, method: str = "blelloch", levels: int | None = None) -> D
     return DenseScanPlan(method, levels, n, levels_of_groups, [where[e] for e in scan_outputs(n)])
 
 
-def _matmul(xp: Any, right: Any, left: Any, pool: ThreadPoolExecutor | None) -> Any:
+@dataclass(frozen=True)
+class _Threads:
+    """CPU threads that share a level's products."""
+
+    pool: ThreadPoolExecutor
+    count: int
+
+
+def _matmul(xp: Any, right: Any, left: Any, pool: _Threads | None) -> Any:
     """``right @ left`` over stacks ``(N, B, r, c)``; split over the pool's threads when large."""
     if pool is None or right.shape[0] * right.shape[1] < 64:
         return xp.matmul(right, left)
     out = xp.empty(right.shape[:-1] + left.shape[-1:], dtype=right.dtype)
     axis = 0 if right.shape[0] >= right.shape[1] else 1
-    bounds = np.linspace(0, right.shape[axis], pool._max_workers + 1).astype(int)
+    bounds = np.linspace(0, right.shape[axis], pool.count + 1).astype(int)
     parts = [(slice(None),) * axis + (slice(a, b),)
              for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
-    list(pool.map(lambda part: xp.matmul(right[part], left[part], out=out[part]), parts))
+    list(pool.pool.map(lambda part: xp.matmul(right[part], left[part], out=out[part]), parts))
     return out
 
 
 def _run_level(xp: Any, groups: list[DenseGroup], blocks: dict[int, Any], vectors: dict[int, Any],
-               pool: ThreadPoolExecutor | None, affine: bool) -> None:
+               pool: _Threads | None, affine: bool) -> None:
     """One level: every group's products; without direct gradients (``affine=False``) blocks carry
     no vector part, so products of blocks skip it."""
     for group in groups:
@@ -313,7 +321,7 @@ def _run_level(xp: Any, groups: list[DenseGroup], blocks: dict[int, Any], vector
 
 
 def _scan_arrays(xp: Any, plan: DenseScanPlan, blocks: Any, direct: Any,
-                 pool: ThreadPoolExecutor | None) -> Any:
+                 pool: _Threads | None) -> Any:
     affine = direct.ndim == 3
     n, (batch, size) = plan.n, direct.shape[-2:]
     inputs = xp.zeros((n + 1, batch, size), dtype=blocks.dtype)  # row 0: d_0 = 0
@@ -361,7 +369,7 @@ def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: An
     if workers == 1:
         return _scan_arrays(np, plan, blocks, direct, None)
     with ThreadPoolExecutor(workers) as pool:
-        return _scan_arrays(np, plan, blocks, direct, pool)
+        return _scan_arrays(np, plan, blocks, direct, _Threads(pool, workers))
 
 
 def _scan_gpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
