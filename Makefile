@@ -8,14 +8,16 @@ BENCH_ARGS =
 LINT_PATHS = sparse_scan cli rawkernels tests bench tools
 RUFF_ARGS = --select E,W,F,I,B --line-length 110 --config "lint.isort.known-first-party = ['sparse_scan']"
 
-.PHONY: help install test test-gpu bench demo lint wheel-check
+.PHONY: help install test test-gpu test-mpi bench bench-distributed demo lint wheel-check
 
 help:
 	@echo "make install      pip install -e '.[test]' into $(PYTHON)"
 	@echo "make demo         install, then run the main job on bundled data (Table 1, a scan on LeNet-5, FLOPs of pruned VGG-11)"
 	@echo "make test         install, then run the test suite (gpu tests skip where no GPU is usable)"
 	@echo "make test-gpu     install offline (no deps, no build isolation), run only the tests marked gpu"
+	@echo "make test-mpi     install, then run the scan-across-processes tests (mpirun -n 2 and -n 3)"
 	@echo "make bench        install, then run the Jacobian benchmark and print JSON (BENCH_ARGS=...)"
+	@echo "make bench-distributed  install, then measure P = 1, 2, 3 ranks and model P up to 1024 (JSON)"
 	@echo "make lint         ruff check (skipped with a note where ruff is not installed)"
 	@echo "make wheel-check  build sdist + wheel, install the wheel in a fresh venv outside the repo, check it"
 
@@ -30,6 +32,13 @@ test: install
 test-gpu:
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
+
+# the MPI tests fail instead of skipping when mpi4py or mpiexec is missing
+test-mpi: install
+	SPARSE_SCAN_REQUIRE_MPI=1 $(PYTHON) -m pytest tests/test_distributed.py $(PYTEST_ARGS)
+
+bench-distributed: install
+	$(PYTHON) bench/distributed.py $(BENCH_ARGS)
 
 bench: install
 	$(PYTHON) bench/jacobians.py --json $(BENCH_ARGS)

@@ -16,10 +16,12 @@ import click
 import numpy as np
 
 from sparse_scan import SpecError, backend, load_model
+from sparse_scan.distributed import COMBINES
 from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 from sparse_scan.weights import write_npz_atomically
 
+from . import _distributed
 from .app import fail, main, parse_levels, plan_progress
 
 
@@ -92,11 +94,28 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
 @click.option("--force", is_flag=True, help="overwrite an existing --out file")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
 @click.option("--quiet", is_flag=True, help="no progress line while the plan is built")
+@click.option("--distributed", is_flag=True,
+              help="split the layers over MPI ranks: mpirun -n P sparse-scan run ... --distributed")
+@click.option("--split", help="--distributed: layers per rank, e.g. 3,4,5 (default: balanced by FLOPs)")
+@click.option("--combine", type=click.Choice(COMBINES), default="chain", show_default=True,
+              help="--distributed: how slices combine across ranks")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="--distributed: seconds to wait for another rank before giving up")
 def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None, seed: int,
         grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
         levels: str | None, device: str, dtype: str, check: bool, out: pathlib.Path | None,
-        force: bool, as_json: bool, quiet: bool) -> None:
-    """Gradients of MODEL's loss w.r.t. its input, every layer output and every parameter."""
+        force: bool, as_json: bool, quiet: bool, distributed: bool, split: str | None, combine: str,
+        timeout: float) -> None:
+    """Gradients of MODEL's loss w.r.t. its input, every layer output and every parameter.
+
+    With --distributed, under `mpirun -n P`, each rank holds a slice of the layers; the outputs are
+    those of one process, printed and written by rank 0.
+    """
+    comm = _distributed.world() if distributed else None
+    if comm is None and (split is not None or combine != "chain"):
+        fail("--split and --combine apply to --distributed only")
+    if comm is not None and device == "gpu":
+        fail("--distributed runs on the CPU (--device cpu or auto)")
     if (input_path is None) == (random is None):
         fail("give exactly one of --input X.npy and --random N")
     if grad_path is not None and labels_path is not None:
@@ -106,8 +125,9 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
     if out is not None and not out.parent.is_dir():
         fail(f"--out {out}: no such directory {out.parent}")
     levels_value = parse_levels(levels)
+    split_counts = _distributed.parse_split(split)
     try:
-        be = backend.get(device)
+        be = backend.get("cpu" if comm is not None else device)
     except (backend.GPUUnavailableError, ValueError) as error:
         fail(f"--device {device}: {error}")
     try:
@@ -115,6 +135,11 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
     except SpecError as error:
         fail(str(error))
     x = _inputs(network, input_path, random, seed, np.dtype(dtype))
+    if comm is not None:
+        _distributed.run_distributed(comm, model, network, x,
+                                     lambda output: _upstream(output, grad_path, labels_path), method,
+                                     levels_value, dtype, split_counts, combine, timeout, check, out, as_json)
+        return
     timings: dict[str, float] = {}
     try:
         start = time.perf_counter()

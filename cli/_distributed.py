@@ -1,0 +1,127 @@
+"""``sparse-scan run --distributed``: the backward scan with the layers split over MPI ranks.
+
+Every rank parses the same options and loads the same spec and arrays (so bad input fails on every
+rank alike); rank 0 alone prints (the other ranks' stderr is silenced) and writes ``--out``. A rank
+that fails tells the others (:mod:`sparse_scan.distributed`); a rank that is stuck makes the others
+time out, and rank 0 then ends the job with ``MPI_Abort``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+from typing import Any, Callable, NoReturn
+
+import click
+import numpy as np
+
+from sparse_scan import distributed
+from sparse_scan.weights import write_npz_atomically
+
+from .app import fail
+
+__all__ = ["parse_split", "run_distributed", "world"]
+
+
+def world() -> Any:
+    """``MPI.COMM_WORLD``, or a one-line error (exit 2) when mpi4py or a launcher is missing.
+
+    Ranks other than 0 stop writing to stderr: rank 0 reports for all.
+    """
+    try:
+        if not distributed.launched():
+            distributed.launcher()  # one process would run, but a launcher is how to start several
+        mpi = distributed.import_mpi()
+    except distributed.MPIUnavailableError as error:
+        fail(f"--distributed: {error}")
+    comm = mpi.COMM_WORLD
+    if comm.Get_rank() != 0:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - for the process' life
+    return comm
+
+
+def parse_split(split: str | None) -> list[int] | None:
+    """``--split 3,4,5`` (layers per rank) as a list, or a one-line error."""
+    if split is None:
+        return None
+    try:
+        return [int(part) for part in split.split(",")]
+    except ValueError:
+        fail(f"--split must be comma-separated layer counts per rank, e.g. 3,4,5; got {split!r}")
+
+
+def _abort(comm: Any, message: str) -> NoReturn:
+    """Rank 0: print ``message`` and end every rank (some may be stuck)."""
+    click.echo(f"sparse-scan: error: {message}", err=True)
+    sys.stderr.flush()
+    comm.Abort(2)
+    raise SystemExit(2)  # not reached: Abort ends this process too
+
+
+def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.ndarray,
+                    upstream: Callable[[np.ndarray], tuple[np.ndarray, float | None]], method: str,
+                    levels: Any, dtype: str, split: list[int] | None, combine: str, timeout: float,
+                    check: bool, out: pathlib.Path | None, as_json: bool) -> None:
+    """Run the distributed backward pass and report on rank 0 (arguments as ``sparse-scan run``)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    losses: list[float | None] = []
+
+    def grad_out(output: np.ndarray) -> np.ndarray:
+        grad, loss = upstream(output)
+        losses.append(loss)
+        return grad
+
+    try:
+        result = distributed.backward(network, x if rank == 0 else None, grad_out, comm, split, method,
+                                      levels, combine, timeout)
+    except distributed.DistributedError as error:
+        stuck = isinstance(error, distributed.RankTimeoutError) or getattr(error, "timed_out", False)
+        if rank == 0 and stuck:
+            _abort(comm, str(error))  # a stuck rank would never exit
+        if rank != 0 and stuck and error.rank == 0:  # rank 0 cannot report itself
+            click.echo(f"sparse-scan: error: {error}", file=sys.__stderr__)
+        fail(str(error))  # silent on ranks other than 0
+    except Exception as error:  # noqa: BLE001 - one line on rank 0; the other ranks were told
+        fail(f"{model_path}: {error}" if isinstance(error, ValueError)
+             else f"{model_path}: {type(error).__name__}: {error}")
+    if rank != 0:
+        return
+    report: dict[str, Any] = {
+        "model": str(model_path), "method": method, "levels": levels, "device": "cpu", "dtype": dtype,
+        "batch": int(x.shape[0]), "distributed": {
+            "ranks": size, "combine": combine, "layers": [list(bound) for bound in result.bounds],
+            "per_rank": result.stats["ranks"]}}
+    if losses and losses[0] is not None:
+        report["loss"] = losses[0]
+    if check:
+        reference = network.backward(upstream(network.forward(x))[0], "linear")
+        report["max_rel_error_vs_linear"] = max(
+            float(abs(g - r).max()) / max(float(abs(r).max()), 1e-30)
+            for g, r in zip(result.grads, reference, strict=True))
+    if out is not None:
+        arrays = {"input.grad": result.grads[0]}
+        arrays.update({f"{layer.name}.out.grad": g
+                       for layer, g in zip(network.layers, result.grads[1:], strict=True)})
+        arrays.update({f"{name}.grad": g for name, g in result.parameters.items()})
+        write_npz_atomically(out, arrays)
+        report["out"] = str(out)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    levels_text = "" if levels is None else f" (levels {levels})"
+    click.echo(f"{model_path}: {method}{levels_text} on {size} MPI ranks ({combine}), batch {x.shape[0]}, "
+               f"{dtype}")
+    for stats in result.stats["ranks"]:
+        times = stats["timings"]
+        first, last = stats["layers"]
+        click.echo(f"  rank {stats['rank']}: layers {first}..{last - 1}, "
+                   + ", ".join(f"{name[:-2]} {value * 1e3:.2f} ms" for name, value in times.items())
+                   + f", sent {stats['sent_bytes']} B")
+    if "loss" in report:
+        click.echo(f"  loss {report['loss']:.6g}")
+    if check:
+        click.echo(f"  max relative error vs linear scan: {report['max_rel_error_vs_linear']:.3g}")
+    if out is not None:
+        click.echo(f"  gradients written to {out}")

@@ -1,0 +1,95 @@
+// Numeric phase of a scan over dense H×H blocks (sparse_scan._dense_scan_gpu): every step of one scan
+// level, over every sample, in one launch.
+//
+// The steps of a level are independent. Each is a descriptor row of a small device table, and one
+// grid-stride launch covers the work items of all of them: a thread finds its step by a binary search
+// over the steps' first work items (as rawkernels/scan.cu does). One thread per output element, no
+// shared memory and no barriers, so tests run this exact source on the CPU.
+//
+// Tiling, any H: a work item is ONE output element (an entry of a block product or of a vector), and a
+// thread computes it as an H-long dot product. The launch has a fixed block size, independent of H, and
+// the grid-stride loop walks all samples × H × H elements of all steps, so there is no H×H thread block
+// and no limit on H (the paper's kernel maps a block to a thread block and stops at H = 32). Threads of a
+// warp take consecutive columns of one output row: they read one row of the right operand (the same
+// addresses, a broadcast) and consecutive entries of the left one (coalesced).
+//
+// A step is `out = right ∘ left` on affine elements (M, v): `right` is (M_r, v_r), and
+//   DENSE_MM (left is a block (M_l, v_l)):  M_out = M_r M_l  and, when affine, v_out = M_r v_l + v_r;
+//   DENSE_MV (left is a vector v_l):        v_out = M_r v_l (+ v_r when affine).
+// Without direct gradients on every step (affine = 0) blocks carry no vector part: an mm step writes
+// M_out only and an mv step skips v_r.
+//
+// A descriptor is DENSE_FIELDS long longs. Pointers travel as integers and address the step's own
+// operand row (sample 0); sample strides are in elements (0 = the operand is shared by the batch).
+// Outputs are contiguous per sample (strides H*H and H). Sample b of a step covers its work items
+// b * per .. b * per + per: the H*H entries of M_out (mm), then the H entries of v_out (mm when affine,
+// and mv).
+//   [0] kind (DENSE_MM | DENSE_MV)   [1] first work item of the step in the launch   [2] samples
+//   [3] items per sample (per)   [4] H   [5] affine (1: add v_r)
+//   [6] M_r   [7] M_r stride   [8] v_r (0 when not affine)   [9] v_r stride
+//   [10] M_l (mm; 0 for mv)   [11] M_l stride   [12] v_l (0 for a non-affine mm)   [13] v_l stride
+//   [14] M_out (mm; 0 for mv)   [15] v_out (0 for a non-affine mm)
+//
+// Name expressions: dense_scan_level<T> with T in {float, double}.
+
+#define DENSE_FIELDS 16
+#define DENSE_MM 0
+#define DENSE_MV 1
+
+template <typename P>
+__device__ __forceinline__ P* dense_pointer(long long address) {
+  return reinterpret_cast<P*>(static_cast<unsigned long long>(address));
+}
+
+// The last step whose first work item is <= item (steps without work share their successor's start).
+__device__ __forceinline__ long long dense_find_step(const long long* table, long long steps,
+                                                     long long item) {
+  long long lo = 0, hi = steps;
+  while (hi - lo > 1) {
+    const long long mid = lo + (hi - lo) / 2;
+    if (table[mid * DENSE_FIELDS + 1] <= item) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// sum_k row[k] * column[k * step], k = 0 .. size - 1.
+template <typename T>
+__device__ __forceinline__ T dense_dot(const T* row, const T* column, long long size, long long step) {
+  T sum = (T)0;
+  for (long long k = 0; k < size; ++k) sum += row[k] * column[k * step];
+  return sum;
+}
+
+// Entry `index` of sample `sample` of one step: an entry (i, j) of M_out while index < H*H (mm), else
+// the entry i of v_out.
+template <typename T>
+__device__ __forceinline__ void dense_item(const long long* d, long long sample, long long index) {
+  const long long size = d[4];
+  const T* right = dense_pointer<const T>(d[6]) + sample * d[7];
+  if (d[0] == DENSE_MM && index < size * size) {
+    const long long i = index / size, j = index % size;
+    const T* left = dense_pointer<const T>(d[10]) + sample * d[11];
+    dense_pointer<T>(d[14])[sample * size * size + index] = dense_dot(right + i * size, left + j, size, size);
+    return;
+  }
+  const long long i = d[0] == DENSE_MM ? index - size * size : index;
+  const T* vector = dense_pointer<const T>(d[12]) + sample * d[13];
+  T value = dense_dot(right + i * size, vector, size, 1);
+  if (d[5]) value += dense_pointer<const T>(d[8])[sample * d[9] + i];
+  dense_pointer<T>(d[15])[sample * size + i] = value;
+}
+
+// One scan level: `steps` descriptors at `table`, `items` work items over all of them.
+template <typename T>
+__global__ void dense_scan_level(const long long* table, long long steps, long long items) {
+  for (long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x; item < items;
+       item += (long long)blockDim.x * gridDim.x) {
+    const long long* d = table + dense_find_step(table, steps, item) * DENSE_FIELDS;
+    const long long local = item - d[1];
+    dense_item<T>(d, local / d[3], local % d[3]);
+  }
+}

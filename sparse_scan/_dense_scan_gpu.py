@@ -1,0 +1,298 @@
+"""GPU numeric phase of a :class:`~sparse_scan.dense_scan.DenseScanPlan`: one RawKernel launch per level.
+
+The steps of a level are independent. Each becomes a descriptor (a row of ``FIELDS`` int64s: kind,
+first work item, samples, items per sample, ``H``, the affine flag, device pointers of its operand
+rows and their sample strides; layout in ``rawkernels/dense_scan.cu``) in one host table for the whole
+plan, and a level runs as one launch of ``dense_scan_level<T>`` over its rows: a work item is one
+output element of one step and sample, so any ``H`` runs with the same launch shape.
+
+What depends only on the plan, the batch size, ``H``, the value dtype and whether the scan is affine is
+built once and cached in a :class:`_Workspace`: the descriptor table (uploaded once), the vector input
+(``d_0 = 0`` and the direct gradients), every group's result buffer (a buffer's memory is reused from
+the level after its last read), and the gather indices of the outputs. Per call only the pointer of the
+caller's blocks changes: it is patched into the host table, which goes to the device in one
+stream-ordered copy before the level loop, and only when that pointer moved. The level loop only
+launches kernels; it never synchronises the host. The outputs are gathered into a fresh array, so
+results of earlier calls stay valid.
+
+CuPy is imported lazily: this module imports on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _kernels
+from .dense_scan import INPUT, DenseGroup, DenseScanPlan, Location
+
+__all__ = ["run_dense_plan_gpu"]
+
+KERNEL_FILE = "dense_scan.cu"
+FIELDS = 16
+MM, MV = 0, 1
+VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+_WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
+
+
+# --- array-module hooks (CuPy; tests stand NumPy in for it) -------------------------------------
+def _xp() -> Any:
+    import cupy  # noqa: PLC0415 - GPU code only
+
+    return cupy
+
+
+def _pointer(array: Any) -> int:
+    return int(array.data.ptr)
+
+
+def _upload(device: Any, host: np.ndarray) -> None:
+    # stream-ordered: a plain set() would be a synchronous cudaMemcpy, which waits for the device
+    device.set(host, stream=_xp().cuda.get_current_stream())
+
+
+# --- the workspace ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Shape:
+    """What a workspace depends on besides the plan."""
+
+    batch: int
+    size: int
+    dtype: np.dtype
+    affine: bool
+
+    @property
+    def block(self) -> int:
+        """Elements of one row of a block buffer ``(rows, B, H, H)``."""
+        return self.batch * self.size * self.size
+
+    @property
+    def vector(self) -> int:
+        """Elements of one row of a vector buffer ``(rows, B, H)``."""
+        return self.batch * self.size
+
+
+@dataclass(eq=False)
+class _Level:
+    """One scan level: its rows of the device table and its work items."""
+
+    table: Any
+    steps: int
+    items: int
+
+
+@dataclass(eq=False)
+class _Workspace:
+    """Everything one (plan, batch, H, value dtype, affine) needs on the device, built once.
+
+    Attributes
+    ----------
+    shape : _Shape
+    inputs : array, shape (n + 1, B, H)
+        The vector input: row 0 is ``d_0 = 0``; rows ``1..n`` the direct gradients (affine), or row
+        ``n`` the gradient w.r.t. ``h_n`` and zeros elsewhere.
+    blocks, vectors : dict of int to array
+        Every group's results (``(rows, B, H, H)`` and ``(rows, B, H)``) by buffer id.
+    host_table, device_table : arrays of int64
+        Descriptors of every level; ``patch_positions`` of the host table receive the pointer of the
+        caller's blocks plus ``patch_offsets`` (bytes: the operand's row).
+    bound : int or None
+        The blocks pointer the device table holds now.
+    levels : list of _Level
+    gather : list of (array, array, int)
+        Per output piece: output positions, source rows (device int64 arrays) and source buffer.
+    """
+
+    shape: _Shape
+    inputs: Any
+    blocks: dict[int, Any]
+    vectors: dict[int, Any]
+    host_table: np.ndarray
+    device_table: Any
+    patch_positions: np.ndarray
+    patch_offsets: np.ndarray
+    bound: int | None
+    levels: list[_Level]
+    gather: list[tuple[Any, Any, int]]
+
+    def bind(self, blocks: Any, direct: Any) -> None:
+        """Point the table at ``blocks`` (one upload, only when it moved) and copy ``direct`` in."""
+        if self.shape.affine:
+            self.inputs[1:] = direct
+        else:
+            self.inputs[-1] = direct
+        address = _pointer(blocks)
+        if address != self.bound and self.patch_positions.size:
+            self.host_table[self.patch_positions] = address + self.patch_offsets
+            _upload(self.device_table, self.host_table)
+            self.bound = address
+
+    def outputs(self) -> Any:
+        """The total gradients ``(n + 1, B, H)``, gathered into a fresh array."""
+        out = _xp().empty(self.inputs.shape, dtype=self.inputs.dtype)
+        for positions, rows, buffer in self.gather:
+            out[positions] = (self.inputs if buffer == INPUT else self.vectors[buffer])[rows]
+        return out
+
+
+def _allocate(plan: DenseScanPlan, shape: _Shape) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Result buffers of every group; memory is reused from the level after a buffer's last read.
+
+    Groups of one level run concurrently, so a level's results never take memory released in it.
+    """
+    xp = _xp()
+    blocks: dict[int, Any] = {}
+    vectors: dict[int, Any] = {}
+    owners: dict[tuple[int, str], Any] = {}
+    free: list[Any] = []
+
+    def take(key: tuple[int, str], dims: tuple[int, ...]) -> Any:
+        size = int(np.prod(dims))
+        fits = [(flat.size, k) for k, flat in enumerate(free) if flat.size >= size]
+        flat = free.pop(min(fits)[1]) if fits else xp.empty(size, dtype=shape.dtype)  # best fit
+        owners[key] = flat
+        return flat[:size].reshape(dims)
+
+    for index, groups in enumerate(plan.levels_of_groups):
+        for group in groups:
+            rows = (len(group.ops), shape.batch, shape.size)
+            if group.kind == "mm":
+                blocks[group.buffer] = take((group.buffer, "mm"), rows + (shape.size,))
+            if group.kind == "mv" or shape.affine:
+                vectors[group.buffer] = take((group.buffer, "mv"), rows)
+        for buffer in plan.releases[index]:
+            free += [owners.pop((buffer, kind)) for kind in ("mm", "mv") if (buffer, kind) in owners]
+    return blocks, vectors
+
+
+class _TableBuilder:
+    """Collects descriptor rows; a block operand of the input becomes a patch position."""
+
+    def __init__(self, shape: _Shape, inputs: Any, blocks: dict[int, Any],
+                 vectors: dict[int, Any]) -> None:
+        self.shape, self.inputs, self.blocks, self.vectors = shape, inputs, blocks, vectors
+        self.itemsize = shape.dtype.itemsize
+        self.rows: list[list[int]] = []
+        self.patches: list[tuple[int, int]] = []
+
+    def block(self, location: Location, column: int) -> int:
+        """The address of a block row (0 for a row of the caller's blocks, patched at every call)."""
+        offset = location.row * self.shape.block * self.itemsize
+        if location.buffer == INPUT:
+            self.patches.append((len(self.rows) * FIELDS + column, offset))
+            return 0
+        return _pointer(self.blocks[location.buffer]) + offset
+
+    def vector(self, location: Location) -> int:
+        """The address of a vector row."""
+        array = self.inputs if location.buffer == INPUT else self.vectors[location.buffer]
+        return _pointer(array) + location.row * self.shape.vector * self.itemsize
+
+    def add_group(self, group: DenseGroup, first: int) -> int:
+        """Append one descriptor per step of ``group``, work items from ``first``; return the next."""
+        shape = self.shape
+        size, affine = shape.size, int(shape.affine)
+        block_stride, vector_stride = size * size, size
+        for row, op in enumerate(group.ops):
+            if group.kind == "mm":
+                per = size * size + size * affine
+                left = [self.block(op.left, 10), block_stride,
+                        self.vector(op.left) if affine else 0, vector_stride * affine]
+                out = [_pointer(self.blocks[group.buffer]) + row * shape.block * self.itemsize,
+                       self.vector(Location(group.buffer, row)) if affine else 0]
+            else:
+                per = size
+                left = [0, 0, self.vector(op.left), vector_stride]
+                out = [0, self.vector(Location(group.buffer, row))]
+            right = [self.block(op.right, 6), block_stride,
+                     self.vector(op.right) if affine else 0, vector_stride * affine]
+            kind = MM if group.kind == "mm" else MV
+            self.rows.append([kind, first, shape.batch, per, size, affine, *right, *left, *out])
+            first += shape.batch * per
+        return first
+
+
+def _gather(plan: DenseScanPlan) -> list[tuple[Any, Any, int]]:
+    """Per buffer holding outputs: output positions and rows as device index arrays."""
+    xp = _xp()
+    by_buffer: dict[int, tuple[list[int], list[int]]] = {}
+    for position, location in enumerate(plan.outputs):
+        positions, rows = by_buffer.setdefault(location.buffer, ([], []))
+        positions.append(position)
+        rows.append(location.row)
+    return [(xp.asarray(np.array(positions, dtype=np.int64)), xp.asarray(np.array(rows, dtype=np.int64)),
+             buffer) for buffer, (positions, rows) in by_buffer.items()]
+
+
+def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
+    """Allocate the buffers and build the descriptor tables of every level."""
+    xp = _xp()
+    inputs = xp.zeros((plan.n + 1, shape.batch, shape.size), dtype=shape.dtype)
+    blocks, vectors = _allocate(plan, shape)
+    builder = _TableBuilder(shape, inputs, blocks, vectors)
+    bounds: list[tuple[int, int, int]] = []
+    for groups in plan.levels_of_groups:
+        first, items = len(builder.rows), 0
+        for group in groups:
+            items = builder.add_group(group, items)
+        bounds.append((first, len(builder.rows) - first, items))
+    host_table = np.array(builder.rows, dtype=np.int64).reshape(-1)
+    device_table = xp.asarray(host_table)
+    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items)
+              for first, steps, items in bounds]
+    positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
+    offsets = np.array([o for _, o in builder.patches], dtype=np.int64)
+    return _Workspace(shape, inputs, blocks, vectors, host_table, device_table, positions, offsets,
+                      None, levels, _gather(plan))
+
+
+def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:
+    """The workspaces cached for ``plan`` (dropped with the plan)."""
+    key = id(plan)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = {}
+        weakref.finalize(plan, _WORKSPACES.pop, key, None)
+    return _WORKSPACES[key]
+
+
+def _workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
+    cache = _workspaces(plan)
+    if shape not in cache:
+        cache[shape] = _build_workspace(plan, shape)
+    return cache[shape]
+
+
+# --- the numeric phase ------------------------------------------------------------------------------
+def run_dense_plan_gpu(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
+    """Numeric phase of ``plan`` on the GPU (the contract of ``dense_scan``'s NumPy twin).
+
+    Parameters
+    ----------
+    plan : DenseScanPlan
+    blocks : cupy.ndarray, shape (T, B, H, H)
+        ``blocks[t - 1]`` is ``(dh_t/dh_{t-1})^T`` per sample, float32 or float64.
+    direct : cupy.ndarray, shape (T, B, H) or (B, H)
+        Direct gradients of every ``h_t`` (an affine scan), or of ``h_T`` alone.
+
+    Returns
+    -------
+    cupy.ndarray, shape (T + 1, B, H)
+        The total gradient w.r.t. every ``h_t``, in the dtype of ``blocks``.
+    """
+    dtype = np.dtype(blocks.dtype)
+    if dtype not in VALUE_DTYPES:
+        raise TypeError(f"the GPU dense scan runs in float32 or float64; the blocks are {dtype}")
+    if blocks.ndim != 4 or blocks.shape[0] != plan.n:
+        raise ValueError(f"the plan needs blocks of shape ({plan.n}, B, H, H); got {tuple(blocks.shape)}")
+    blocks = _xp().ascontiguousarray(blocks)
+    shape = _Shape(int(blocks.shape[1]), int(blocks.shape[2]), dtype, direct.ndim == 3)
+    workspace = _workspace(plan, shape)
+    workspace.bind(blocks, direct)
+    kernel = _kernels.function(KERNEL_FILE, "dense_scan_level", dtype)
+    for level in workspace.levels:
+        _kernels.launch(kernel, level.items, (level.table, np.int64(level.steps), np.int64(level.items)))
+    return workspace.outputs()

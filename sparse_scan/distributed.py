@@ -1,0 +1,377 @@
+"""The backward scan across MPI processes: each rank holds a contiguous slice of the layers.
+
+With ``P`` ranks, rank ``r`` holds layers ``a_r+1 .. b_r`` of a :class:`~sparse_scan.Sequential`
+(``x_{a_r}`` in, ``x_{b_r}`` out). :func:`backward`, called on every rank (``mpirun -n P``):
+
+1. **forward**: rank 0 runs its slice on ``x`` and passes ``x_{b_0}`` to rank 1, and so on; the last
+   rank sends the model output to rank 0, which turns it into ``g_n`` (an array, or a callable such
+   as a loss) and sends that back;
+2. **slice products**: every middle rank reduces its slice's JTs to one matrix
+   ``S_r = JT_{a_r+1} ··· JT_{b_r}`` (a planned tree of sparse products,
+   :class:`~sparse_scan._slice_product.SliceProduct`); the last rank runs its local scan with ``g_n``,
+   whose first result ``g_{a_{P-1}}`` is its contribution (a vector);
+3. **combine**: the exclusive scan of ``[g_{a_{P-1}}, S_{P-2}, ..., S_1]`` under ``A ◇ B = B·A`` gives
+   each rank the gradient w.r.t. its slice output ``g_{b_r}``. ``combine="chain"`` (the default) sends
+   vectors down the ranks, one SpMV by ``S_r`` each (``P - 1`` steps, vector messages);
+   ``combine="exscan"`` is mpi4py's ``exscan`` with ``◇`` as the (non-commutative) operator
+   (``ceil(log2 P)`` rounds, but its partial results between middle ranks are products of slice
+   products: sparse matrices, much larger than vectors);
+4. **finish**: each rank runs its local scan (``method``, ``levels``) from ``g_{b_r}``, then its
+   parameter gradients; rank 0 gathers everything.
+
+Every wait polls against ``timeout`` and checks for failure notices, so a failed or stuck rank
+ends the others with a :class:`DistributedError` naming it instead of a hang (a command-line program
+should then call ``comm.Abort``; ``sparse-scan run --distributed`` does).
+
+Examples
+--------
+Under ``mpirun -n 2 python script.py``::
+
+    import numpy as np
+    from mpi4py import MPI
+    import sparse_scan
+    from sparse_scan import distributed
+
+    model = sparse_scan.load_model("data/lenet5.yaml", dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((4,) + model.input_shape)
+    result = distributed.backward(model, x, np.ones_like, comm=MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.rank == 0:
+        print([g.shape for g in result.grads], sorted(result.parameters))
+
+The split balances the linear scan plan's per-layer FLOPs (:func:`layer_costs`):
+
+>>> balanced_split([10, 1, 1, 10], 2)
+[2, 2]
+>>> balanced_split([1, 1, 1, 9], 3)
+[1, 2, 1]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._mpi import (
+    Channel,
+    DistributedError,
+    MPIUnavailableError,
+    RankTimeoutError,
+    RemoteRankError,
+    import_mpi,
+    launched,
+    launcher,
+)
+from ._slice_product import SliceMatrix, SliceProduct, apply, combine
+from .model import Sequential, default_memory_budget
+
+__all__ = ["COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError", "RankTimeoutError",
+           "RemoteRankError", "backward", "balanced_split", "launched", "launcher", "layer_costs",
+           "slices"]
+
+COMBINES = ("chain", "exscan")
+TAG_ACTIVATION, TAG_OUTPUT, TAG_GRAD_OUT, TAG_VECTOR, TAG_GATHER = 1, 2, 3, 4, 5
+
+
+@dataclass
+class DistributedResult:
+    """What :func:`backward` returns on each rank.
+
+    Attributes
+    ----------
+    rank, size : int
+    bounds : list of tuple of int
+        ``(a_r, b_r)`` of every rank: it holds layers ``a_r .. b_r - 1`` (0-based).
+    output : ndarray or None
+        The model output (rank 0).
+    grads : list of ndarray or None
+        Rank 0: the gradients w.r.t. ``x_0 .. x_n``, as :meth:`Sequential.backward`; other ranks:
+        those of their slice, ``x_{a_r} .. x_{b_r}``.
+    parameters : dict
+        Rank 0: every parameter gradient (as :meth:`Sequential.parameter_gradients`); other ranks:
+        those of their slice.
+    stats : dict
+        This rank's ``timings`` (seconds per phase), ``sent_bytes`` (array payload sent),
+        ``messages``, ``product_flops`` and ``product_nnz`` (its slice product, middle ranks);
+        on rank 0 also ``ranks``: every rank's stats.
+    """
+
+    rank: int
+    size: int
+    bounds: list[tuple[int, int]]
+    output: Any = None
+    grads: list[Any] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def layer_costs(model: Sequential, in_shape: Sequence[int]) -> list[int]:
+    """Per layer, the FLOPs of its step in the linear scan plan (its JT's SpMV, ``2·nnz``).
+
+    These are the :class:`~sparse_scan.scan.ScanPlan`'s own figures (``model.plan(in_shape,
+    "linear")``); the cost of a slice is the sum over its layers.
+    """
+    n = len(model)
+    costs = [0] * n
+    for step in model.plan(in_shape, "linear").steps:
+        costs[n - step.right.hi] = step.flops
+    return costs
+
+
+def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
+    """Contiguous layer counts per part, each at least 1, minimising the costliest part.
+
+    Parameters
+    ----------
+    costs : sequence of float
+        Per layer.
+    parts : int
+        Number of parts, ``1 <= parts <= len(costs)``.
+
+    Returns
+    -------
+    list of int
+        Layers per part, in order (ties: earlier parts get fewer layers).
+    """
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} layers over {parts} ranks: each rank needs at least one "
+                         f"layer (use at most {n} ranks)")
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
+    # best[i]: the costliest part of the best split of the first i layers into k parts
+    best = np.full(n + 1, np.inf)
+    best[1:] = prefix[1:]
+    choices = []
+    for k in range(2, parts + 1):
+        new, choice = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=int)
+        for i in range(k, n + 1):
+            j = np.arange(k - 1, i)
+            worst = np.maximum(best[j], prefix[i] - prefix[j])
+            at = int(np.argmin(worst))
+            new[i], choice[i] = worst[at], j[at]
+        best = new
+        choices.append(choice)
+    cuts, end = [n], n
+    for choice in reversed(choices):
+        end = int(choice[end])
+        cuts.append(end)
+    cuts.append(0)
+    cuts.reverse()
+    return [b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def slices(model: Sequential, size: int, split: Sequence[int] | None = None,
+           in_shape: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """``(a_r, b_r)`` per rank: ``split`` (layers per rank), else balanced by :func:`layer_costs`."""
+    n = len(model)
+    if size > n:
+        raise ValueError(f"{size} ranks but the model has {n} layers: each rank needs at least one layer "
+                         f"(run with at most {n} ranks)")
+    if split is None:
+        if in_shape is None:
+            raise ValueError("a balanced split needs the per-sample input shape")
+        counts = balanced_split(layer_costs(model, in_shape), size)
+    else:
+        counts = [int(c) for c in split]
+        if len(counts) != size or min(counts) < 1 or sum(counts) != n:
+            raise ValueError(f"split {list(split)} must give {size} positive layer counts (one per rank) "
+                             f"summing to the model's {n} layers")
+    ends = np.cumsum([0] + counts).tolist()
+    return list(zip(ends[:-1], ends[1:], strict=True))
+
+
+def _op(earlier: Any, later: Any) -> Any:
+    """``earlier ◇ later = later · earlier`` on vectors and slice matrices (None: the identity)."""
+    if earlier is None:
+        return later
+    if later is None:
+        return earlier
+    if isinstance(earlier, SliceMatrix):
+        return combine(later, earlier)
+    return apply(later, earlier)
+
+
+def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: Sequence[int] | None = None,
+             method: str = "blelloch", levels: int | str | None = None, combine: str = "chain",
+             timeout: float = 300.0, gather: bool = True) -> DistributedResult:
+    """Gradients w.r.t. every activation and parameter, with the layers split over MPI ranks.
+
+    Call it on every rank of ``comm`` with the same model, split and options.
+
+    Parameters
+    ----------
+    model : Sequential
+        The whole model, on every rank (each rank runs only its slice).
+    x : ndarray, shape (B, *input_shape)
+        The batch, on rank 0 (other ranks may pass None).
+    grad_out : ndarray or callable
+        On rank 0: ``dL/dx_n``, or a callable ``output -> dL/dx_n`` (a loss; it may also be
+        ``np.ones_like``-like). Other ranks may pass None.
+    comm : mpi4py communicator, optional
+        ``MPI.COMM_WORLD`` by default.
+    split : sequence of int, optional
+        Layers per rank (in order); by default balanced by :func:`layer_costs`.
+    method, levels
+        The local scan of each slice (:meth:`Sequential.backward`).
+    combine : {"chain", "exscan"}
+        How slices are combined across ranks (module docstring).
+    timeout : float
+        Seconds any wait on another rank may take before :class:`RankTimeoutError`.
+    gather : bool
+        Collect every gradient on rank 0 (otherwise each rank keeps its slice's).
+
+    Returns
+    -------
+    DistributedResult
+
+    Raises
+    ------
+    ValueError
+        More ranks than layers, or a bad ``split``/``combine`` (on every rank alike).
+    DistributedError
+        A rank failed (:class:`RemoteRankError`) or did not answer in time
+        (:class:`RankTimeoutError`); both name the rank.
+    """
+    if comm is None:
+        comm = import_mpi().COMM_WORLD
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {', '.join(COMBINES)}; got {combine!r}")
+    if model.input_shape is None:
+        raise ValueError("the model has no input_shape: set it (Sequential(..., input_shape=...)) so that "
+                         "every rank knows its slice's shapes")
+    in_shape = model.input_shape
+    bounds = slices(model, comm.Get_size(), split, in_shape)
+    channel = Channel(comm, timeout)
+    try:
+        result = _run(model, x, grad_out, channel, bounds, in_shape, method, levels, combine, gather)
+        channel.flush()
+    except RemoteRankError:
+        raise
+    except BaseException as error:
+        channel.notify_failure(error)
+        raise
+    return result
+
+
+def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: list[tuple[int, int]],
+         in_shape: tuple[int, ...], method: str, levels: Any, combine_with: str,
+         gather: bool) -> DistributedResult:
+    rank, size = channel.rank, channel.size
+    last = size - 1
+    a, b = bounds[rank]
+    local = Sequential(*model.layers[a:b], memory_budget=model.memory_budget)
+    clock = [time.perf_counter()]
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        timings[name] = clock[-1] - clock[-2]
+
+    # 1. forward, slice by slice
+    inputs = x if rank == 0 else channel.recv(rank - 1, TAG_ACTIVATION, "activations")
+    output = local.forward(np.asarray(inputs))
+    if rank < last:
+        channel.send(output, rank + 1, TAG_ACTIVATION, "activations")
+    lap("forward_s")
+    # the loss gradient: computed on rank 0 from the output
+    model_output = None
+    if rank == last and last > 0:
+        channel.send(output, 0, TAG_OUTPUT, "the model output")
+    if rank == 0:
+        model_output = output if last == 0 else channel.recv(last, TAG_OUTPUT, "the model output", hops=last)
+        g_n = np.asarray(grad_out(model_output) if callable(grad_out) else grad_out)
+        if g_n.shape != model_output.shape:
+            raise ValueError(f"grad_out has shape {g_n.shape}; the output has {model_output.shape}")
+        if last > 0:
+            channel.send(g_n, last, TAG_GRAD_OUT, "the output gradient")
+    if rank == last and last > 0:
+        g_n = channel.recv(0, TAG_GRAD_OUT, "the output gradient")
+    lap("output_grad_s")
+    # 2. contributions: the last rank's local scan (a vector), the middle ranks' slice products
+    stats: dict[str, Any] = {"rank": rank, "layers": [a, b], "timings": timings}
+    grads = local.backward(g_n, method, levels) if rank == last else None
+    product = None
+    if 0 < rank < last:
+        budget = model.memory_budget if model.memory_budget is not None else default_memory_budget()
+        planned = SliceProduct(local.layers, model.shapes(in_shape)[a], budget)
+        product = planned.compute(local.transposed_jacobians())
+        stats.update(product_flops=planned.flops, product_nnz=planned.nnz, product_bytes=product.nbytes)
+    lap("contribution_s")
+    # 3. combine across ranks: each rank but the last gets g_b (the gradient w.r.t. its slice output)
+    vector = None if rank < last else grads[0].reshape(len(g_n), -1)
+    if combine_with == "chain":
+        if rank < last:
+            g_b = channel.recv(rank + 1, TAG_VECTOR, "the gradient of its slice output", hops=last - rank)
+            if rank > 0:
+                channel.send(apply(product, g_b.reshape(len(g_b), -1)), rank - 1, TAG_VECTOR,
+                             "the gradient of a slice output")
+        elif last > 0:
+            channel.send(vector, rank - 1, TAG_VECTOR, "the gradient of a slice output")
+    elif last > 0:
+        g_b = _exscan(channel, vector if rank == last else product)
+    lap("combine_s")
+    # 4. finish the slice locally
+    if rank < last:
+        g_b = np.asarray(g_b).reshape(output.shape)
+        grads = local.backward(g_b, method, levels)
+    parameters = local.parameter_gradients(grads)
+    lap("finish_s")
+    stats.update(sent_bytes=channel.sent_bytes, messages=channel.messages)
+    result = DistributedResult(rank, size, bounds, model_output, grads, parameters, stats)
+    if gather:
+        _gather(channel, result)
+        lap("gather_s")
+    stats["timings"]["total_s"] = clock[-1] - clock[0]
+    return result
+
+
+def _exscan(channel: Channel, mine: Any) -> Any:
+    """mpi4py's exscan over the ranks in reverse order, with ``◇``; counts the bytes each rank sends."""
+    comm = channel.comm
+    channel.barrier("entering the exscan")  # a polled barrier: no rank waits in the collective alone
+    reverse = comm.Split(0, channel.size - 1 - channel.rank)
+    try:
+        prefix = reverse.exscan(_Counted(mine, channel), op=_counted_op)
+        return prefix.value if isinstance(prefix, _Counted) else prefix
+    finally:
+        reverse.Free()
+
+
+class _Counted:
+    """A value that, when pickled to be sent, adds its payload to the sending rank's count."""
+
+    channel: Channel | None = None
+
+    def __init__(self, value: Any, channel: Channel | None = None) -> None:
+        self.value = value
+        if channel is not None:
+            _Counted.channel = channel
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        if _Counted.channel is not None:
+            _Counted.channel.count(self.value)
+        return _Counted, (self.value,)
+
+
+def _counted_op(earlier: Any, later: Any) -> Any:
+    unwrap = [item.value if isinstance(item, _Counted) else item for item in (earlier, later)]
+    return _Counted(_op(*unwrap))
+
+
+def _gather(channel: Channel, result: DistributedResult) -> None:
+    """Rank 0 collects every slice's gradients, parameter gradients and stats."""
+    rank, last = channel.rank, channel.size - 1
+    if rank > 0:
+        own = result.grads if rank == last else result.grads[:-1]  # x_b's gradient: the next rank's
+        channel.send((own, result.parameters, result.stats), 0, TAG_GATHER, "its gradients")
+        return
+    grads, ranks = list(result.grads[:-1] if last > 0 else result.grads), [dict(result.stats)]
+    for source in range(1, last + 1):
+        own, parameters, stats = channel.recv(source, TAG_GATHER, "gradients")
+        grads.extend(own)
+        result.parameters.update(parameters)
+        ranks.append(stats)
+    result.grads = grads
+    result.stats["ranks"] = ranks

@@ -1,0 +1,105 @@
+"""Run by the distributed tests under ``mpirun -n P``: a distributed backward pass, written by rank 0.
+
+``python tests/mpi_worker.py MODEL OUT.npz [--combine C] [--method M] [--split 1,2,3]
+[--fail-rank R] [--hang-rank R] [--timeout S]``: ``MODEL`` is a spec path or ``random:SEED``
+(:func:`random_chain`). Rank 0 writes ``grad.<i>`` (w.r.t. ``x_i``) and ``param.<name>`` to
+``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes it sleep; a
+:class:`~sparse_scan.distributed.DistributedError` ends every rank (``MPI_Abort``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import sparse_scan
+from sparse_scan import Sequential
+from sparse_scan.layers import Conv2d, Flatten, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
+
+BATCH = 3
+
+
+def random_chain(seed: int) -> Sequential:
+    """A seeded random chain: convolutions, activations and pools, then linear layers (float64)."""
+    rng = np.random.default_rng(seed)
+    channels, size = int(rng.integers(1, 3)), 8
+    layers: list = []
+    for _ in range(int(rng.integers(1, 3))):
+        out = int(rng.integers(2, 4))
+        layers += [Conv2d(channels, out, 3, padding=1, dtype=np.float64, rng=len(layers)),
+                   [ReLU, Tanh, Sigmoid, LeakyReLU][int(rng.integers(4))]()]
+        if rng.random() < 0.6:
+            layers.append(MaxPool2d(2))
+            size //= 2
+        channels = out
+    features = channels * size * size
+    layers.append(Flatten())
+    for _ in range(int(rng.integers(1, 4))):
+        out = int(rng.integers(3, 9))
+        layers += [Linear(features, out, dtype=np.float64, rng=len(layers)), Tanh()]
+        features = out
+    return Sequential(*layers, input_shape=(int(layers[0].in_channels), 8, 8))
+
+
+def load(model: str) -> Sequential:
+    """A spec path (float64) or ``random:SEED``."""
+    if model.startswith("random:"):
+        return random_chain(int(model.split(":")[1]))
+    return sparse_scan.load_model(model, dtype=np.float64)
+
+
+def inputs(model: Sequential) -> tuple[np.ndarray, np.ndarray]:
+    """The seeded batch and output gradient every test uses."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((BATCH,) + model.input_shape)
+    out_shape = model.shapes(model.input_shape)[-1]
+    return x, rng.standard_normal((BATCH,) + tuple(out_shape))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--combine", default="chain")
+    parser.add_argument("--method", default="blelloch")
+    parser.add_argument("--split")
+    parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("--hang-rank", type=int)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    from mpi4py import MPI
+
+    from sparse_scan import distributed
+
+    comm = MPI.COMM_WORLD
+    model = load(args.model)
+    x, grad = inputs(model)
+    split = None if args.split is None else [int(c) for c in args.split.split(",")]
+    if comm.rank in (args.fail_rank, args.hang_rank):
+        first = distributed.slices(model, comm.size, split, model.input_shape)[comm.rank][0]
+        layer = model.layers[first]
+
+        def broken(batch: np.ndarray) -> np.ndarray:
+            if comm.rank == args.hang_rank:
+                time.sleep(600)
+            raise RuntimeError(f"layer {layer.name} broke on purpose")
+
+        layer.forward = broken
+    try:
+        result = distributed.backward(model, x if comm.rank == 0 else None, grad if comm.rank == 0 else None,
+                                      comm, split, args.method, combine=args.combine, timeout=args.timeout)
+    except distributed.DistributedError as error:  # a stuck rank would never exit: end them all
+        print(f"rank {comm.rank}: {error}", file=sys.stderr, flush=True)
+        comm.Abort(3)
+    if comm.rank == 0:
+        arrays = {f"grad.{i}": g for i, g in enumerate(result.grads)}
+        arrays.update({f"param.{name}": g for name, g in result.parameters.items()})
+        arrays["sent_bytes"] = np.array([stats["sent_bytes"] for stats in result.stats["ranks"]])
+        np.savez(args.out, **arrays)
+
+
+if __name__ == "__main__":
+    main()
