@@ -17,24 +17,27 @@
 //   DENSE_MM (left is a block (M_l, v_l)):  M_out = M_r M_l  and, when affine, v_out = M_r v_l + v_r;
 //   DENSE_MV (left is a vector v_l):        v_out = M_r v_l (+ v_r when affine).
 // Without direct gradients on every step (affine = 0) blocks carry no vector part: an mm step writes
-// M_out only and an mv step skips v_r.
+// M_out only and an mv step skips v_r. A DENSE_COPY step copies a vector, v_out = v_l: one launch after
+// the last level gathers the outputs, wherever the levels left them, into one array.
 //
 // A descriptor is DENSE_FIELDS long longs. Pointers travel as integers and address the step's own
 // operand row (sample 0); sample strides are in elements (0 = the operand is shared by the batch).
 // Outputs are contiguous per sample (strides H*H and H). Sample b of a step covers its work items
 // b * per .. b * per + per: the H*H entries of M_out (mm), then the H entries of v_out (mm when affine,
 // and mv).
-//   [0] kind (DENSE_MM | DENSE_MV)   [1] first work item of the step in the launch   [2] samples
+//   [0] kind (DENSE_MM | DENSE_MV | DENSE_COPY)   [1] first work item of the step in the launch   [2] samples
 //   [3] items per sample (per)   [4] H   [5] affine (1: add v_r)
 //   [6] M_r   [7] M_r stride   [8] v_r (0 when not affine)   [9] v_r stride
-//   [10] M_l (mm; 0 for mv)   [11] M_l stride   [12] v_l (0 for a non-affine mm)   [13] v_l stride
-//   [14] M_out (mm; 0 for mv)   [15] v_out (0 for a non-affine mm)
+//   [10] M_l (mm; 0 otherwise)   [11] M_l stride   [12] v_l (0 for a non-affine mm)   [13] v_l stride
+//   [14] M_out (mm; 0 otherwise)   [15] v_out (0 for a non-affine mm)
+// A copy uses [0] to [4], [12], [13] and [15] only (per = H); the other fields are 0.
 //
 // Name expressions: dense_scan_level<T> with T in {float, double}.
 
 #define DENSE_FIELDS 16
 #define DENSE_MM 0
 #define DENSE_MV 1
+#define DENSE_COPY 2
 
 template <typename P>
 __device__ __forceinline__ P* dense_pointer(long long address) {
@@ -69,6 +72,10 @@ __device__ __forceinline__ T dense_dot(const T* row, const T* column, long long 
 template <typename T>
 __device__ __forceinline__ void dense_item(const long long* d, long long sample, long long index) {
   const long long size = d[4];
+  if (d[0] == DENSE_COPY) {
+    dense_pointer<T>(d[15])[sample * size + index] = dense_pointer<const T>(d[12])[sample * d[13] + index];
+    return;
+  }
   const T* right = dense_pointer<const T>(d[6]) + sample * d[7];
   if (d[0] == DENSE_MM && index < size * size) {
     const long long i = index / size, j = index % size;

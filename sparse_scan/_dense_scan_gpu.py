@@ -4,16 +4,17 @@ The steps of a level are independent. Each becomes a descriptor (a row of ``FIEL
 first work item, samples, items per sample, ``H``, the affine flag, device pointers of its operand
 rows and their sample strides; layout in ``rawkernels/dense_scan.cu``) in one host table for the whole
 plan, and a level runs as one launch of ``dense_scan_level<T>`` over its rows: a work item is one
-output element of one step and sample, so any ``H`` runs with the same launch shape.
+output element of one step and sample, so any ``H`` runs with the same launch shape. One more launch of
+the same kernel (copy rows) gathers the outputs, wherever the levels left them, into one array.
 
 What depends only on the plan, the batch size, ``H``, the value dtype and whether the scan is affine is
 built once and cached in a :class:`_Workspace`: the descriptor table (uploaded once), the vector input
 (``d_0 = 0`` and the direct gradients), every group's result buffer (a buffer's memory is reused from
-the level after its last read), and the gather indices of the outputs. Per call only the pointer of the
-caller's blocks changes: it is patched into the host table, which goes to the device in one
-stream-ordered copy before the level loop, and only when that pointer moved. The level loop only
-launches kernels; it never synchronises the host. The outputs are gathered into a fresh array, so
-results of earlier calls stay valid.
+the level after its last read) and the gathered outputs. Per call only the pointer of the caller's
+blocks changes: it is patched into the host table, which goes to the device in one stream-ordered copy
+before the level loop, and only when that pointer moved. The level loop only launches kernels; it never
+synchronises the host. The caller gets a copy of the gathered outputs, so results of earlier calls stay
+valid. A workspace serves one stream: calls that share one are ordered by the current stream.
 
 CuPy is imported lazily: this module imports on machines without a GPU.
 """
@@ -33,7 +34,7 @@ __all__ = ["run_dense_plan_gpu"]
 
 KERNEL_FILE = "dense_scan.cu"
 FIELDS = 16
-MM, MV = 0, 1
+MM, MV, COPY = 0, 1, 2
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
@@ -78,7 +79,8 @@ class _Shape:
 
 @dataclass(eq=False)
 class _Level:
-    """One scan level: its rows of the device table and its work items."""
+    """One launch (a scan level, or the gather of the outputs): its rows of the device table and
+    its work items."""
 
     table: Any
     steps: int
@@ -97,27 +99,28 @@ class _Workspace:
         ``n`` the gradient w.r.t. ``h_n`` and zeros elsewhere.
     blocks, vectors : dict of int to array
         Every group's results (``(rows, B, H, H)`` and ``(rows, B, H)``) by buffer id.
+    result : array, shape (n + 1, B, H)
+        The outputs, gathered by the last launch.
     host_table, device_table : arrays of int64
-        Descriptors of every level; ``patch_positions`` of the host table receive the pointer of the
-        caller's blocks plus ``patch_offsets`` (bytes: the operand's row).
+        Descriptors of every level and of the gather; ``patch_positions`` of the host table receive
+        the pointer of the caller's blocks plus ``patch_offsets`` (bytes: the operand's row).
     bound : int or None
         The blocks pointer the device table holds now.
     levels : list of _Level
-    gather : list of (array, array, int)
-        Per output piece: output positions, source rows (device int64 arrays) and source buffer.
+        The plan's levels, then the gather.
     """
 
     shape: _Shape
     inputs: Any
     blocks: dict[int, Any]
     vectors: dict[int, Any]
+    result: Any
     host_table: np.ndarray
     device_table: Any
     patch_positions: np.ndarray
     patch_offsets: np.ndarray
     bound: int | None
     levels: list[_Level]
-    gather: list[tuple[Any, Any, int]]
 
     def bind(self, blocks: Any, direct: Any) -> None:
         """Point the table at ``blocks`` (one upload, only when it moved) and copy ``direct`` in."""
@@ -132,11 +135,8 @@ class _Workspace:
             self.bound = address
 
     def outputs(self) -> Any:
-        """The total gradients ``(n + 1, B, H)``, gathered into a fresh array."""
-        out = _xp().empty(self.inputs.shape, dtype=self.inputs.dtype)
-        for positions, rows, buffer in self.gather:
-            out[positions] = (self.inputs if buffer == INPUT else self.vectors[buffer])[rows]
-        return out
+        """The total gradients ``(n + 1, B, H)`` (a copy: the workspace's array is reused)."""
+        return self.result.copy()
 
 
 def _allocate(plan: DenseScanPlan, shape: _Shape) -> tuple[dict[int, Any], dict[int, Any]]:
@@ -215,23 +215,22 @@ class _TableBuilder:
             first += shape.batch * per
         return first
 
-
-def _gather(plan: DenseScanPlan) -> list[tuple[Any, Any, int]]:
-    """Per buffer holding outputs: output positions and rows as device index arrays."""
-    xp = _xp()
-    by_buffer: dict[int, tuple[list[int], list[int]]] = {}
-    for position, location in enumerate(plan.outputs):
-        positions, rows = by_buffer.setdefault(location.buffer, ([], []))
-        positions.append(position)
-        rows.append(location.row)
-    return [(xp.asarray(np.array(positions, dtype=np.int64)), xp.asarray(np.array(rows, dtype=np.int64)),
-             buffer) for buffer, (positions, rows) in by_buffer.items()]
+    def add_copies(self, sources: list[Location], result: Any) -> int:
+        """Append one copy per source vector row into the rows of ``result``; return the work items."""
+        shape, first = self.shape, 0
+        for position, source in enumerate(sources):
+            out = _pointer(result) + position * shape.vector * self.itemsize
+            self.rows.append([COPY, first, shape.batch, shape.size, shape.size, 0, 0, 0, 0, 0, 0, 0,
+                              self.vector(source), shape.size, 0, out])
+            first += shape.vector
+        return first
 
 
 def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     """Allocate the buffers and build the descriptor tables of every level."""
     xp = _xp()
     inputs = xp.zeros((plan.n + 1, shape.batch, shape.size), dtype=shape.dtype)
+    result = xp.empty_like(inputs)
     blocks, vectors = _allocate(plan, shape)
     builder = _TableBuilder(shape, inputs, blocks, vectors)
     bounds: list[tuple[int, int, int]] = []
@@ -240,14 +239,16 @@ def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
         for group in groups:
             items = builder.add_group(group, items)
         bounds.append((first, len(builder.rows) - first, items))
+    first = len(builder.rows)
+    bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result)))
     host_table = np.array(builder.rows, dtype=np.int64).reshape(-1)
     device_table = xp.asarray(host_table)
     levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items)
               for first, steps, items in bounds]
     positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
     offsets = np.array([o for _, o in builder.patches], dtype=np.int64)
-    return _Workspace(shape, inputs, blocks, vectors, host_table, device_table, positions, offsets,
-                      None, levels, _gather(plan))
+    return _Workspace(shape, inputs, blocks, vectors, result, host_table, device_table, positions, offsets,
+                      None, levels)
 
 
 def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:

@@ -17,7 +17,7 @@ from cuda_on_cpu import compile_for_cpu, pointer
 
 from sparse_scan import _dense_scan_gpu, backend
 from sparse_scan import dense_scan as dense_scan_module
-from sparse_scan._dense_scan_gpu import FIELDS, MM, MV, run_dense_plan_gpu
+from sparse_scan._dense_scan_gpu import COPY, FIELDS, MM, MV, run_dense_plan_gpu
 from sparse_scan.dense_scan import dense_plan, dense_scan
 from sparse_scan.recurrent import GRU, RNN
 from sparse_scan.scan import depth
@@ -104,6 +104,13 @@ class Table:
         if out_vector is not None:
             self.checks.append((out_vector, np.broadcast_to(vector_product, (b, h))))
 
+    def copy(self, vector):
+        out = np.full((self.batch, self.size), np.nan, self.dtype)
+        self.rows.append([COPY, self.items, self.batch, self.size, self.size, 0, 0, 0, 0, 0, 0, 0,
+                          self.ptr(vector), self.stride(vector, 1), 0, self.ptr(out)])
+        self.items += self.batch * self.size
+        self.checks.append((out, np.broadcast_to(vector, out.shape)))
+
     def run(self, library, grid, block):
         table = np.array(self.rows, dtype=np.int64).reshape(-1)
         assert table.size == len(self.rows) * FIELDS
@@ -134,6 +141,8 @@ def test_every_step_kind_in_one_table_matches_numpy(kernels, grid, block, size, 
     table.step(value(h, h), value(h), value(b, h, h), value(b, h), affine=True)  # shared right
     table.step(value(b, h, h), value(b, h), value(h, h), value(h), affine=True)  # shared left
     table.step(value(h, h), None, None, value(b, h), affine=False)  # shared matrix of an mv
+    table.copy(value(b, h))
+    table.copy(value(h))  # a shared vector, copied to every sample
     table.run(kernels, grid, block)
     table.check()
 
@@ -183,7 +192,8 @@ def test_every_schedule_on_cpu_standin_equals_numpy(scan_on_cpu, n, size, affine
             got = run_dense_plan_gpu(plan, blocks, direct)
             assert_close(got, dense_scan(blocks, direct, method, levels, threads=1),
                          TOLERANCE[np.dtype(dtype)])
-            assert launches == [sum(len(g.ops) for g in groups) for groups in plan.levels_of_groups]
+            steps = [sum(len(group.ops) for group in groups) for groups in plan.levels_of_groups]
+            assert launches == steps + [n + 1]  # one launch per level, then the gather
             launches.clear()
 
 
@@ -194,7 +204,7 @@ def test_dense_scan_gpu_twin_runs_the_kernels_on_cpu_standin(scan_on_cpu):
     plan = dense_plan(5, "blelloch")
     gpu_twin = dense_scan_module._scan.twins["gpu"]
     got = gpu_twin(backend.get("cpu"), plan, blocks, direct, None)
-    assert len(launches) == plan.critical_steps
+    assert len(launches) == plan.critical_steps + 1
     assert_close(got, dense_scan(blocks, direct), 1e-12)
 
 
@@ -286,7 +296,7 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, monkeypatch):
                 got = dense_scan(gpu.asarray(blocks), gpu.asarray(direct), method, levels)
                 assert backend.of(got).name == "gpu"
                 assert_close(gpu.to_host(got), want, TOLERANCE[np.dtype(dtype)] * 10)
-                assert len(launches) == dense_plan(n, method, levels).critical_steps
+                assert len(launches) == dense_plan(n, method, levels).critical_steps + 1
                 launches.clear()
 
 
