@@ -1,7 +1,8 @@
 """What recurrent layers share: parameters by PyTorch name, input checks, backward through the scan.
 
 A subclass defines the cell: ``_forward_steps`` (the sequential forward, keeping what the Jacobians
-need), ``_blocks`` (every ``(dh_t/dh_{t-1})^T`` in one batched pass) and ``_pre_activation_grads``
+need), ``_blocks`` (every ``(dh_t/dh_{t-1})^T`` in one batched pass, split over time between the
+CPU's threads) and ``_pre_activation_grads``
 (gradients of the gate pre-activations from the total gradients w.r.t. the hidden states), from
 which every input and parameter gradient is one GEMM or one sum over all steps and samples.
 """
@@ -9,6 +10,7 @@ which every input and parameter gradient is one GEMM or one sum over all steps a
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,8 +18,11 @@ import numpy as np
 from .. import backend as _backend
 from ..dense_scan import dense_scan
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
+from ..scan import cpu_threads
 
 __all__ = ["Recurrent"]
+
+CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
 
 
 class Recurrent:
@@ -124,25 +129,36 @@ class Recurrent:
         xp = _backend.of(x).xp
         x_steps = xp.ascontiguousarray(x.transpose(1, 0, 2))  # time-major inside
         saved = self._forward_steps(xp, x_steps, h0, self._parameters_on(xp))
-        saved.update(x=x_steps, h0=h0)
+        saved.update(x=x_steps, h_prev=xp.concatenate([h0[None], saved["h"][:-1]]))
         self._saved = saved
         return xp.ascontiguousarray(saved["h"].transpose(1, 0, 2))
-
-    def previous_states(self, xp: Any) -> Any:
-        """``h_0 .. h_{T-1}``, time-major ``(T, B, H)``, of the last forward."""
-        saved = self._require_forward()
-        return xp.concatenate([saved["h0"][None], saved["h"][:-1]])
 
     def _require_forward(self) -> dict[str, Any]:
         if self._saved is None:
             raise RuntimeError(f"layer {type(self).__name__}: call forward before backward")
         return self._saved
 
-    def transposed_jacobians(self) -> Any:
-        """Every ``(dh_t/dh_{t-1})^T`` of the last forward, time-major ``(T, B, H, H)``."""
+    def transposed_jacobians(self, threads: int | None = None) -> Any:
+        """Every ``(dh_t/dh_{t-1})^T`` of the last forward, time-major ``(T, B, H, H)``.
+
+        On the CPU, ``threads`` (default: the cores available) fill chunks of about ``CHUNK_BYTES``
+        of blocks each (the cells' temporaries of a chunk stay in cache).
+        """
         saved = self._require_forward()
         xp = _backend.of(saved["h"]).xp
-        return self._blocks(xp, saved, self._parameters_on(xp))
+        parameters = self._parameters_on(xp)
+        steps, batch, size = saved["h"].shape
+        blocks = xp.empty((steps, batch, size, size), dtype=self.dtype)  # C order: the scan reads it
+        if xp is not np:
+            self._blocks(xp, saved, parameters, blocks)
+            return blocks
+        chunk = max(1, CHUNK_BYTES // (blocks[0].nbytes or 1))
+        spans = [slice(start, start + chunk) for start in range(0, steps, chunk)]
+        workers = min(cpu_threads() if threads is None else max(1, int(threads)), len(spans))
+        with ThreadPoolExecutor(workers) as pool:  # NumPy's ufuncs release the GIL
+            list(pool.map(lambda span: self._blocks(xp, {key: value[span] for key, value in saved.items()},
+                                                    parameters, blocks[span]), spans))
+        return blocks
 
     def backward(self, grad_h: Any, method: str = "blelloch", levels: int | str | None = None,
                  threads: int | None = None) -> dict[str, Any]:
@@ -175,7 +191,7 @@ class Recurrent:
         grad_h = xp.asarray(grad_h, dtype=self.dtype)
         direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
         parameters = self._parameters_on(xp)
-        totals = dense_scan(self._blocks(xp, saved, parameters), direct, method, levels, threads)
+        totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
         grad_gi, grad_gh = self._pre_activation_grads(xp, saved, totals[1:])
         x, rows = saved["x"], grad_gi.shape[-1]
         flat_gi, flat_gh = grad_gi.reshape(-1, rows), grad_gh.reshape(-1, rows)
@@ -184,7 +200,7 @@ class Recurrent:
             "x": xp.ascontiguousarray((grad_gi @ parameters["weight_ih"]).transpose(1, 0, 2)),
             "h0": totals[0],
             "weight_ih": flat_gi.T @ x.reshape(-1, self.input_size),
-            "weight_hh": flat_gh.T @ self.previous_states(xp).reshape(-1, size),
+            "weight_hh": flat_gh.T @ saved["h_prev"].reshape(-1, size),
             "bias_ih": flat_gi.sum(axis=0),
             "bias_hh": flat_gh.sum(axis=0),
         }
@@ -193,7 +209,8 @@ class Recurrent:
     def _forward_steps(self, xp: Any, x: Any, h0: Any, p: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> Any:
+    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
+        """Write the blocks of the steps in ``saved`` (time-major arrays) into ``out``."""
         raise NotImplementedError
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:

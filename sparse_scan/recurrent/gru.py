@@ -63,24 +63,22 @@ class GRU(Recurrent):
                 saved[key][t] = value
         return saved
 
-    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> Any:
+    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
         size = self.hidden_size
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         gate_n = (1 - z) * (1 - n * n)
         w_hr_t, w_hz_t, w_hn_t = (p["weight_hh"][k * size:(k + 1) * size].T for k in range(3))
-        blocks = xp.empty(z.shape + (size,), dtype=z.dtype)  # C order: the scan reads it in place
-        xp.multiply(w_hr_t, (gate_n * m * r * (1 - r))[:, :, None, :], out=blocks)
-        blocks += w_hz_t * ((self.previous_states(xp) - n) * z * (1 - z))[:, :, None, :]
-        blocks += w_hn_t * (gate_n * r)[:, :, None, :]
+        xp.multiply(w_hr_t, (gate_n * m * r * (1 - r))[:, :, None, :], out=out)
+        out += w_hz_t * ((saved["h_prev"] - n) * z * (1 - z))[:, :, None, :]
+        out += w_hn_t * (gate_n * r)[:, :, None, :]
         diagonal = xp.arange(size)
-        blocks[:, :, diagonal, diagonal] += z
-        return blocks
+        out[:, :, diagonal, diagonal] += z
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         grad_pre_n = totals * (1 - z) * (1 - n * n)
         grad_r = grad_pre_n * m * r * (1 - r)
-        grad_z = totals * (self.previous_states(xp) - n) * z * (1 - z)
+        grad_z = totals * (saved["h_prev"] - n) * z * (1 - z)
         grad_gi = xp.concatenate([grad_r, grad_z, grad_pre_n], axis=-1)
         grad_gh = xp.concatenate([grad_r, grad_z, grad_pre_n * r], axis=-1)
         return grad_gi, grad_gh

@@ -56,10 +56,8 @@ class RNN(Recurrent):
         slope = 1 - hs * hs if self.nonlinearity == "tanh" else (hs > 0).astype(hs.dtype)
         return {"h": hs, "slope": slope}
 
-    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> Any:
-        slope = saved["slope"]
-        blocks = xp.empty(slope.shape + (self.hidden_size,), dtype=slope.dtype)  # C order for the scan
-        return xp.multiply(p["weight_hh"].T, slope[:, :, None, :], out=blocks)
+    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
+        xp.multiply(p["weight_hh"].T, saved["slope"][:, :, None, :], out=out)
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
         delta = saved["slope"] * totals
