@@ -24,10 +24,10 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-from common import machine, median_time
+from common import machine
 
 from sparse_scan import backend
 from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
@@ -39,11 +39,39 @@ GRU_SHAPES = {"S": (259, 38), "M": (517, 24), "L": (1034, 12)}
 
 
 def repeats_for(steps: int, batch: int) -> int:
-    return max(3, min(25, int(4e5 // (steps * batch))))
+    return max(5, min(25, int(4e5 // (steps * batch))))
 
 
-def torch_timings(kind: str, x: np.ndarray, weights: dict[str, np.ndarray], grad_last: np.ndarray,
-                  repeats: int, device: str) -> dict[str, Any] | None:
+Timer = Callable[[], float]
+
+
+def timed(fn: Callable[[], Any], sync: Callable[[], None]) -> Timer:
+    """A timer of ``fn``: runs it once and returns the seconds it took (device work included)."""
+    def run() -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+    return run
+
+
+def interleaved(timers: dict[str, Timer], repeats: int) -> dict[str, float]:
+    """Median seconds of every timer, run in turn in each of ``repeats`` rounds after a warm-up round,
+    so that a slow spell of the machine slows every contender alike."""
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for round_ in range(repeats + 1):
+        for name, timer in timers.items():
+            seconds = timer()
+            if round_:
+                samples[name].append(seconds)
+    return {name: float(np.median(values)) for name, values in samples.items()}
+
+
+def torch_timers(kind: str, x: np.ndarray, weights: dict[str, np.ndarray], grad_last: np.ndarray,
+                 device: str) -> tuple[dict[str, Timer], Callable[[], dict[str, np.ndarray]]] | None:
+    """Timers of PyTorch's forward and of autograd's backward (after an untimed forward), and a
+    function returning the parameter gradients of one backward; None without torch."""
     try:
         import torch
     except ImportError:
@@ -57,37 +85,32 @@ def torch_timings(kind: str, x: np.ndarray, weights: dict[str, np.ndarray], grad
     inputs = torch.from_numpy(x).to(dev)
     seed = torch.from_numpy(grad_last).to(dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    state: dict[str, Any] = {}
 
-    def forward() -> None:
-        state["out"] = module(inputs)[0]
-
-    def backward() -> None:
-        forward()
-        sync()
-        start = time.perf_counter()
-        (state["out"][:, -1] * seed).sum().backward()
-        sync()
-        state["backward"].append(time.perf_counter() - start)
-
-    forward_time = median_time(forward, repeats, sync)
-    state["backward"] = []
-    for _ in range(repeats + 1):
+    def loss() -> Any:
         module.zero_grad()
-        backward()
-    grads = {key[:-3]: value.grad.detach().cpu().numpy() for key, value in module.named_parameters()}
-    return {"forward_s": forward_time, "backward_s": float(np.median(state["backward"][1:])), "grads": grads}
+        return (module(inputs)[0][:, -1] * seed).sum()
+
+    def backward() -> float:
+        graph = loss()
+        return timed(graph.backward, sync)()
+
+    def grads() -> dict[str, np.ndarray]:
+        loss().backward()
+        return {key[:-3]: value.grad.detach().cpu().numpy() for key, value in module.named_parameters()}
+
+    return {"torch_forward": timed(lambda: module(inputs), sync), "torch_backward": backward}, grads
 
 
-def jax_scan_time(blocks: np.ndarray, grad_last: np.ndarray, repeats: int) -> float | None:
-    """``jax.lax.associative_scan`` over the chain's blocks, then every gradient from the prefixes."""
+def jax_timer(blocks: np.ndarray, grad_last: np.ndarray) -> Timer | None:
+    """``jax.lax.associative_scan`` over the chain's blocks, then every gradient from the prefixes
+    (jit-compiled before timing)."""
     try:
         import jax
         import jax.numpy as jnp
     except ImportError:
         return None
 
-    def combine(a, b):  # prefix products of A_T, A_T A_{T-1}... in scan order: later blocks on the left
+    def combine(a, b):  # prefixes A_T, A_{T-1} A_T, ...: the later element multiplies on the left
         return jnp.matmul(b, a)
 
     @jax.jit
@@ -97,7 +120,8 @@ def jax_scan_time(blocks: np.ndarray, grad_last: np.ndarray, repeats: int) -> fl
 
     reversed_blocks = jnp.asarray(blocks[::-1])
     seed = jnp.asarray(grad_last)
-    return median_time(lambda: scan(reversed_blocks, seed).block_until_ready(), repeats)
+    scan(reversed_blocks, seed).block_until_ready()  # compile
+    return timed(lambda: scan(reversed_blocks, seed).block_until_ready(), lambda: None)
 
 
 def relative_error(got: dict[str, Any], expected: dict[str, np.ndarray]) -> float:
@@ -119,35 +143,41 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     xd, seed = be.asarray(x), be.asarray(grad_last)
     sync = be.synchronize
     row: dict[str, Any] = {"model": kind, "T": steps, "B": batch, "input": size, "H": hidden,
-                           "repeats": repeats}
-    row["forward_s"] = median_time(lambda: cell.forward(xd), repeats, sync)
+                           "repeats": repeats, "auto_levels": auto_levels(steps, batch, hidden, be.name),
+                           "depth": depth(steps)}
+    cell.forward(xd)
     blocks = cell.transposed_jacobians()
-    row["blocks_s"] = median_time(cell.transposed_jacobians, repeats, sync)
-    torch_row = torch_timings(kind, x, cell.state_dict(), grad_last, repeats, be.name)
-    row["auto_levels"] = auto_levels(steps, batch, hidden, be.name)
-    row["depth"] = depth(steps)
+    timers: dict[str, Timer] = {"forward": timed(lambda: cell.forward(xd), sync),
+                                "blocks": timed(cell.transposed_jacobians, sync)}
+    for label, method, levels in SCHEDULES:
+        timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: cell.backward(seed, m, lv), sync)
+        timers[f"{label}_scan"] = timed(lambda m=method, lv=levels: dense_scan(blocks, seed, m, lv), sync)
+    baseline = torch_timers(kind, x, cell.state_dict(), grad_last, be.name)
+    if baseline is not None:
+        timers.update(baseline[0])
+    jax = jax_timer(be.to_host(blocks), grad_last) if with_jax and be.name == "cpu" else None
+    if jax is not None:
+        timers["jax_scan"] = jax
+    seconds = interleaved(timers, repeats)
+    row.update(forward_s=seconds["forward"], blocks_s=seconds["blocks"])
     for label, method, levels in SCHEDULES:
         plan = dense_plan(steps, method, row["auto_levels"] if levels == "auto" else levels)
-        result = cell.backward(seed, method, levels)
-        entry = {"backward_s": median_time(lambda m=method, lv=levels: cell.backward(seed, m, lv), repeats,
-                                           sync),
-                 "scan_s": median_time(lambda m=method, lv=levels: dense_scan(blocks, seed, m, lv), repeats,
-                                       sync),
+        entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"],
                  "critical_steps": plan.critical_steps, "work_flops": plan.work_flops(hidden) * batch,
                  "critical_flops": plan.critical_flops(hidden) * batch,
                  "peak_bytes": plan.peak_bytes(batch, hidden, 4)}
-        if torch_row is not None:
-            entry["max_rel_error_vs_torch"] = relative_error(result, torch_row["grads"])
-            entry["speedup_vs_torch"] = torch_row["backward_s"] / entry["backward_s"]
+        if baseline is not None:
+            result = cell.backward(seed, method, levels)
+            entry["max_rel_error_vs_torch"] = relative_error(result, baseline[1]())
+            entry["speedup_vs_torch"] = seconds["torch_backward"] / entry["backward_s"]
+            entry["scan_speedup_vs_torch"] = seconds["torch_backward"] / entry["scan_s"]
+        if jax is not None:
+            entry["scan_speedup_vs_jax"] = seconds["jax_scan"] / entry["scan_s"]
         row[label] = entry
-    if torch_row is not None:
-        row["torch"] = {"forward_s": torch_row["forward_s"], "backward_s": torch_row["backward_s"]}
-    if with_jax and be.name == "cpu":
-        jax_time = jax_scan_time(backend.of(blocks).to_host(blocks), grad_last, repeats)
-        if jax_time is not None:
-            row["jax_associative_scan_s"] = jax_time
-            row["blelloch"]["scan_speedup_vs_jax"] = jax_time / row["blelloch"]["scan_s"]
-            row["linear"]["scan_speedup_vs_jax"] = jax_time / row["linear"]["scan_s"]
+    if baseline is not None:
+        row["torch"] = {"forward_s": seconds["torch_forward"], "backward_s": seconds["torch_backward"]}
+    if jax is not None:
+        row["jax_associative_scan_s"] = seconds["jax_scan"]
     return row
 
 

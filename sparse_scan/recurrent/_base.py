@@ -20,9 +20,39 @@ from ..dense_scan import dense_scan
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ..scan import cpu_threads
 
-__all__ = ["Recurrent"]
+__all__ = ["Recurrent", "fill_blocks"]
 
 CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
+
+
+def _fill_cpu(be: _backend.Backend, weights_t: Any, coefficients: Any, out: Any) -> None:
+    # one pass over the output (NumPy's einsum loops beat broadcasting's H-long inner loops 2x, and
+    # need contiguous weights to do so)
+    np.einsum("kij,tbkj->tbij", np.ascontiguousarray(weights_t), coefficients, out=out,
+              optimize=len(weights_t) > 1)
+
+
+def _fill_gpu(be: _backend.Backend, weights_t: Any, coefficients: Any, out: Any) -> None:
+    be.xp.multiply(weights_t[0], coefficients[:, :, 0, None, :], out=out)
+    for k in range(1, len(weights_t)):
+        out += weights_t[k] * coefficients[:, :, k, None, :]
+
+
+_fill = _backend.twin(cpu=_fill_cpu, gpu=_fill_gpu)
+
+
+def fill_blocks(weights_t: Any, coefficients: Any, out: Any) -> None:
+    """``out[t, b] = Σ_k weights_t[k] · diag(coefficients[t, b, k])``: Jacobian blocks of a cell.
+
+    Parameters
+    ----------
+    weights_t : ndarray, shape (K, H, H)
+        Transposed recurrent weight matrices.
+    coefficients : ndarray, shape (T, B, K, H)
+        Per step and sample, the column scaling of each matrix.
+    out : ndarray, shape (T, B, H, H)
+    """
+    _fill(_backend.of(out), weights_t, coefficients, out)
 
 
 class Recurrent:

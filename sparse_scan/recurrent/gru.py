@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import Recurrent
+from ._base import Recurrent, fill_blocks
 
 __all__ = ["GRU"]
 
@@ -67,10 +67,10 @@ class GRU(Recurrent):
         size = self.hidden_size
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         gate_n = (1 - z) * (1 - n * n)
-        w_hr_t, w_hz_t, w_hn_t = (p["weight_hh"][k * size:(k + 1) * size].T for k in range(3))
-        xp.multiply(w_hr_t, (gate_n * m * r * (1 - r))[:, :, None, :], out=out)
-        out += w_hz_t * ((saved["h_prev"] - n) * z * (1 - z))[:, :, None, :]
-        out += w_hn_t * (gate_n * r)[:, :, None, :]
+        weights_t = p["weight_hh"].reshape(3, size, size).transpose(0, 2, 1)  # W_hr^T, W_hz^T, W_hn^T
+        coefficients = xp.stack([gate_n * m * r * (1 - r), (saved["h_prev"] - n) * z * (1 - z), gate_n * r],
+                                axis=2)
+        fill_blocks(weights_t, coefficients, out)
         diagonal = xp.arange(size)
         out[:, :, diagonal, diagonal] += z
 

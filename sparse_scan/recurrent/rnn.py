@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import Recurrent
+from ._base import Recurrent, fill_blocks
 
 __all__ = ["RNN"]
 
@@ -57,7 +57,7 @@ class RNN(Recurrent):
         return {"h": hs, "slope": slope}
 
     def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
-        xp.multiply(p["weight_hh"].T, saved["slope"][:, :, None, :], out=out)
+        fill_blocks(p["weight_hh"].T[None], saved["slope"][:, :, None, :], out)
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
         delta = saved["slope"] * totals
