@@ -15,7 +15,10 @@ With ``P`` ranks, rank ``r`` holds layers ``a_r+1 .. b_r`` of a :class:`~sparse_
    vectors down the ranks, one SpMV by ``S_r`` each (``P - 1`` steps, vector messages);
    ``combine="exscan"`` is mpi4py's ``exscan`` with ``◇`` as the (non-commutative) operator
    (``ceil(log2 P)`` rounds, but its partial results between middle ranks are products of slice
-   products: sparse matrices, much larger than vectors);
+   products: sparse matrices, much larger than vectors); ``combine="relay"`` forms no slice product:
+   each rank runs its local scan when the vector reaches it and relays its first result (the
+   critical path of back-propagation, but no product fill-in: for convolution stacks, whose slice
+   products are near-dense);
 4. **finish**: each rank runs its local scan (``method``, ``levels``) from ``g_{b_r}``, then its
    parameter gradients; rank 0 gathers everything.
 
@@ -43,7 +46,7 @@ The split balances the linear scan plan's per-layer FLOPs (:func:`layer_costs`):
 >>> balanced_split([10, 1, 1, 10], 2)
 [2, 2]
 >>> balanced_split([1, 1, 1, 9], 3)
-[1, 2, 1]
+[2, 1, 1]
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ __all__ = ["COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableE
            "RemoteRankError", "backward", "balanced_split", "launched", "launcher", "layer_costs",
            "slices"]
 
-COMBINES = ("chain", "exscan")
+COMBINES = ("chain", "exscan", "relay")
 TAG_ACTIVATION, TAG_OUTPUT, TAG_GRAD_OUT, TAG_VECTOR, TAG_GATHER = 1, 2, 3, 4, 5
 
 
@@ -123,43 +126,56 @@ def layer_costs(model: Sequential, in_shape: Sequence[int]) -> list[int]:
 def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
     """Contiguous layer counts per part, each at least 1, minimising the costliest part.
 
+    A bisection on the costliest part's cost, each candidate checked by a greedy walk over the
+    prefix sums (``O(parts · log n)``), so that chains of many thousands of layers split at once;
+    then each part aims at an equal share of the cost left, within that optimal limit.
+
     Parameters
     ----------
     costs : sequence of float
-        Per layer.
+        Per layer, non-negative.
     parts : int
         Number of parts, ``1 <= parts <= len(costs)``.
 
     Returns
     -------
     list of int
-        Layers per part, in order (ties: earlier parts get fewer layers).
+        Layers per part, in order.
     """
     n = len(costs)
     if not 1 <= parts <= n:
         raise ValueError(f"cannot split {n} layers over {parts} ranks: each rank needs at least one "
                          f"layer (use at most {n} ranks)")
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
-    # best[i]: the costliest part of the best split of the first i layers into k parts
-    best = np.full(n + 1, np.inf)
-    best[1:] = prefix[1:]
-    choices = []
-    for k in range(2, parts + 1):
-        new, choice = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=int)
-        for i in range(k, n + 1):
-            j = np.arange(k - 1, i)
-            worst = np.maximum(best[j], prefix[i] - prefix[j])
-            at = int(np.argmin(worst))
-            new[i], choice[i] = worst[at], j[at]
-        best = new
-        choices.append(choice)
-    cuts, end = [n], n
-    for choice in reversed(choices):
-        end = int(choice[end])
-        cuts.append(end)
-    cuts.append(0)
-    cuts.reverse()
-    return [b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def cut(limit: float, even: bool = False) -> list[int] | None:
+        ends, start = [], 0
+        for k in range(parts):
+            if k == parts - 1:
+                stop = n
+            else:  # at most as far as the limit allows, leaving a layer for each later part
+                stop = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
+                stop = min(stop, n - (parts - 1 - k))
+                if even:  # the boundary nearest an equal share of what is left
+                    share = prefix[start] + (prefix[n] - prefix[start]) / (parts - k)
+                    near = int(np.searchsorted(prefix, share))
+                    if near > start + 1 and share - prefix[near - 1] <= prefix[near] - share:
+                        near -= 1
+                    stop = max(start + 1, min(stop, near))
+            if stop <= start or prefix[stop] - prefix[start] > limit:
+                return None
+            ends.append(stop)
+            start = stop
+        return [b - a for a, b in zip([0] + ends[:-1], ends, strict=True)]
+
+    low, high = float(max(costs)), float(prefix[-1])
+    while high - low > 1e-9 * max(high, 1.0):
+        middle = (low + high) / 2
+        if cut(middle) is None:
+            low = middle
+        else:
+            high = middle
+    return cut(high, even=True) or cut(high)
 
 
 def slices(model: Sequential, size: int, split: Sequence[int] | None = None,
@@ -215,7 +231,7 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
         Layers per rank (in order); by default balanced by :func:`layer_costs`.
     method, levels
         The local scan of each slice (:meth:`Sequential.backward`).
-    combine : {"chain", "exscan"}
+    combine : {"chain", "exscan", "relay"}
         How slices are combined across ranks (module docstring).
     timeout : float
         Seconds any wait on another rank may take before :class:`RankTimeoutError`.
@@ -293,7 +309,7 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
     stats: dict[str, Any] = {"rank": rank, "layers": [a, b], "timings": timings}
     grads = local.backward(g_n, method, levels) if rank == last else None
     product = None
-    if 0 < rank < last:
+    if 0 < rank < last and combine_with != "relay":
         budget = model.memory_budget if model.memory_budget is not None else default_memory_budget()
         planned = SliceProduct(local.layers, model.shapes(in_shape)[a], budget)
         product = planned.compute(local.transposed_jacobians())
@@ -301,19 +317,21 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
     lap("contribution_s")
     # 3. combine across ranks: each rank but the last gets g_b (the gradient w.r.t. its slice output)
     vector = None if rank < last else grads[0].reshape(len(g_n), -1)
-    if combine_with == "chain":
+    if combine_with != "exscan":
         if rank < last:
             g_b = channel.recv(rank + 1, TAG_VECTOR, "the gradient of its slice output", hops=last - rank)
-            if rank > 0:
-                channel.send(apply(product, g_b.reshape(len(g_b), -1)), rank - 1, TAG_VECTOR,
-                             "the gradient of a slice output")
-        elif last > 0:
+            if rank > 0 and product is None:  # relay: the local scan first
+                grads = local.backward(np.asarray(g_b).reshape(output.shape), method, levels)
+                vector = grads[0].reshape(len(g_b), -1)
+            elif rank > 0:  # chain: one SpMV with the slice product, the local scan after
+                vector = apply(product, g_b.reshape(len(g_b), -1))
+        if rank > 0:
             channel.send(vector, rank - 1, TAG_VECTOR, "the gradient of a slice output")
     elif last > 0:
         g_b = _exscan(channel, vector if rank == last else product)
     lap("combine_s")
     # 4. finish the slice locally
-    if rank < last:
+    if rank < last and grads is None:
         g_b = np.asarray(g_b).reshape(output.shape)
         grads = local.backward(g_b, method, levels)
     parameters = local.parameter_gradients(grads)

@@ -62,7 +62,8 @@ def single_process(model):
 # --- without MPI: splits and slice products ---------------------------------------------------------
 @pytest.mark.parametrize("costs, parts, expected", [
     ([1, 1, 1, 1], 2, [2, 2]), ([10, 1, 1, 10], 2, [2, 2]), ([5, 1, 1, 1, 1, 1], 2, [1, 5]),
-    ([3, 3, 3], 3, [1, 1, 1]), ([1, 2, 3], 1, [3])])
+    ([3, 3, 3], 3, [1, 1, 1]), ([1, 2, 3], 1, [3]), ([0.5, 0.25, 0.25, 1.0], 3, [2, 1, 1]),
+    ([7] * 10, 4, [2, 3, 2, 3])])
 def test_balanced_split(costs, parts, expected):
     assert distributed.balanced_split(costs, parts) == expected
 
@@ -170,7 +171,8 @@ def _compare(out, model):
     (str(DATA / "tiny.yaml"), "chain", "blelloch"), (str(DATA / "tiny.yaml"), "exscan", "linear"),
     (str(DATA / "lenet5.yaml"), "chain", "blelloch"), (str(DATA / "lenet5.yaml"), "exscan", "blelloch"),
     ("random:0", "chain", "blelloch"), ("random:1", "exscan", "blelloch"), ("random:2", "chain", "linear"),
-    ("random:3", "chain", "blelloch")])
+    ("random:3", "chain", "blelloch"), ("random:4", "relay", "blelloch"), (str(DATA / "lenet5.yaml"), "relay",
+                                                                           "linear")])
 def test_gradients_equal_one_process(tmp_path, ranks, model, combine, method):
     out = tmp_path / "grads.npz"
     result = mpirun(ranks, sys.executable, str(WORKER), model, str(out), "--combine", combine,
