@@ -4,7 +4,8 @@
 [--fail-rank R] [--hang-rank R] [--timeout S]``: ``MODEL`` is a spec path or ``random:SEED``
 (:func:`random_chain`). Rank 0 writes ``grad.<i>`` (w.r.t. ``x_i``) and ``param.<name>`` to
 ``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes it sleep; a
-:class:`~sparse_scan.distributed.DistributedError` ends every rank (``MPI_Abort``).
+:class:`~sparse_scan.distributed.DistributedError` is printed, and a timeout ends every rank
+(``MPI_Abort``).
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ def main() -> None:
     try:
         result = distributed.backward(model, x if comm.rank == 0 else None, grad if comm.rank == 0 else None,
                                       comm, split, args.method, combine=args.combine, timeout=args.timeout)
-    except distributed.DistributedError as error:  # a stuck rank would never exit: end them all
+    except distributed.DistributedError as error:
         print(f"rank {comm.rank}: {error}", file=sys.stderr, flush=True)
-        comm.Abort(3)
+        if isinstance(error, distributed.RankTimeoutError) or getattr(error, "timed_out", False):
+            comm.Abort(3)  # a stuck rank would never exit: end them all
+        raise SystemExit(3) from None
     if comm.rank == 0:
         arrays = {f"grad.{i}": g for i, g in enumerate(result.grads)}
         arrays.update({f"param.{name}": g for name, g in result.parameters.items()})
