@@ -1,6 +1,7 @@
 """The scan across MPI processes: measured for P = 1, 2, 3 here, modelled for P up to 1024.
 
-**Measured** (``mpiexec -n P``, loopback): the median wall time of one distributed pass
+**Measured** (``mpiexec -bind-to core -n P``, loopback, one core and one BLAS thread per rank, so
+that ``P = 3`` shares the 2 cores of the machine this ran on): the median wall time of one distributed pass
 (:func:`sparse_scan.distributed.backward`: forward rank to rank, output gradient, slice products,
 combine, local scans, parameter gradients, everything gathered on rank 0) and the array bytes each
 rank sent, for every combine (``chain``, ``exscan``, ``relay``), next to one process without MPI doing
@@ -18,9 +19,11 @@ per-rank memory and the largest per-rank communication per batch, for
   (per sample) and an ``H`` vector per step.
 
 Steps count dependent operations with one sequential worker per rank, as the paper's
-``Θ(n/p + log p)`` does: back-propagation ``n``; ``relay`` ``n`` (plus ``P - 1`` message hops);
+``Θ(n/p + log p)`` does (messages on the critical path are counted apart): back-propagation and
+``relay`` ``n``;
 ``chain``: the slowest of the last rank's local scan and the middle ranks' slice products, then one
-SpMV per rank down the chain, then the local scans; ``exscan``: the same with ``ceil(log2 P)`` rounds
+SpMV per rank down the chain (a local scan for a rank whose slice product does not pay, which relays),
+then the local scans; ``exscan``: the same with ``ceil(log2 P)`` rounds
 (recursive doubling, as mpi4py's) instead of the ``P - 2`` hops; the paper's bound ``n/P + log2 P``.
 Memory per rank: its JTs, activations and parameters, plus its slice product (exact for a slice with
 at most one non-diagonal layer, else the dense bound ``in × out``: products of convolution JTs fill in).
@@ -55,7 +58,7 @@ from sparse_scan.weights import state_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL_PS = [2**k for k in range(11)]
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 MEASURED = [("lenet5.yaml", 16, "blelloch", COMBINES), ("vgg11-pruned.yaml", 4, "linear", ("relay",))]
 
 
@@ -86,20 +89,23 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def single_process(model_name: str, batch: int, method: str, repeats: int) -> float:
-    """Median wall time of forward + backward + parameter gradients, one fresh process without MPI.
+    """Median wall time of forward + backward + parameter gradients, one fresh process without MPI
+    on one core with one BLAS thread.
 
     A subprocess: this one must not have imported torch (``machine()`` does), whose OpenMP threads
     slow NumPy work down around them.
     """
     command = [sys.executable, __file__, "--baseline", "--model", model_name, "--batch", str(batch),
                "--method", method, "--repeats", str(repeats)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=True,
+                          env=dict(os.environ, **ONE_THREAD))
     return float(done.stdout)
 
 
 def baseline(args: argparse.Namespace) -> None:
     """Print the median wall time of forward + backward + parameter gradients in this process."""
     model_name, batch, method, repeats = args.model, args.batch, args.method, args.repeats
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as one rank
     model = load_model(ROOT / "data" / model_name, dtype=np.float32)
     x = np.random.default_rng(0).standard_normal((batch,) + model.input_shape).astype(np.float32)
     times = []
@@ -120,18 +126,17 @@ def measure(repeats: int, ranks: list[int]) -> list[dict[str, Any]]:
         linear = baseline if method == "linear" else single_process(model_name, batch, "linear", repeats)
         for size in ranks:
             for combine in combines:
-                # one core per rank (MPICH's hydra: -bind-to core) and one BLAS thread per rank when
-                # P > 1; a single process keeps every core (its thread pool and BLAS use them)
-                binding = ["-bind-to", "core"] if size > 1 else []
-                threads = {name: "1" for name in THREAD_VARIABLES} if size > 1 else {}
+                # one core and one BLAS thread per rank (MPICH's hydra: -bind-to core), P = 1 too:
+                # threads spinning on a busy core make timings erratic on a 2-core machine
+                binding = ["-bind-to", "core"]
                 command = [mpiexec, *binding, "-n", str(size), sys.executable, __file__, "--worker",
                            "--model", model_name, "--batch", str(batch), "--method", method,
                            "--combine", combine, "--repeats", str(repeats)]
                 done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=True,
-                                      env=dict(os.environ, **threads))
+                                      env=dict(os.environ, **ONE_THREAD))
                 row = {"model": model_name, "batch": batch, "method": method, "ranks": size,
                        "combine": combine, "single_process_s": baseline, "single_process_linear_s": linear,
-                       "binding": " ".join(binding) or None, "blas_threads": threads.get("OMP_NUM_THREADS")}
+                       "binding": " ".join(binding), "blas_threads": 1}
                 row.update(json.loads(done.stdout))
                 row["total_sent_bytes"] = sum(row["sent_bytes"])
                 rows.append(row)
@@ -194,8 +199,15 @@ def model_rows(figures: dict[str, Any], batch: int, itemsize: int) -> list[dict[
         bounds = list(zip(ends[:-1], ends[1:], strict=True))
         last = size - 1
         # steps (one sequential worker per rank)
-        base = max([counts[-1]] + [c - 1 for c in counts[1:-1]])
-        chain = base + max(((last - 1 - r) + counts[r] for r in range(last)), default=0)
+        # chain: a middle rank forms its product only where it pays (as sparse_scan.distributed:
+        # a dense product's SpMV no costlier than BP through the slice), else relays its local scan
+        pays = [0 < r < last and 2 * figures["sizes"][a] * figures["sizes"][b] <= sum(figures["costs"][a:b])
+                for r, (a, b) in enumerate(bounds)]
+        base = max([counts[-1]] + [c - 1 for c, paid in zip(counts, pays, strict=True) if paid])
+        chain, arrival = (0, base) if size > 1 else (n, 0)
+        for r in range(last - 1, -1, -1):  # the vector goes down the ranks
+            chain = max(chain, arrival + counts[r])
+            arrival += (1 if pays[r] else counts[r]) if r > 0 else 0
         rounds = math.ceil(math.log2(size)) if size > 1 else 0
         exscan = base + rounds + max(counts[:-1], default=0) if size > 1 else n
         micro = 4 * size
@@ -206,7 +218,7 @@ def model_rows(figures: dict[str, Any], batch: int, itemsize: int) -> list[dict[
                           + sum(figures["param_bytes"][a:b]) + shared)
             product, is_exact = _product_bytes(figures, a, b, batch, itemsize) if 0 < r < last else (0, True)
             exact &= is_exact
-            products.append(product)
+            products.append(product if pays[r] else 0)
             gpipe_memory.append(sum(figures["param_bytes"][a:b]) + shared
                                 + micro * sum(figures["act_bytes"][a:b + 1]))
             forward = figures["act_bytes"][b] if r < last else 0
@@ -224,9 +236,11 @@ def model_rows(figures: dict[str, Any], batch: int, itemsize: int) -> list[dict[
         rows.append(row)
         row.update({
             "ranks": size, "feasible": True, "layers_per_rank": [min(counts), max(counts)],
-            "steps": {"bp": n, "relay": n + last, "chain": chain, "exscan": exscan,
+            "steps": {"bp": n, "relay": n, "chain": chain, "exscan": exscan,
                       "paper_n_over_p_plus_log_p": n / size + math.log2(size),
                       "gpipe": (micro + size - 1) * max(counts)},
+            "messages_on_critical_path": {"chain_or_relay": last, "exscan": rounds,
+                                          "gpipe_m4p": 2 * (micro + size - 2) if size > 1 else 0},
             "max_rank_bytes": {"bppsa_relay": max(memory),
                                "bppsa_chain": max(m + p for m, p in zip(memory, products, strict=True)),
                                "gpipe_m4p": max(gpipe_memory), "slice_products_exact": exact},

@@ -139,8 +139,9 @@ class Channel:
             if result is not None:
                 return result
             if time.monotonic() > deadline:
-                raise RankTimeoutError(f"rank {self.rank}: {what} rank {rank} did not complete within "
-                                       f"{self.timeout * hops:g} s (rank {rank} failed or is stuck)", rank)
+                raise RankTimeoutError(
+                    f"rank {self.rank}: {what} rank {rank} did not complete within {self.timeout * hops:g} s "
+                    f"(rank {rank} failed, is stuck or needs a longer timeout)", rank)
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
 

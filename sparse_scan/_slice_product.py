@@ -27,7 +27,8 @@ import numpy as np
 
 from .csr import BatchedCSR, Pattern
 from .layers import Layer
-from .spgemm import ProductPlan, matvec, multiply, plan_product
+from .scan import ScanCostError
+from .spgemm import ProductPlan, count_multiply_adds, matvec, multiply, plan_product
 
 __all__ = ["SliceMatrix", "SliceProduct", "apply", "combine"]
 
@@ -77,6 +78,10 @@ class SliceProduct:
         Per-sample shape of the slice's input.
     budget_bytes : int, optional
         Memory one product's plan may hold (as :func:`~sparse_scan.spgemm.plan_product`).
+    max_flops : int, optional
+        Give up with :class:`~sparse_scan.scan.ScanCostError` before planning a product that would
+        take the reduction past this many FLOPs (counting multiply-adds is cheap, expanding them is
+        not).
 
     Attributes
     ----------
@@ -89,7 +94,7 @@ class SliceProduct:
     """
 
     def __init__(self, layers: Sequence[Layer], in_shape: Sequence[int],
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, max_flops: int | None = None) -> None:
         shapes = [tuple(int(s) for s in in_shape)]
         for layer in layers:
             shapes.append(tuple(layer.output_shape(shapes[-1])))
@@ -102,6 +107,11 @@ class SliceProduct:
             plans, merged = [], []
             for (a, a_kind, a_rows, a_cols), (b, b_kind, _, b_cols) in zip(nodes[::2], nodes[1::2],
                                                                              strict=False):
+                if max_flops is not None and "diagonal" not in (a_kind, b_kind):
+                    needed = self.flops + 2 * count_multiply_adds(a, b)
+                    if needed > max_flops:
+                        raise ScanCostError(f"the slice product needs more than {needed} FLOPs, over the "
+                                            f"limit of {max_flops}")
                 plan = plan_product(a, b, a_kind, b_kind, budget_bytes=budget_bytes,
                                     channels=(a_rows, a_cols, b_cols))
                 plans.append(plan)

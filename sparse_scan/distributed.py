@@ -12,7 +12,11 @@ With ``P`` ranks, rank ``r`` holds layers ``a_r+1 .. b_r`` of a :class:`~sparse_
    whose first result ``g_{a_{P-1}}`` is its contribution (a vector);
 3. **combine**: the exclusive scan of ``[g_{a_{P-1}}, S_{P-2}, ..., S_1]`` under ``A ◇ B = B·A`` gives
    each rank the gradient w.r.t. its slice output ``g_{b_r}``. ``combine="chain"`` (the default) sends
-   vectors down the ranks, one SpMV by ``S_r`` each (``P - 1`` steps, vector messages);
+   vectors down the ranks, one SpMV by ``S_r`` each (``P - 1`` steps, vector messages); a middle rank
+   relays instead (below) when its slice product does not pay: when even a dense ``S_r``'s SpMV
+   would cost more than back-propagation through the slice, or forming it more than
+   ``CHAIN_PRODUCT_FACTOR`` times that (products of convolution JTs fill in); its stats say
+   ``relayed``;
    ``combine="exscan"`` is mpi4py's ``exscan`` with ``◇`` as the (non-commutative) operator
    (``ceil(log2 P)`` rounds, but its partial results between middle ranks are products of slice
    products: sparse matrices, much larger than vectors); ``combine="relay"`` forms no slice product:
@@ -51,6 +55,7 @@ The split balances the linear scan plan's per-layer FLOPs (:func:`layer_costs`):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -69,12 +74,15 @@ from ._mpi import (
 )
 from ._slice_product import SliceMatrix, SliceProduct, apply, combine
 from .model import Sequential, default_memory_budget
+from .scan import ScanCostError
+from .spgemm import PlanBudgetError
 
-__all__ = ["COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError", "RankTimeoutError",
-           "RemoteRankError", "backward", "balanced_split", "launched", "launcher", "layer_costs",
-           "slices"]
+__all__ = ["CHAIN_PRODUCT_FACTOR", "COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError",
+           "RankTimeoutError", "RemoteRankError", "backward", "balanced_split", "launched", "launcher",
+           "layer_costs", "slices"]
 
 COMBINES = ("chain", "exscan", "relay")
+CHAIN_PRODUCT_FACTOR = 32  # chain: a slice product may cost this many times BP's FLOPs (module doc)
 TAG_ACTIVATION, TAG_OUTPUT, TAG_GRAD_OUT, TAG_VECTOR, TAG_GATHER = 1, 2, 3, 4, 5
 
 
@@ -310,10 +318,7 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
     grads = local.backward(g_n, method, levels) if rank == last else None
     product = None
     if 0 < rank < last and combine_with != "relay":
-        budget = model.memory_budget if model.memory_budget is not None else default_memory_budget()
-        planned = SliceProduct(local.layers, model.shapes(in_shape)[a], budget)
-        product = planned.compute(local.transposed_jacobians())
-        stats.update(product_flops=planned.flops, product_nnz=planned.nnz, product_bytes=product.nbytes)
+        product = _slice_product(local, model, in_shape, (a, b), combine_with == "chain", stats)
     lap("contribution_s")
     # 3. combine across ranks: each rank but the last gets g_b (the gradient w.r.t. its slice output)
     vector = None if rank < last else grads[0].reshape(len(g_n), -1)
@@ -343,6 +348,36 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
         lap("gather_s")
     stats["timings"]["total_s"] = clock[-1] - clock[0]
     return result
+
+
+def _slice_product(local: Sequential, model: Sequential, in_shape: tuple[int, ...], bounds: tuple[int, int],
+                   optional: bool, stats: dict[str, Any]) -> SliceMatrix | None:
+    """A middle rank's slice product, or None where ``optional`` (chain) and it does not pay.
+
+    It does not pay when even a dense product's SpMV would cost more than back-propagation through
+    the slice (``2·in·out`` FLOPs against the linear plan's), or when forming it would cost more than
+    ``CHAIN_PRODUCT_FACTOR`` times that (checked before each product is planned).
+    """
+    a, b = bounds
+    shapes = model.shapes(in_shape)
+    back_propagation = sum(layer_costs(local, shapes[a]))
+    if optional and 2 * math.prod(shapes[a]) * math.prod(shapes[b]) > back_propagation:
+        stats["relayed"] = True
+        return None
+    budget = model.memory_budget if model.memory_budget is not None else default_memory_budget()
+    try:
+        planned = SliceProduct(local.layers, shapes[a], budget,
+                               CHAIN_PRODUCT_FACTOR * back_propagation if optional else None)
+    except ScanCostError:
+        stats["relayed"] = True
+        return None
+    except PlanBudgetError as error:
+        raise MemoryError(f"rank {stats['rank']}: the product of layers {a}..{b - 1} needs more than "
+                          f"{error.needed} bytes, over the memory budget of {error.budget} (use "
+                          "combine='relay', which forms no slice products)") from None
+    product = planned.compute(local.transposed_jacobians())
+    stats.update(product_flops=planned.flops, product_nnz=planned.nnz, product_bytes=product.nbytes)
+    return product
 
 
 def _exscan(channel: Channel, mine: Any) -> Any:

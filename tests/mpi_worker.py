@@ -1,11 +1,12 @@
 """Run by the distributed tests under ``mpirun -n P``: a distributed backward pass, written by rank 0.
 
 ``python tests/mpi_worker.py MODEL OUT.npz [--combine C] [--method M] [--split 1,2,3]
-[--fail-rank R] [--hang-rank R] [--timeout S]``: ``MODEL`` is a spec path or ``random:SEED``
-(:func:`random_chain`). Rank 0 writes ``grad.<i>`` (w.r.t. ``x_i``) and ``param.<name>`` to
-``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes it sleep; a
-:class:`~sparse_scan.distributed.DistributedError` is printed, and a timeout ends every rank
-(``MPI_Abort``).
+[--fail-rank R] [--hang-rank R] [--timeout S]``: ``MODEL`` is a spec path, ``random:SEED``
+(:func:`random_chain`) or ``mlp:SEED`` (:func:`random_mlp`). Rank 0 writes ``grad.<i>`` (w.r.t.
+``x_i``), ``param.<name>``, ``sent_bytes`` and ``products`` (each rank's slice product non-zeros, -1
+for none) to ``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes
+it sleep; a :class:`~sparse_scan.distributed.DistributedError` is printed, and a timeout ends every
+rank (``MPI_Abort``).
 """
 
 from __future__ import annotations
@@ -45,10 +46,22 @@ def random_chain(seed: int) -> Sequential:
     return Sequential(*layers, input_shape=(int(layers[0].in_channels), 8, 8))
 
 
+def random_mlp(seed: int) -> Sequential:
+    """A seeded random multi-layer perceptron (float64): its slice products stay small and pay."""
+    rng = np.random.default_rng(seed)
+    widths = rng.integers(4, 10, 6).tolist()
+    layers: list = []
+    for fan_in, fan_out in zip(widths[:-1], widths[1:], strict=True):
+        layers += [Linear(fan_in, fan_out, dtype=np.float64, rng=len(layers)),
+                   [Tanh, Sigmoid, LeakyReLU][int(rng.integers(3))]()]
+    return Sequential(*layers, input_shape=(widths[0],))
+
+
 def load(model: str) -> Sequential:
-    """A spec path (float64) or ``random:SEED``."""
-    if model.startswith("random:"):
-        return random_chain(int(model.split(":")[1]))
+    """A spec path (float64), ``random:SEED`` (:func:`random_chain`) or ``mlp:SEED`` (:func:`random_mlp`)."""
+    if model.startswith(("random:", "mlp:")):
+        kind, seed = model.split(":")
+        return (random_chain if kind == "random" else random_mlp)(int(seed))
     return sparse_scan.load_model(model, dtype=np.float64)
 
 
@@ -101,6 +114,7 @@ def main() -> None:
         arrays = {f"grad.{i}": g for i, g in enumerate(result.grads)}
         arrays.update({f"param.{name}": g for name, g in result.parameters.items()})
         arrays["sent_bytes"] = np.array([stats["sent_bytes"] for stats in result.stats["ranks"]])
+        arrays["products"] = np.array([stats.get("product_nnz", -1) for stats in result.stats["ranks"]])
         np.savez(args.out, **arrays)
 
 

@@ -172,7 +172,8 @@ def _compare(out, model):
     (str(DATA / "lenet5.yaml"), "chain", "blelloch"), (str(DATA / "lenet5.yaml"), "exscan", "blelloch"),
     ("random:0", "chain", "blelloch"), ("random:1", "exscan", "blelloch"), ("random:2", "chain", "linear"),
     ("random:3", "chain", "blelloch"), ("random:4", "relay", "blelloch"), (str(DATA / "lenet5.yaml"), "relay",
-                                                                           "linear")])
+                                                                           "linear"),
+    ("mlp:0", "chain", "blelloch"), ("mlp:1", "exscan", "linear")])
 def test_gradients_equal_one_process(tmp_path, ranks, model, combine, method):
     out = tmp_path / "grads.npz"
     result = mpirun(ranks, sys.executable, str(WORKER), model, str(out), "--combine", combine,
@@ -180,6 +181,11 @@ def test_gradients_equal_one_process(tmp_path, ranks, model, combine, method):
     assert result.returncode == 0, result.stderr
     got = _compare(out, load(model))
     assert len(got["sent_bytes"]) == ranks and got["sent_bytes"].min() > 0
+    middle = got["products"][1:-1]
+    if combine == "exscan" or model.startswith("mlp"):  # the slice products are formed (and pay)
+        assert (middle > 0).all()
+    elif combine == "relay" or model.startswith("random"):  # convolutions: the chain relays
+        assert (middle == -1).all()
 
 
 @needs_mpi
