@@ -8,7 +8,7 @@ Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed J
 :mod:`sparse_scan.dense_scan`).
 """
 
-from . import backend, csr, layers, recurrent
+from . import backend, csr, distributed, layers, recurrent
 from ._version import __version__
 from .csr import BatchedCSR, Pattern
 from .export import export_torch
@@ -17,4 +17,4 @@ from .scan import ScanPlan
 from .spec import SpecError, load_model
 
 __all__ = ["BatchedCSR", "Pattern", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "csr",
-           "export_torch", "layers", "load_model", "recurrent"]
+           "distributed", "export_torch", "layers", "load_model", "recurrent"]
