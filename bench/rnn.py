@@ -12,8 +12,11 @@ configuration, the median over repeats of one backward pass per iteration:
 - ``jax``: ``jax.lax.associative_scan`` over the same blocks (jit-compiled, compile time excluded),
   when JAX is installed: the prefix products of the chain, then one batched matrix-vector product.
 
-Also the forward times, the plan's figures (critical steps, work, peak bytes) and the gradients'
-largest relative difference from PyTorch. Prints JSON; ``--plot FILE.png`` draws the speedups over
+Our contenders are timed in turn within each round (medians over the rounds); the baselines each run
+in a fresh process of their own (PyTorch's OpenMP threads and XLA's thread pool spin between
+operations and slow NumPy work in a shared process, and are slowed by it). Also the forward times,
+the plan's figures (critical steps, work, peak bytes) and the gradients' largest relative difference
+from PyTorch (and JAX's from the linear scan). Prints JSON; ``--plot FILE.png`` draws the speedups over
 PyTorch against T and against B (paper Fig. 8).
 """
 
@@ -22,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -68,47 +73,55 @@ def interleaved(timers: dict[str, Timer], repeats: int) -> dict[str, float]:
     return {name: float(np.median(values)) for name, values in samples.items()}
 
 
-def torch_timers(kind: str, x: np.ndarray, weights: dict[str, np.ndarray], grad_last: np.ndarray,
-                 device: str) -> tuple[dict[str, Timer], Callable[[], dict[str, np.ndarray]]] | None:
-    """Timers of PyTorch's forward and of autograd's backward (after an untimed forward), and a
-    function returning the parameter gradients of one backward; None without torch."""
-    try:
-        import torch
-    except ImportError:
-        return None
+def problem(kind: str, steps: int, batch: int, size: int, hidden: int) -> tuple[RNN | GRU, np.ndarray,
+                                                                               np.ndarray]:
+    """The cell (seeded weights), the inputs and the gradient w.r.t. the last hidden state of one
+    configuration: the same in every process."""
+    rng = np.random.default_rng(steps * 1000 + batch)
+    if kind == "rnn":
+        x, _ = Bitstream(steps, samples=batch, seed=0).batch(np.arange(batch))
+        cell: RNN | GRU = RNN(size, hidden, rng=0)
+    else:
+        x = rng.standard_normal((batch, steps, size)).astype(np.float32)
+        cell = GRU(size, hidden, rng=0)
+    return cell, x, rng.standard_normal((batch, hidden)).astype(np.float32)
+
+
+def torch_worker(kind: str, steps: int, batch: int, size: int, hidden: int, device: str, repeats: int,
+                 out: pathlib.Path) -> dict[str, Any]:
+    """PyTorch's forward and autograd's backward (after an untimed forward), in this process alone;
+    the parameter gradients of one backward go to ``out`` (``.npz``)."""
+    import torch
+
+    cell, x, grad_last = problem(kind, steps, batch, size, hidden)
     dev = "cuda" if device == "gpu" else "cpu"
-    size, hidden = x.shape[2], grad_last.shape[1]
     module = (torch.nn.RNN if kind == "rnn" else torch.nn.GRU)(size, hidden, batch_first=True).to(dev)
     with torch.no_grad():
         for key, value in module.named_parameters():
-            value.copy_(torch.from_numpy(weights[key[:-3]]))
-    inputs = torch.from_numpy(x).to(dev)
-    seed = torch.from_numpy(grad_last).to(dev)
+            value.copy_(torch.from_numpy(getattr(cell, key[:-3])))
+    inputs, seed = torch.from_numpy(x).to(dev), torch.from_numpy(grad_last).to(dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
     def loss() -> Any:
         module.zero_grad()
         return (module(inputs)[0][:, -1] * seed).sum()
 
-    def backward() -> float:
-        graph = loss()
-        return timed(graph.backward, sync)()
-
-    def grads() -> dict[str, np.ndarray]:
-        loss().backward()
-        return {key[:-3]: value.grad.detach().cpu().numpy() for key, value in module.named_parameters()}
-
-    return {"torch_forward": timed(lambda: module(inputs), sync), "torch_backward": backward}, grads
+    seconds = interleaved({"forward_s": timed(lambda: module(inputs), sync),
+                           "backward_s": lambda: timed(loss().backward, sync)()}, repeats)
+    loss().backward()
+    np.savez(out, **{key[:-3]: value.grad.detach().cpu().numpy() for key, value in module.named_parameters()})
+    return seconds
 
 
-def jax_timer(blocks: np.ndarray, grad_last: np.ndarray) -> Timer | None:
+def jax_worker(kind: str, steps: int, batch: int, size: int, hidden: int, repeats: int) -> dict[str, Any]:
     """``jax.lax.associative_scan`` over the chain's blocks, then every gradient from the prefixes
-    (jit-compiled before timing)."""
-    try:
-        import jax
-        import jax.numpy as jnp
-    except ImportError:
-        return None
+    (jit-compiled before timing), in this process alone."""
+    import jax
+    import jax.numpy as jnp
+
+    cell, x, grad_last = problem(kind, steps, batch, size, hidden)
+    cell.forward(x)
+    blocks = cell.transposed_jacobians()
 
     def combine(a, b):  # prefixes A_T, A_{T-1} A_T, ...: the later element multiplies on the left
         return jnp.matmul(b, a)
@@ -118,10 +131,29 @@ def jax_timer(blocks: np.ndarray, grad_last: np.ndarray) -> Timer | None:
         prefixes = jax.lax.associative_scan(combine, reversed_blocks)  # A_{t+1} ... A_T per step
         return jnp.einsum("tbij,bj->tbi", prefixes, seed)
 
-    reversed_blocks = jnp.asarray(blocks[::-1])
-    seed = jnp.asarray(grad_last)
-    scan(reversed_blocks, seed).block_until_ready()  # compile
-    return timed(lambda: scan(reversed_blocks, seed).block_until_ready(), lambda: None)
+    reversed_blocks, seed = jnp.asarray(blocks[::-1]), jnp.asarray(grad_last)
+    totals = np.asarray(scan(reversed_blocks, seed))[::-1]  # compiles; G_0 .. G_{T-1}
+    expected = dense_scan(blocks, grad_last, "linear")[:-1]
+    error = float(np.abs(totals - expected).max() / np.abs(expected).max())
+    seconds = interleaved({"scan_s": timed(lambda: scan(reversed_blocks, seed).block_until_ready(),
+                                           lambda: None)}, repeats)
+    return {"scan_s": seconds["scan_s"], "max_rel_error_vs_linear": error}
+
+
+def in_fresh_process(worker: str, kind: str, steps: int, batch: int, size: int, device: str,
+                     repeats: int, out: pathlib.Path | None = None) -> dict[str, Any] | None:
+    """Run a baseline worker in its own process (PyTorch's OpenMP threads and XLA's thread pool spin
+    between operations and slow NumPy work sharing the process); None when its package is missing."""
+    command = [sys.executable, __file__, "--worker", worker, "--kind", kind, "--steps", str(steps),
+               "--batches", str(batch), "--size", str(size), "--device", device, "--repeats", str(repeats)]
+    if out is not None:
+        command += ["--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        if "ModuleNotFoundError" in result.stderr:
+            return None
+        raise RuntimeError(f"{worker} baseline failed:\n{result.stderr}")
+    return json.loads(result.stdout)
 
 
 def relative_error(got: dict[str, Any], expected: dict[str, np.ndarray]) -> float:
@@ -131,14 +163,7 @@ def relative_error(got: dict[str, Any], expected: dict[str, np.ndarray]) -> floa
 
 def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backend.Backend,
             with_jax: bool) -> dict[str, Any]:
-    rng = np.random.default_rng(steps * 1000 + batch)
-    if kind == "rnn":
-        x, _ = Bitstream(steps, samples=batch, seed=0).batch(np.arange(batch))
-        cell: RNN | GRU = RNN(size, hidden, rng=0)
-    else:
-        x = rng.standard_normal((batch, steps, size)).astype(np.float32)
-        cell = GRU(size, hidden, rng=0)
-    grad_last = rng.standard_normal((batch, hidden)).astype(np.float32)
+    cell, x, grad_last = problem(kind, steps, batch, size, hidden)
     repeats = repeats_for(steps, batch)
     xd, seed = be.asarray(x), be.asarray(grad_last)
     sync = be.synchronize
@@ -152,13 +177,13 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     for label, method, levels in SCHEDULES:
         timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: cell.backward(seed, m, lv), sync)
         timers[f"{label}_scan"] = timed(lambda m=method, lv=levels: dense_scan(blocks, seed, m, lv), sync)
-    baseline = torch_timers(kind, x, cell.state_dict(), grad_last, be.name)
-    if baseline is not None:
-        timers.update(baseline[0])
-    jax = jax_timer(be.to_host(blocks), grad_last) if with_jax and be.name == "cpu" else None
-    if jax is not None:
-        timers["jax_scan"] = jax
     seconds = interleaved(timers, repeats)
+    with tempfile.TemporaryDirectory() as folder:
+        grads_file = pathlib.Path(folder) / "torch.npz"
+        baseline = in_fresh_process("torch", kind, steps, batch, size, be.name, repeats, grads_file)
+        torch_grads = dict(np.load(grads_file)) if baseline is not None else None
+    jax = in_fresh_process("jax", kind, steps, batch, size, be.name, repeats) \
+        if with_jax and be.name == "cpu" else None
     row.update(forward_s=seconds["forward"], blocks_s=seconds["blocks"])
     for label, method, levels in SCHEDULES:
         plan = dense_plan(steps, method, row["auto_levels"] if levels == "auto" else levels)
@@ -168,16 +193,17 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
                  "peak_bytes": plan.peak_bytes(batch, hidden, 4)}
         if baseline is not None:
             result = cell.backward(seed, method, levels)
-            entry["max_rel_error_vs_torch"] = relative_error(result, baseline[1]())
-            entry["speedup_vs_torch"] = seconds["torch_backward"] / entry["backward_s"]
-            entry["scan_speedup_vs_torch"] = seconds["torch_backward"] / entry["scan_s"]
+            entry["max_rel_error_vs_torch"] = relative_error(result, torch_grads)
+            entry["speedup_vs_torch"] = baseline["backward_s"] / entry["backward_s"]
+            entry["scan_speedup_vs_torch"] = baseline["backward_s"] / entry["scan_s"]
         if jax is not None:
-            entry["scan_speedup_vs_jax"] = seconds["jax_scan"] / entry["scan_s"]
+            entry["scan_speedup_vs_jax"] = jax["scan_s"] / entry["scan_s"]
         row[label] = entry
     if baseline is not None:
-        row["torch"] = {"forward_s": seconds["torch_forward"], "backward_s": seconds["torch_backward"]}
+        row["torch"] = baseline
     if jax is not None:
-        row["jax_associative_scan_s"] = seconds["jax_scan"]
+        row["jax_associative_scan_s"] = jax["scan_s"]
+        row["jax_max_rel_error_vs_linear"] = jax["max_rel_error_vs_linear"]
     return row
 
 
@@ -222,7 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-jax", action="store_true", help="skip JAX even when it is installed")
     parser.add_argument("--plot", type=pathlib.Path, help="write the Fig. 8-style plot here")
     parser.add_argument("--json", action="store_true", help="JSON only (default also JSON)")
+    parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="rnn", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker is not None:  # one baseline measurement, in a process of its own
+        steps, batch = args.steps[0], args.batches[0]
+        result = torch_worker(args.kind, steps, batch, args.size, 20, args.device, args.repeats, args.out) \
+            if args.worker == "torch" else jax_worker(args.kind, steps, batch, args.size, 20, args.repeats)
+        print(json.dumps(result))
+        return 0
     be = backend.get(args.device)
     rows = []
 

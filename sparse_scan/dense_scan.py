@@ -389,11 +389,13 @@ _LEVEL_SECONDS = {"cpu": 8e-6, "gpu": 5e-6}
 _FLOPS_PER_SECOND = {"cpu": 3e10, "gpu": 5e12}
 
 
+@functools.lru_cache(maxsize=256)
 def auto_levels(n: int, batch: int, size: int, device: str = "cpu") -> int:
     """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least modelled time.
 
     Each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU
-    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not.
+    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not. The
+    choice is cached per arguments.
     """
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
