@@ -40,20 +40,8 @@ VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 
 
-# --- array-module hooks (CuPy; tests stand NumPy in for it) -------------------------------------
-def _xp() -> Any:
-    import cupy  # noqa: PLC0415 - GPU code only
-
-    return cupy
-
-
-def _pointer(array: Any) -> int:
-    return int(array.data.ptr)
-
-
-def _upload(device: Any, host: np.ndarray) -> None:
-    # stream-ordered: a plain set() would be a synchronous cudaMemcpy, which waits for the device
-    device.set(host, stream=_xp().cuda.get_current_stream())
+# array-module hooks (CuPy; tests stand NumPy in for them by patching these module names)
+_xp, _pointer, _upload = _kernels.cupy_module, _kernels.device_pointer, _kernels.upload_stream_ordered
 
 
 # --- the workspace ----------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["function", "launch", "source", "type_name"]
+__all__ = ["cupy_module", "device_pointer", "function", "launch", "source", "type_name",
+           "upload_stream_ordered"]
 
 THREADS_PER_BLOCK = 256
 _MODULES: dict[tuple[int, str, tuple[str, ...]], Any] = {}
@@ -59,3 +60,21 @@ def launch(kernel: Any, work_items: int, args: Sequence[Any]) -> None:
     """Launch a grid-stride kernel over ``work_items`` items (at least one block)."""
     blocks = max(1, min((int(work_items) + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK, 65535 * 8))
     kernel((blocks,), (THREADS_PER_BLOCK,), tuple(args))
+
+
+def cupy_module() -> Any:
+    """CuPy, imported on first use (GPU code only)."""
+    import cupy  # noqa: PLC0415 - GPU code only
+
+    return cupy
+
+
+def device_pointer(array: Any) -> int:
+    """The device address of a CuPy array's data, as an integer for a descriptor table."""
+    return int(array.data.ptr)
+
+
+def upload_stream_ordered(device: Any, host: np.ndarray) -> None:
+    """Copy ``host`` into the device array on the current stream (a plain ``set()`` would be a
+    synchronous cudaMemcpy, which waits for the device)."""
+    device.set(host, stream=cupy_module().cuda.get_current_stream())
