@@ -18,9 +18,8 @@ import click
 import numpy as np
 
 from sparse_scan import distributed
-from sparse_scan.weights import write_npz_atomically
 
-from .app import fail
+from .app import fail, write_gradients
 
 __all__ = ["parse_split", "run_distributed", "world"]
 
@@ -101,11 +100,7 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
             float(abs(g - r).max()) / max(float(abs(r).max()), 1e-30)
             for g, r in zip(result.grads, reference, strict=True))
     if out is not None:
-        arrays = {"input.grad": result.grads[0]}
-        arrays.update({f"{layer.name}.out.grad": g
-                       for layer, g in zip(network.layers, result.grads[1:], strict=True)})
-        arrays.update({f"{name}.grad": g for name, g in result.parameters.items()})
-        write_npz_atomically(out, arrays)
+        write_gradients(out, network.layers, result.grads, result.parameters)
         report["out"] = str(out)
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -8,6 +8,7 @@ Examples
 --------
 >>> from click.testing import CliRunner
 >>> from sparse_scan import __version__
+from sparse_scan.weights import write_npz_atomically
 >>> result = CliRunner().invoke(main, ["--version"])
 >>> result.output == f"sparse-scan {__version__}\\n"
 True
@@ -16,11 +17,12 @@ True
 from __future__ import annotations
 
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 import click
 
 from sparse_scan import __version__
+from sparse_scan.weights import write_npz_atomically
 
 __all__ = ["fail", "main", "parse_levels", "plan_progress"]
 
@@ -56,6 +58,15 @@ def parse_levels(levels: str | None) -> int | str | None:
     if value < 0:
         fail(f"--levels must be a non-negative int or 'auto', got {levels!r}")
     return value
+
+
+def write_gradients(path: Any, layers: Sequence[Any], grads: Sequence[Any], parameters: dict[str, Any],
+                    to_host: Callable[[Any], Any] = lambda array: array) -> None:
+    """Write ``input.grad``, ``<layer>.out.grad`` and ``<parameter>.grad`` atomically to ``path``."""
+    arrays = {"input.grad": to_host(grads[0])}
+    arrays.update({f"{layer.name}.out.grad": to_host(g) for layer, g in zip(layers, grads[1:], strict=True)})
+    arrays.update({f"{name}.grad": to_host(g) for name, g in parameters.items()})
+    write_npz_atomically(path, arrays)
 
 
 def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:

@@ -19,10 +19,9 @@ from sparse_scan import SpecError, backend, load_model
 from sparse_scan.distributed import COMBINES
 from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
-from sparse_scan.weights import write_npz_atomically
 
 from . import _distributed
-from .app import fail, main, parse_levels, plan_progress
+from .app import fail, main, parse_levels, plan_progress, write_gradients
 
 
 def _load_array(path: pathlib.Path, option: str) -> np.ndarray:
@@ -170,11 +169,7 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
             float(be.to_host(abs(g - r).max())) / max(float(be.to_host(abs(r).max())), 1e-30)
             for g, r in zip(grads, reference, strict=True))
     if out is not None:
-        arrays = {"input.grad": be.to_host(grads[0])}
-        arrays.update({f"{layer.name}.out.grad": be.to_host(g)
-                       for layer, g in zip(network.layers, grads[1:], strict=True)})
-        arrays.update({f"{name}.grad": be.to_host(g) for name, g in parameters.items()})
-        write_npz_atomically(out, arrays)
+        write_gradients(out, network.layers, grads, parameters, be.to_host)
         report["out"] = str(out)
     if as_json:
         click.echo(json.dumps(report, indent=2))
