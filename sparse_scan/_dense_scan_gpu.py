@@ -21,7 +21,6 @@ CuPy is imported lazily: this module imports on machines without a GPU.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,11 +240,7 @@ def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
 
 def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:
     """The workspaces cached for ``plan`` (dropped with the plan)."""
-    key = id(plan)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = {}
-        weakref.finalize(plan, _WORKSPACES.pop, key, None)
-    return _WORKSPACES[key]
+    return _kernels.per_plan(_WORKSPACES, plan)
 
 
 def _workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:

@@ -8,11 +8,12 @@ Only GPU twins call into this module, so CuPy is imported here lazily.
 from __future__ import annotations
 
 import importlib.resources
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["cupy_module", "device_pointer", "function", "launch", "source", "type_name",
+__all__ = ["cupy_module", "device_pointer", "function", "launch", "per_plan", "source", "type_name",
            "upload_stream_ordered"]
 
 THREADS_PER_BLOCK = 256
@@ -60,6 +61,16 @@ def launch(kernel: Any, work_items: int, args: Sequence[Any]) -> None:
     """Launch a grid-stride kernel over ``work_items`` items (at least one block)."""
     blocks = max(1, min((int(work_items) + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK, 65535 * 8))
     kernel((blocks,), (THREADS_PER_BLOCK,), tuple(args))
+
+
+def per_plan(store: dict[int, dict[Any, Any]], plan: Any) -> dict[Any, Any]:
+    """The entry of ``store`` for ``plan`` (keyed by identity, dropped when the plan is collected):
+    device workspaces live as long as the plan they were built for."""
+    key = id(plan)
+    if key not in store:
+        store[key] = {}
+        weakref.finalize(plan, store.pop, key, None)
+    return store[key]
 
 
 def cupy_module() -> Any:

@@ -323,11 +323,7 @@ def _build_workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vecto
 
 def _workspaces(plan: ScanPlan) -> dict[Any, _Workspace]:
     """The workspaces cached for ``plan`` (dropped with the plan)."""
-    key = id(plan)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = {}
-        weakref.finalize(plan, _WORKSPACES.pop, key, None)
-    return _WORKSPACES[key]
+    return _kernels.per_plan(_WORKSPACES, plan)
 
 
 def _workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vector_size: int,
