@@ -83,12 +83,6 @@ class RecurrentClassifier:
             grads[f"{self.recurrent.name}.{key}"] = recurrent[key]
         return loss, grads
 
-    def loss(self, x: Any, labels: Any) -> float:
-        """Mean cross-entropy of a batch (forward only)."""
-        logits = self.fc.forward(self.recurrent.forward(x)[:, -1])
-        be = _backend.of(logits)
-        return softmax_cross_entropy(be.to_host(logits), be.to_host(labels))[0]
-
 
 def train_recurrent(model: RecurrentClassifier, data: Any, optimizer: Any, iterations: int, batch_size: int,
                     method: str = "blelloch", levels: int | str | None = None, seed: int = 0,
