@@ -8,7 +8,6 @@ Examples
 --------
 >>> from click.testing import CliRunner
 >>> from sparse_scan import __version__
-from sparse_scan.weights import write_npz_atomically
 >>> result = CliRunner().invoke(main, ["--version"])
 >>> result.output == f"sparse-scan {__version__}\\n"
 True
