@@ -21,7 +21,8 @@ __all__ = ["load_state_dict", "state_dict", "write_npz_atomically"]
 
 
 def state_dict(model: Any) -> dict[str, np.ndarray]:
-    """``"<layer>.weight"`` / ``"<layer>.bias"`` -> the parameter array (not a copy)."""
+    """``"<layer>.<name>"`` -> the parameter array (not a copy), for every name in the layer's
+    ``parameter_names`` (default ``weight`` and ``bias``; a recurrent layer has four)."""
     out = {}
     for layer in model.layers:
         for name in getattr(layer, "parameter_names", ("weight", "bias")):
