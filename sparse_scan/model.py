@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -35,7 +36,10 @@ __all__ = ["Sequential", "default_memory_budget"]
 
 Shape = tuple[int, ...]
 
-_run_plan = _backend.twin(cpu=lambda be, *args: run_plan(*args), gpu=lambda be, *args: run_plan_gpu(*args))
+_run_plan = _backend.twin(
+    cpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan(plan, grad_out, jacobians,
+                                                                      dense_matvecs=dense_matvecs),
+    gpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan_gpu(plan, grad_out, jacobians))
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -189,6 +193,9 @@ class Sequential:
         def vector_channels(j: int) -> int:
             return int(shapes[n - j][0])
 
+        def dense_matvec(j: int) -> bool:
+            return self.layers[n - j].dense_matvec_pays(shapes[n - j])
+
         def describe(segment: Any) -> str:
             first, last = self.layers[n - segment.hi], self.layers[n - segment.lo]
             return (f"layer {first.name!r}" if first is last
@@ -196,7 +203,13 @@ class Sequential:
 
         self.plan_builds += 1
         return build_plan(n, method, levels, element_pattern, vector_size, products, budget, describe,
-                          vector_channels, max_step_flops, progress)
+                          vector_channels, max_step_flops, progress, dense_matvec)
+
+    def _dense_matvecs(self, shapes: Sequence[Shape]) -> list[Callable[[Any], Any]]:
+        """Per layer, ``g -> JT @ g`` through its dense weights (called for the plan's dense steps
+        only: the layers whose ``dense_matvec_pays``)."""
+        return [functools.partial(layer.dense_transposed_matvec, in_shape=shape)
+                for layer, shape in zip(self.layers, shapes, strict=False)]
 
     # --- parameter gradients ---------------------------------------------------------------------
     def parameter_gradients(self, grads: Sequence[Any]) -> dict[str, Any]:
@@ -263,11 +276,16 @@ class Sequential:
 
         plan = self.plan(shapes[0], method, levels)
         lap("plan_s")
-        jacobians = [layer.transposed_jacobian(be.asarray(x))
-                     for layer, x in zip(self.layers, activations, strict=False)]
+        # scan element j is the JT of layer n - j; on the CPU, the elements that only dense steps read
+        # need no values: those steps multiply by the layer's weights (the GPU runs them as SpMVs)
+        n = len(self.layers)
+        weights_only = plan.weights_only if be.name == "cpu" else frozenset()
+        jacobians = [None if n - index in weights_only else layer.transposed_jacobian(be.asarray(x))
+                     for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
         lap("values_s")
         batch = grad_out.shape[0]
-        flat = _run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1])
+        flat = _run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
+                         self._dense_matvecs(shapes)[::-1])
         if timings is not None:
             be.synchronize()
         lap("scan_s")

@@ -105,6 +105,10 @@ class Step:
         Stored entries of the result (the vector length for mv).
     plan_bytes : int
         Index structure the numeric phase keeps for this step.
+    dense : bool
+        An mv by one layer's JT that the CPU runs as a dense GEMM over the layer's weights
+        (``Layer.dense_transposed_matvec``) instead of a CSR SpMV; the GPU scan runs it as an SpMV in
+        its level launch.
     """
 
     level: int
@@ -120,14 +124,15 @@ class Step:
     plan_bytes: int = 0
     product: ProductPlan | None = None
     scaling: bool = False
+    dense: bool = False
 
     @property
     def method(self) -> str:
-        """How the numeric phase computes it: ``scale`` (mv by a diagonal), ``spmv`` or the product
-        plan's method."""
+        """How the numeric phase computes it: ``scale`` (mv by a diagonal), ``gemm`` (mv through a
+        layer's dense weights), ``spmv`` or the product plan's method."""
         if self.product is not None:
             return self.product.method
-        return "scale" if self.scaling else "spmv"
+        return "scale" if self.scaling else "gemm" if self.dense else "spmv"
 
     def as_dict(self) -> dict[str, Any]:
         """The step's report fields (JSON-friendly)."""
@@ -196,6 +201,17 @@ class ScanPlan:
             if element not in kept:
                 released[index].append(element)
         return released
+
+    @functools.cached_property
+    def weights_only(self) -> frozenset[int]:
+        """Scan elements ``j`` (layer JTs) that only ``dense`` steps read: a CPU run needs no values
+        for them, only their layers' dense transposed matvecs."""
+        dense, other = set(), set()
+        for step in self.steps:
+            for element in (step.left, step.right):
+                if element.lo == element.hi >= 1:
+                    (dense if step.dense else other).add(element.lo)
+        return frozenset(dense - other)
 
     @functools.cached_property
     def levels_of_steps(self) -> list[list[int]]:
@@ -358,6 +374,7 @@ def build_plan(
     vector_channels: Callable[[int], int] | None = None,
     max_step_flops: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    dense_matvec: Callable[[int], bool] | None = None,
 ) -> ScanPlan:
     """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
 
@@ -388,6 +405,9 @@ def build_plan(
     progress : callable, optional
         ``progress(phase, done, total)`` after each layer pattern (``"patterns"``) and each step
         (``"steps"``) is planned: long plan builds can show progress.
+    dense_matvec : callable, optional
+        ``j -> `` whether an mv by element ``j`` alone runs as a dense GEMM over its layer's weights
+        on the CPU (``Layer.dense_matvec_pays``): such steps are marked ``dense``.
     """
     report = progress if progress is not None else (lambda phase, done, total: None)
     levels = checked_levels(n, method, levels)
@@ -411,6 +431,8 @@ def build_plan(
         step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
         if left.is_vector:
             step.scaling = right_kind == "diagonal"
+            step.dense = (not step.scaling and right.lo == right.hi and dense_matvec is not None
+                          and dense_matvec(right.lo))
             step.shape = (m, k, 1)
             step.flops = 2 * right_pattern.nnz
             step.flops_live = right_pattern.nnz if right_kind == "diagonal" else (
@@ -466,7 +488,8 @@ def cpu_threads() -> int:
 
 
 def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
-             threads: int | None = None) -> list[Any]:
+             threads: int | None = None,
+             dense_matvecs: Sequence[Callable[[Any], Any] | None] | None = None) -> list[Any]:
     """Numeric phase: execute ``plan`` for one batch.
 
     The steps of a level are independent: with ``threads > 1`` they run concurrently (NumPy's and
@@ -478,11 +501,15 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
     plan : ScanPlan
     grad_out : ndarray, shape (B, size of x_n)
         ``g_n``, flattened per sample.
-    jacobians : sequence of BatchedCSR
+    jacobians : sequence of BatchedCSR or None
         ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``); their patterns
-        are the ones the plan was built from.
+        are the ones the plan was built from. None for the elements of ``plan.weights_only`` when
+        ``dense_matvecs`` is given.
     threads : int, optional
         Worker threads per level (default: the cores this process may use).
+    dense_matvecs : sequence of callable, optional
+        ``dense_matvecs[j - 1](g)`` computes ``JT_j @ g`` from layer weights (``(B, cols) ->
+        (B, rows)``); the plan's ``dense`` steps use it. Without it they run as SpMVs.
 
     Returns
     -------
@@ -492,10 +519,13 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
     values: dict[Element, Any] = {Element(0, 0): grad_out}
     patterns: dict[Element, Pattern] = {}
     for j, jt in enumerate(jacobians, start=1):
-        values[Element(j, j)] = jt.data
-        patterns[Element(j, j)] = jt.pattern
+        if jt is not None:
+            values[Element(j, j)] = jt.data
+            patterns[Element(j, j)] = jt.pattern
 
     def compute(step: Step) -> Any:
+        if step.dense and dense_matvecs is not None:
+            return dense_matvecs[step.right.lo - 1](values[step.left])
         right = values[step.right]
         if step.scaling:  # a diagonal JT holds its whole diagonal, in order
             return right * values[step.left]

@@ -277,3 +277,36 @@ def test_gpu_twin_matches_cpu(cfg, dtype, prune):
     np.testing.assert_array_equal(gpu.to_host(on_gpu.data), on_cpu.data)
     np.testing.assert_allclose(gpu.to_host(conv.forward(gpu.asarray(x))), conv.forward(x),
                                rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dense_transposed_matvec_equals_jt_product(cfg, dtype):
+    """The transposed convolution through the weights equals JT @ g with the finite-difference JT
+    (float64) and the CSR JT (both dtypes), for several samples at once."""
+    conv, x = make_conv(cfg, dtype=dtype), make_input(cfg, batch=3, dtype=dtype)
+    out_size = int(np.prod(conv.output_shape(x.shape[1:])))
+    grad = np.random.default_rng(5).standard_normal((3, out_size)).astype(dtype)
+    got = conv.dense_transposed_matvec(grad, x.shape[1:])
+    assert got.shape == (3, x[0].size) and got.dtype == dtype
+    csr = conv.transposed_jacobian(x).todense()
+    np.testing.assert_allclose(got, grad @ csr.T, rtol=1e-5 if dtype == np.float32 else 1e-12,
+                               atol=1e-5 if dtype == np.float32 else 1e-12)
+    if dtype == np.float64:
+        fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
+        np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
+
+
+def test_dense_matvec_pays_for_unpruned_weights_not_for_heavily_pruned_ones():
+    shape = (8, 10, 10)
+    dense = Conv2d(8, 16, 3, padding=1, rng=0)
+    pruned = Conv2d(8, 16, 3, padding=1, rng=0, prune_pattern=True)
+    weight = pruned.weight.copy()
+    weight.ravel()[np.random.default_rng(0).permutation(weight.size)[: int(0.97 * weight.size)]] = 0
+    pruned.weight = weight
+    assert dense.dense_matvec_pays(shape) and not pruned.dense_matvec_pays(shape)
+    # pruned or not, the weights' GEMM is JT @ g: the zero weights contribute nothing
+    x = np.random.default_rng(1).standard_normal((2,) + shape).astype(np.float32)
+    grad = np.random.default_rng(2).standard_normal((2, 16 * 100)).astype(np.float32)
+    np.testing.assert_allclose(pruned.dense_transposed_matvec(grad, shape),
+                               grad @ pruned.transposed_jacobian(x).todense().T, rtol=1e-5, atol=1e-6)

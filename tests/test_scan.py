@@ -344,3 +344,46 @@ def test_memory_budget_selects_the_lean_method_and_names_the_step_when_nothing_f
     model.memory_budget = 16
     with pytest.raises(MemoryError, match=r"layers? '.*needs more than \d+ bytes.*budget of 16 bytes"):
         model.plan(in_shape, "blelloch")
+
+
+def test_dense_steps_equal_spmvs_and_need_no_jt_values(monkeypatch):
+    """mv steps by an unpruned conv/linear JT run as GEMMs over the weights: same gradients as the
+    CSR SpMV path, and on the linear schedule those layers' JT values are never computed."""
+    model, in_shape = random_chain(8, seed=3, dtype=np.float64)
+    weighted = {index for index, layer in enumerate(model.layers) if isinstance(layer, (Conv2d, Linear))}
+    assert weighted, "the chain needs a conv or linear layer"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5,) + in_shape)
+    grad_out = rng.standard_normal(model.forward(x).shape)
+    jts = model.transposed_jacobians()[::-1]
+    n = len(model)
+    for method, levels in schedules(n):
+        plan = model.plan(in_shape, method, levels)
+        dense = {step.right.lo for step in plan.steps if step.method == "gemm"}
+        assert dense <= {n - index for index in weighted}
+        if method == "linear":
+            assert dense == plan.weights_only == {n - index for index in weighted}
+        spmv = run_plan(plan, grad_out.reshape(5, -1), jts)  # no dense matvecs: SpMVs
+        for got, want in zip(model.backward(grad_out, method=method, levels=levels), spmv, strict=True):
+            np.testing.assert_allclose(got.reshape(5, -1), want, rtol=1e-12, atol=1e-12)
+
+    calls = []
+    for layer in model.layers:
+        original = layer.transposed_jacobian
+        monkeypatch.setattr(layer, "transposed_jacobian",
+                            lambda x, *a, _layer=layer, _original=original: calls.append(_layer)
+                            or _original(x, *a))
+    model.backward(grad_out, method="linear")
+    assert not {id(model.layers[index]) for index in weighted} & {id(layer) for layer in calls}
+    assert len(calls) == n - len(weighted)
+
+
+def test_pruned_layers_keep_the_spmv():
+    conv = Conv2d(4, 8, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
+    weight = conv.weight.copy()
+    weight.ravel()[np.random.default_rng(0).permutation(weight.size)[: int(0.97 * weight.size)]] = 0
+    conv.weight = weight
+    model = Sequential(conv, ReLU(), Conv2d(8, 2, 3, dtype=np.float64, rng=1))
+    plan = model.plan((4, 9, 9), "linear")
+    assert [step.method for step in plan.steps] == ["gemm", "scale", "spmv"]
+    assert plan.weights_only == {1}

@@ -130,6 +130,19 @@ class Layer:
         """Fill JT's values for the batch ``x`` into the pattern's entry order."""
         raise NotImplementedError
 
+    # --- JT @ g through dense weights (layers with parameters override) -------------------------
+    def dense_matvec_pays(self, in_shape: Shape) -> bool:
+        """Whether :meth:`dense_transposed_matvec` beats a CSR SpMV of JT for ``in_shape``.
+
+        Only layers whose JT is made of dense weights (:class:`Conv2d`, :class:`Linear`) offer one.
+        """
+        return False
+
+    def dense_transposed_matvec(self, grad_out: Any, in_shape: Shape) -> Any:
+        """``JT @ g`` for a batch of flattened output gradients ``(B, out_size) -> (B, in_size)``,
+        computed from the layer's dense weights by BLAS, without JT's values."""
+        raise NotImplementedError(f"layer {self.label} has no dense transposed matvec")
+
 
 def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:
     """The pattern of a ``size × size`` diagonal matrix."""

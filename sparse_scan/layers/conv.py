@@ -251,6 +251,37 @@ class Conv2d(WeightedLayer):
         taps = g.cin_per_group * g.kernel[0] * g.kernel[1]
         return columns.reshape(x.shape[0], g.groups, taps, g.out_height * g.out_width)
 
+    def dense_multiply_adds(self, in_shape: Shape) -> int:
+        g = self.geometry(in_shape)
+        return (g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1]
+                * g.out_height * g.out_width)
+
+    def dense_transposed_matvec(self, grad_out: Any, in_shape: Shape) -> Any:
+        """``JT @ g`` for the batch ``grad_out`` ``(B, out_size)``: the transposed convolution.
+
+        One GEMM per group over all samples, ``W_g^T (taps, cout) @ g (cout, B * pixels)``, gives
+        every tap's contribution; they are added into the padded input at their strided positions
+        (the adjoint of :meth:`_columns`) and the padding is cropped.
+        """
+        g = self.geometry(in_shape)
+        xp = _backend.of(grad_out).xp
+        batch, pixels = grad_out.shape[0], g.out_height * g.out_width
+        (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
+        weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
+        grad = (xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
+                .transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels))
+        taps = xp.matmul(weight.transpose(0, 2, 1), grad).reshape(
+            g.groups, g.cin_per_group, kh, kw, batch, g.out_height, g.out_width)
+        top, bottom, left, right = self._pads
+        padded = xp.zeros((batch, g.groups, g.cin_per_group, g.height + top + bottom,
+                           g.width + left + right), dtype=taps.dtype)
+        rows, cols = (g.out_height - 1) * sh + 1, (g.out_width - 1) * sw + 1
+        for i in range(kh):
+            for j in range(kw):
+                padded[..., i * dh:i * dh + rows:sh, j * dw:j * dw + cols:sw] += (
+                    taps[:, :, i, j].transpose(2, 0, 1, 3, 4))
+        return padded[..., top:top + g.height, left:left + g.width].reshape(batch, -1)
+
     def parameter_gradients(self, x: Any, grad_out: Any) -> dict[str, Any]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch.
 

@@ -81,6 +81,14 @@ class Linear(WeightedLayer):
             grads["bias"] = grad.sum(axis=0)
         return grads
 
+    def dense_multiply_adds(self, in_shape: Shape) -> int:
+        return self.in_features * self.out_features
+
+    def dense_transposed_matvec(self, grad_out: Any, in_shape: Shape) -> Any:
+        """``JT @ g = g W`` for the batch ``grad_out`` ``(B, out_features)``: one GEMM."""
+        self.check_in_shape(in_shape)
+        return grad_out @ _backend.of(grad_out).asarray(self.weight)
+
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
     ) -> tuple[Pattern, Any]:
