@@ -6,7 +6,8 @@ configuration, the median over repeats of one backward pass per iteration:
 
 - ``blelloch``, ``hybrid-auto`` and ``linear`` (BP emulated with the Jacobians): our
   ``recurrent.backward`` — Jacobian blocks, the scan, input and parameter gradients — with the
-  scan alone reported next to it;
+  scan alone reported next to it. Back-propagation's schedule (``linear``, or ``hybrid-auto`` when it
+  picks depth 0) fills no blocks: its scan is ``chain_through_factors`` over the blocks' factors;
 - ``torch``: ``loss.backward()`` through ``nn.RNN``/``nn.GRU`` with the same weights (PyTorch's CPU
   kernels here, cuDNN on a GPU), when torch is installed;
 - ``jax``: ``jax.lax.associative_scan`` over the same blocks (jit-compiled, compile time excluded),
@@ -37,6 +38,7 @@ from common import machine
 from sparse_scan import backend
 from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
 from sparse_scan.recurrent import GRU, RNN, Bitstream
+from sparse_scan.recurrent._base import chain_through_factors
 from sparse_scan.scan import depth
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
@@ -161,6 +163,11 @@ def relative_error(got: dict[str, Any], expected: dict[str, np.ndarray]) -> floa
                for k, v in expected.items())
 
 
+def factored_schedule(method: str, levels: int | None) -> bool:
+    """Whether ``Recurrent.backward`` runs this schedule on the factored blocks (no block filled)."""
+    return method == "linear" or (method == "hybrid" and levels == 0)
+
+
 def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backend.Backend,
             with_jax: bool) -> dict[str, Any]:
     cell, x, grad_last = problem(kind, steps, batch, size, hidden)
@@ -168,15 +175,21 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     xd, seed = be.asarray(x), be.asarray(grad_last)
     sync = be.synchronize
     row: dict[str, Any] = {"model": kind, "T": steps, "B": batch, "input": size, "H": hidden,
-                           "repeats": repeats, "auto_levels": auto_levels(steps, batch, hidden, be.name),
+                           "repeats": repeats,
+                           "auto_levels": auto_levels(steps, batch, hidden, be.name, factored=True),
                            "depth": depth(steps)}
     cell.forward(xd)
-    blocks = cell.transposed_jacobians()
+    blocks, factors = cell.transposed_jacobians(), cell.jacobian_factors()
     timers: dict[str, Timer] = {"forward": timed(lambda: cell.forward(xd), sync),
                                 "blocks": timed(cell.transposed_jacobians, sync)}
     for label, method, levels in SCHEDULES:
         timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: cell.backward(seed, m, lv), sync)
-        timers[f"{label}_scan"] = timed(lambda m=method, lv=levels: dense_scan(blocks, seed, m, lv), sync)
+        resolved = row["auto_levels"] if levels == "auto" else levels
+        if factored_schedule(method, resolved):
+            timers[f"{label}_scan"] = timed(lambda: chain_through_factors(*factors, seed), sync)
+        else:
+            timers[f"{label}_scan"] = timed(lambda m=method, lv=resolved: dense_scan(blocks, seed, m, lv),
+                                            sync)
     seconds = interleaved(timers, repeats)
     with tempfile.TemporaryDirectory() as folder:
         grads_file = pathlib.Path(folder) / "torch.npz"
@@ -186,11 +199,18 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
         if with_jax and be.name == "cpu" else None
     row.update(forward_s=seconds["forward"], blocks_s=seconds["blocks"])
     for label, method, levels in SCHEDULES:
-        plan = dense_plan(steps, method, row["auto_levels"] if levels == "auto" else levels)
-        entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"],
-                 "critical_steps": plan.critical_steps, "work_flops": plan.work_flops(hidden) * batch,
-                 "critical_flops": plan.critical_flops(hidden) * batch,
-                 "peak_bytes": plan.peak_bytes(batch, hidden, 4)}
+        resolved = row["auto_levels"] if levels == "auto" else levels
+        entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"]}
+        if factored_schedule(method, resolved):  # T steps of one GEMM over the stacked factors
+            terms = factors[1].shape[2] + (factors[2] is not None)
+            flops = 2 * steps * batch * terms * hidden * hidden
+            entry.update(critical_steps=steps, work_flops=flops, critical_flops=flops,
+                         peak_bytes=(factors[1].nbytes + (steps + 1) * batch * hidden * 4), factored=True)
+        else:
+            plan = dense_plan(steps, method, resolved)
+            entry.update(critical_steps=plan.critical_steps, work_flops=plan.work_flops(hidden) * batch,
+                         critical_flops=plan.critical_flops(hidden) * batch,
+                         peak_bytes=plan.peak_bytes(batch, hidden, 4))
         if baseline is not None:
             result = cell.backward(seed, method, levels)
             entry["max_rel_error_vs_torch"] = relative_error(result, torch_grads)

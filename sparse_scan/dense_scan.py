@@ -382,26 +382,47 @@ def _scan_gpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: An
 
 _scan = _backend.twin(cpu=_scan_cpu, gpu=_scan_gpu)
 
-# Cost model of `levels="auto"`: seconds per level (a Python-level step on the CPU, a launch on the
-# GPU) and sustained FLOP/s of batched small block products. CPU: NumPy's stacked matmul on 20x20
-# blocks, measured on a 2-core machine (bench/rnn.py); GPU: a conservative fraction of an H100.
-_LEVEL_SECONDS = {"cpu": 8e-6, "gpu": 5e-6}
+# Cost model of `levels="auto"`: seconds per level (a launch on the GPU; on the CPU a level of
+# batched groups costs far more than one step of a chain's tight loop) and sustained FLOP/s of
+# batched small block products. CPU: NumPy's stacked matmul on 20x20 blocks, T=1000, measured on a
+# 2-core machine (the Blelloch scan's 19 levels took 5-9 ms at B=2 for 35 MFLOP, hybrid 3 about as
+# much; a chain step 3-6 us); GPU: a conservative fraction of an H100.
+_LEVEL_SECONDS = {"cpu": 5e-4, "gpu": 5e-6}
+_CHAIN_STEP_SECONDS = {"cpu": 6e-6, "gpu": 5e-6}
 _FLOPS_PER_SECOND = {"cpu": 3e10, "gpu": 5e12}
+# Back-propagation with the blocks left in factored form (recurrent layers' `linear`): seconds per
+# step (a few array calls: 2.6-4.4 us measured on 2 cores at H=20; two or three launches on a GPU),
+# and the block values a scan of depth > 0 must fill first (1e9/s measured for the RNN on 2 cores,
+# after about a millisecond of setting up the fill's threads).
+_FACTORED_STEP_SECONDS = {"cpu": 4e-6, "gpu": 2e-5}
+_FILL_VALUES_PER_SECOND = {"cpu": 1e9, "gpu": 1e11}
+_FILL_SECONDS = {"cpu": 1e-3, "gpu": 2e-5}
 
 
 @functools.lru_cache(maxsize=256)
-def auto_levels(n: int, batch: int, size: int, device: str = "cpu") -> int:
+def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False) -> int:
     """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least modelled time.
 
     Each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU
-    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not. The
-    choice is cached per arguments.
+    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not. With
+    ``factored`` (the blocks are not filled yet, and depth 0 would not need them: recurrent layers'
+    back-propagation applies each block in factored form), depth 0 costs a factored step per layer
+    and every other depth also pays for filling the ``n * batch * size²`` block values. The choice is
+    cached per arguments.
     """
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
         plan = dense_plan(n, "hybrid", levels)
-        cost = sum(_LEVEL_SECONDS[device] + flops * batch / _FLOPS_PER_SECOND[device]
-                   for flops in plan.level_flops(size))
+        if factored and levels == 0:
+            work = plan.work_flops(size) * batch
+            cost = n * _FACTORED_STEP_SECONDS[device] + work / _FLOPS_PER_SECOND[device]
+        else:
+            chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
+            cost = sum((_CHAIN_STEP_SECONDS if index in chained else _LEVEL_SECONDS)[device]
+                       + flops * batch / _FLOPS_PER_SECOND[device]
+                       for index, flops in enumerate(plan.level_flops(size)))
+            if factored:
+                cost += _FILL_SECONDS[device] + n * batch * size * size / _FILL_VALUES_PER_SECOND[device]
         if best_cost is None or cost < best_cost:
             best, best_cost = levels, cost
     return best

@@ -1,10 +1,15 @@
 """What recurrent layers share: parameters by PyTorch name, input checks, backward through the scan.
 
 A subclass defines the cell: ``_forward_steps`` (the sequential forward, keeping what the Jacobians
-need), ``_blocks`` (every ``(dh_t/dh_{t-1})^T`` in one batched pass, split over time between the
-CPU's threads) and ``_pre_activation_grads``
-(gradients of the gate pre-activations from the total gradients w.r.t. the hidden states), from
-which every input and parameter gradient is one GEMM or one sum over all steps and samples.
+need), ``_factors`` (every ``(dh_t/dh_{t-1})^T`` as weight matrices times per-step diagonals, from
+which the blocks are filled in one batched pass split over time between the CPU's threads) and
+``_pre_activation_grads`` (gradients of the gate pre-activations from the total gradients w.r.t. the
+hidden states), from which every input and parameter gradient is one GEMM or one sum over all steps
+and samples.
+
+Back-propagation's schedule (``linear``, or a ``hybrid`` of depth 0) needs no block at all: each step
+applies ``Σ_k W_k^T diag(c_k)`` to one vector per sample, one GEMM over the samples
+(:func:`chain_through_factors`), so the ``T·B·H²`` block values are neither filled nor read.
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
-from ..dense_scan import dense_scan
+from ..dense_scan import auto_levels, dense_scan
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
-from ..scan import cpu_threads
+from ..scan import checked_levels, cpu_threads
 
-__all__ = ["Recurrent", "fill_blocks"]
+__all__ = ["Recurrent", "chain_through_factors", "fill_blocks"]
 
 CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
 
@@ -53,6 +58,45 @@ def fill_blocks(weights_t: Any, coefficients: Any, out: Any) -> None:
     out : ndarray, shape (T, B, H, H)
     """
     _fill(_backend.of(out), weights_t, coefficients, out)
+
+
+def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, direct: Any) -> Any:
+    """Back-propagation through time with every block left in factored form.
+
+    ``G_{t-1} = d_{t-1} + A_t G_t`` with ``A_t = Σ_k weights_t[k] diag(coefficients[t-1, :, k])
+    (+ diag(diagonal[t-1]))``, applied to the samples' vectors as one GEMM per step:
+    ``(G_t ⊙ c_{t,k})_k`` stacked ``(B, K·H)`` times the stacked ``W_k`` ``(K·H, H)``. The result
+    equals :func:`~sparse_scan.dense_scan.dense_scan` of the filled blocks with ``method="linear"``.
+
+    Parameters
+    ----------
+    weights_t : ndarray, shape (K, H, H)
+    coefficients : ndarray, shape (T, B, K, H)
+    diagonal : ndarray, shape (T, B, H), or None
+    direct : ndarray, shape (T, B, H) or (B, H)
+        As in :func:`~sparse_scan.dense_scan.dense_scan`.
+
+    Returns
+    -------
+    ndarray, shape (T + 1, B, H)
+        ``out[t]``: the total gradient w.r.t. ``h_t``.
+    """
+    xp = _backend.of(coefficients).xp
+    steps, batch, terms, size = coefficients.shape
+    stacked = xp.ascontiguousarray(weights_t.transpose(0, 2, 1)).reshape(terms * size, size)
+    affine = direct.ndim == 3
+    totals = xp.empty((steps + 1, batch, size), dtype=coefficients.dtype)
+    totals[steps] = direct[steps - 1] if affine else direct
+    scaled = xp.empty((batch, terms, size), dtype=coefficients.dtype)
+    along_diagonal = xp.empty((batch, size), dtype=coefficients.dtype)
+    for t in range(steps, 0, -1):
+        xp.multiply(coefficients[t - 1], totals[t][:, None, :], out=scaled)
+        xp.matmul(scaled.reshape(batch, terms * size), stacked, out=totals[t - 1])
+        if diagonal is not None:
+            totals[t - 1] += xp.multiply(diagonal[t - 1], totals[t], out=along_diagonal)
+        if affine and t > 1:
+            totals[t - 1] += direct[t - 2]
+    return totals
 
 
 class Recurrent:
@@ -168,6 +212,15 @@ class Recurrent:
             raise RuntimeError(f"layer {type(self).__name__}: call forward before backward")
         return self._saved
 
+    def jacobian_factors(self) -> tuple[Any, Any, Any]:
+        """Every ``(dh_t/dh_{t-1})^T`` of the last forward in factored form: ``(weights_t,
+        coefficients, diagonal)`` of shapes ``(K, H, H)``, ``(T, B, K, H)`` and ``(T, B, H)`` (or
+        None), ``block[t, b] = Σ_k weights_t[k] diag(coefficients[t, b, k]) + diag(diagonal[t, b])``
+        (the input of :func:`chain_through_factors`)."""
+        saved = self._require_forward()
+        xp = _backend.of(saved["h"]).xp
+        return self._factors(xp, saved, self._parameters_on(xp))
+
     def transposed_jacobians(self, threads: int | None = None) -> Any:
         """Every ``(dh_t/dh_{t-1})^T`` of the last forward, time-major ``(T, B, H, H)``.
 
@@ -212,16 +265,23 @@ class Recurrent:
             (B, H); and ``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh`` (summed over the batch).
         """
         saved = self._require_forward()
-        xp = _backend.of(saved["h"]).xp
+        be = _backend.of(saved["h"])
+        xp = be.xp
         steps, batch, size = saved["h"].shape
         layer = f"layer {type(self).__name__}"
         if tuple(grad_h.shape) not in ((batch, steps, size), (batch, size)):
             raise ValueError(f"{layer}: grad_h: expected ({batch}, {steps}, {size}) or ({batch}, {size}), "
                              f"got {tuple(grad_h.shape)}")
+        if method == "hybrid" and levels == "auto":
+            levels = auto_levels(steps, batch, size, be.name, factored=True)
+        levels = checked_levels(steps, method, levels)
         grad_h = xp.asarray(grad_h, dtype=self.dtype)
         direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
         parameters = self._parameters_on(xp)
-        totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
+        if method == "linear" or (method == "hybrid" and levels == 0):
+            totals = chain_through_factors(*self._factors(xp, saved, parameters), direct)
+        else:
+            totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
         grad_gi, grad_gh = self._pre_activation_grads(xp, saved, totals[1:])
         x, rows = saved["x"], grad_gi.shape[-1]
         flat_gi, flat_gh = grad_gi.reshape(-1, rows), grad_gh.reshape(-1, rows)
@@ -241,6 +301,16 @@ class Recurrent:
 
     def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
         """Write the blocks of the steps in ``saved`` (time-major arrays) into ``out``."""
+        weights_t, coefficients, diagonal = self._factors(xp, saved, p)
+        fill_blocks(weights_t, coefficients, out)
+        if diagonal is not None:
+            index = xp.arange(self.hidden_size)
+            out[:, :, index, index] += diagonal
+
+    def _factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The blocks of the steps in ``saved`` in factored form: ``(weights_t, coefficients,
+        diagonal)``, ``(K, H, H)``, ``(T, B, K, H)`` and ``(T, B, H)`` or None, with
+        ``block[t, b] = Σ_k weights_t[k] diag(coefficients[t, b, k]) + diag(diagonal[t, b])``."""
         raise NotImplementedError
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import Recurrent, fill_blocks
+from ._base import Recurrent
 
 __all__ = ["GRU"]
 
@@ -63,16 +63,14 @@ class GRU(Recurrent):
                 saved[key][t] = value
         return saved
 
-    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
+    def _factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
         size = self.hidden_size
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         gate_n = (1 - z) * (1 - n * n)
         weights_t = p["weight_hh"].reshape(3, size, size).transpose(0, 2, 1)  # W_hr^T, W_hz^T, W_hn^T
         coefficients = xp.stack([gate_n * m * r * (1 - r), (saved["h_prev"] - n) * z * (1 - z), gate_n * r],
                                 axis=2)
-        fill_blocks(weights_t, coefficients, out)
-        diagonal = xp.arange(size)
-        out[:, :, diagonal, diagonal] += z
+        return weights_t, coefficients, z
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]

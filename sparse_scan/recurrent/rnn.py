@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import Recurrent, fill_blocks
+from ._base import Recurrent
 
 __all__ = ["RNN"]
 
@@ -56,8 +56,8 @@ class RNN(Recurrent):
         slope = 1 - hs * hs if self.nonlinearity == "tanh" else (hs > 0).astype(hs.dtype)
         return {"h": hs, "slope": slope}
 
-    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
-        fill_blocks(p["weight_hh"].T[None], saved["slope"][:, :, None, :], out)
+    def _factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+        return p["weight_hh"].T[None], saved["slope"][:, :, None, :], None
 
     def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
         delta = saved["slope"] * totals
