@@ -37,8 +37,7 @@ from common import machine
 
 from sparse_scan import backend
 from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
-from sparse_scan.recurrent import GRU, RNN, Bitstream
-from sparse_scan.recurrent._base import chain_through_factors
+from sparse_scan.recurrent import GRU, RNN, Bitstream, chain_through_factors
 from sparse_scan.scan import depth
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))

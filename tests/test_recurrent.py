@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from sparse_scan.dense_scan import auto_levels, dense_scan
-from sparse_scan.recurrent import GRU, RNN, Bitstream
-from sparse_scan.recurrent._base import chain_through_factors
+from sparse_scan.recurrent import GRU, RNN, Bitstream, chain_through_factors
 from sparse_scan.scan import depth
 
 CELLS = [("rnn-tanh", lambda i, h, **kw: RNN(i, h, **kw)),
