@@ -221,14 +221,19 @@ class ScanPlan:
             levels.setdefault(step.level, []).append(index)
         return [levels[level] for level in sorted(levels)]
 
-    def peak_bytes(self, batch: int, itemsize: int) -> int:
+    def peak_bytes(self, batch: int, itemsize: int, device: str = "cpu") -> int:
         """Peak bytes of live scan values for ``batch`` samples of ``itemsize``-byte values.
 
         The inputs (``g_n`` and every JT) are live from the start; the results of a level from that
         level (its steps may run at once); every value until the end of the level of its last use,
-        and the gradients to the end.
+        and the gradients to the end. On the CPU the JTs of :attr:`weights_only` hold no values; the
+        GPU (``device="gpu"``) holds them.
         """
+        valueless = self.weights_only if device == "cpu" else frozenset()
+
         def size(element: Element) -> int:
+            if element.lo == element.hi and element.lo in valueless:
+                return 0
             shared, per_sample = self.element_bytes[element]
             return (shared + per_sample * batch) * itemsize
 
@@ -240,14 +245,14 @@ class ScanPlan:
             live -= sum(size(element) for index in level for element in self.releases[index])
         return peak
 
-    def report(self, batch: int = 1, itemsize: int = 4) -> dict[str, Any]:
-        """Per-step figures and totals (JSON-friendly)."""
+    def report(self, batch: int = 1, itemsize: int = 4, device: str = "cpu") -> dict[str, Any]:
+        """Per-step figures and totals (JSON-friendly); ``peak_bytes`` for ``device``."""
         return {
             "method": self.method, "levels": self.levels, "n": self.n,
             "steps": [step.as_dict() for step in self.steps],
             "totals": {"critical_flops": self.critical_flops, "work_flops": self.work_flops,
                        "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
-                       "peak_bytes": self.peak_bytes(batch, itemsize)},
+                       "peak_bytes": self.peak_bytes(batch, itemsize, device)},
         }
 
 

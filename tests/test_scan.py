@@ -387,3 +387,17 @@ def test_pruned_layers_keep_the_spmv():
     plan = model.plan((4, 9, 9), "linear")
     assert [step.method for step in plan.steps] == ["gemm", "scale", "spmv"]
     assert plan.weights_only == {1}
+
+
+def test_peak_memory_counts_no_values_for_weights_only_jts_on_the_cpu():
+    model = Sequential(Conv2d(2, 4, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
+                       Conv2d(4, 3, 3, dtype=np.float64, rng=1))
+    plan = model.plan((2, 6, 6), "linear")
+    assert plan.weights_only == {1, 3}
+    # per sample: g_3 (48) and ReLU's diagonal (144) from the start, + grad x_2 (144), + grad x_1
+    # (144) at the peak; the convolutions' JTs hold no values on the CPU
+    assert plan.peak_bytes(5, 8, "cpu") == (48 + 144 + 144 + 144) * 5 * 8
+    # the GPU holds both convolutions' values from the start; its peak is after the first level
+    conv_bytes = 8 * (model.layers[0].pattern((2, 6, 6)).nnz + model.layers[2].pattern((4, 6, 6)).nnz)
+    assert plan.peak_bytes(5, 8, "gpu") == (48 + 144 + 144) * 5 * 8 + conv_bytes
+    assert plan.report(5, 8)["totals"]["peak_bytes"] == plan.peak_bytes(5, 8, "cpu")
