@@ -310,3 +310,18 @@ def test_dense_matvec_pays_for_unpruned_weights_not_for_heavily_pruned_ones():
     grad = np.random.default_rng(2).standard_normal((2, 16 * 100)).astype(np.float32)
     np.testing.assert_allclose(pruned.dense_transposed_matvec(grad, shape),
                                grad @ pruned.transposed_jacobian(x).todense().T, rtol=1e-5, atol=1e-6)
+
+
+def test_pruned_pattern_follows_in_place_changes_of_the_zero_set():
+    conv = Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
+    x = make_input((2, 3, 3, 1, 1, 1, 1, 5, 5))
+    full = conv.transposed_jacobian(x).nnz
+    conv.weight[0, 0] = 0.0  # in place: 9 weights of one (out, in) pair, 25 entries each at most
+    pruned = conv.transposed_jacobian(x)
+    assert pruned.nnz < full
+    np.testing.assert_allclose(pruned.todense(), finite_difference_jt(lambda v: naive_conv(conv, v), x[0]),
+                               atol=1e-8)
+    assert conv.transposed_jacobian(x).pattern is pruned.pattern  # unchanged zero set: cached
+    conv.weight[0, 0, 0, 0] = np.nan  # a new non-zero that is not finite cannot define a pattern
+    with pytest.raises(ValueError, match=r"layer Conv2d: weight: non-finite"):
+        conv.transposed_jacobian(x)

@@ -65,6 +65,7 @@ class WeightedLayer(Layer):
         self._dtype = as_float_dtype(dtype, self.label)
         self._weight_shape = tuple(weight_shape)
         self.prune_pattern = bool(prune_pattern)
+        self._last_zero_set: tuple[np.ndarray, Hashable] | None = None
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._weight = generator.uniform(-bound, bound, self._weight_shape).astype(self._dtype)
@@ -126,12 +127,20 @@ class WeightedLayer(Layer):
 
     # --- pattern -------------------------------------------------------------------------------
     def _structure_key(self) -> Hashable:
+        """The pruned pattern's key: a hash of the weights' zero set (asked for on every plan and
+        values call, so the last zero set and its key are kept: an unchanged one costs one compare,
+        and a weight changed in place to a non-finite value still keeps its entry)."""
         if not self.prune_pattern:
             return None
+        mask = np.packbits(self._weight.ravel() != 0)
+        last = self._last_zero_set
+        if last is not None and np.array_equal(last[0], mask):
+            return last[1]
         if not np.isfinite(self._weight).all():
             raise self._error("weight", "non-finite values cannot define a pruned pattern")
-        mask = np.packbits(self._weight.ravel() != 0)
-        return ("pruned", hashlib.blake2b(mask.tobytes(), digest_size=16).hexdigest())
+        key = ("pruned", hashlib.blake2b(mask.tobytes(), digest_size=16).hexdigest())
+        self._last_zero_set = (mask, key)
+        return key
 
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
