@@ -23,7 +23,9 @@ import click
 from sparse_scan import __version__
 from sparse_scan.weights import write_npz_atomically
 
-__all__ = ["fail", "main", "parse_levels", "plan_progress"]
+__all__ = ["MAX_STEP_FLOPS_HELP", "fail", "main", "parse_levels", "plan_progress", "scan_cost_hint"]
+
+MAX_STEP_FLOPS_HELP = "give up before planning a costlier product (deep scans of big networks need billions)"
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -57,6 +59,15 @@ def parse_levels(levels: str | None) -> int | str | None:
     if value < 0:
         fail(f"--levels must be a non-negative int or 'auto', got {levels!r}")
     return value
+
+
+def scan_cost_hint(error: Exception) -> str:
+    """The message of a planning error, with what to try for a product over the FLOP limit."""
+    from sparse_scan.scan import ScanCostError  # noqa: PLC0415 - the CLI imports the engine lazily
+
+    if isinstance(error, ScanCostError):
+        return f"{error} (raise --max-step-flops, or use --method linear or --method hybrid --levels auto)"
+    return str(error)
 
 
 def write_gradients(path: Any, layers: Sequence[Any], grads: Sequence[Any], parameters: dict[str, Any],

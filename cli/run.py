@@ -21,7 +21,7 @@ from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
 from . import _distributed
-from .app import fail, main, parse_levels, plan_progress, write_gradients
+from .app import MAX_STEP_FLOPS_HELP, fail, main, parse_levels, plan_progress, scan_cost_hint, write_gradients
 
 
 def _load_array(path: pathlib.Path, option: str) -> np.ndarray:
@@ -85,6 +85,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
               help="integer class labels as .npy: softmax cross-entropy (mean over the batch)")
 @click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
 @click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--max-step-flops", type=float, default=1e10, show_default=True, help=MAX_STEP_FLOPS_HELP)
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--check", is_flag=True, help="compare with the linear scan (back-propagation)")
@@ -102,9 +103,9 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
               help="--distributed: seconds to wait for another rank before giving up")
 def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None, seed: int,
         grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
-        levels: str | None, device: str, dtype: str, check: bool, out: pathlib.Path | None,
-        force: bool, as_json: bool, quiet: bool, distributed: bool, split: str | None, combine: str,
-        timeout: float) -> None:
+        levels: str | None, max_step_flops: float, device: str, dtype: str, check: bool,
+        out: pathlib.Path | None, force: bool, as_json: bool, quiet: bool, distributed: bool,
+        split: str | None, combine: str, timeout: float) -> None:
     """Gradients of MODEL's loss w.r.t. its input, every layer output and every parameter.
 
     With --distributed, under `mpirun -n P`, each rank holds a slice of the layers; the outputs are
@@ -148,7 +149,8 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
         builds = network.plan_builds
         start = time.perf_counter()
-        network.plan(network.input_shape, method, levels_value, progress=plan_progress(quiet))
+        network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops),
+                     progress=plan_progress(quiet))
         planned = time.perf_counter() - start
         grads = network.backward(be.asarray(grad), method, levels_value, timings=timings)
         timings["plan_s"] = planned  # the build above; backward's own lookup was a cache hit
@@ -158,7 +160,7 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         timings["parameter_grads_s"] = time.perf_counter() - start
         reference = network.backward(be.asarray(grad), "linear") if check else None
     except (ScanCostError, ScanMemoryError, ValueError) as error:
-        fail(f"{model}: {error}")
+        fail(f"{model}: {scan_cost_hint(error)}")
     report: dict[str, Any] = {"model": str(model), "method": method, "levels": levels_value,
                               "device": be.name, "dtype": dtype, "batch": int(x.shape[0]),
                               "plan_cache_hit": network.plan_builds == builds, "timings": timings}

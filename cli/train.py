@@ -20,7 +20,7 @@ from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 from sparse_scan.train import DataError, load_dataset, train
 from sparse_scan.weights import state_dict, write_npz_atomically
 
-from .app import fail, main, parse_levels
+from .app import MAX_STEP_FLOPS_HELP, fail, main, parse_levels, scan_cost_hint
 
 
 def _optimizer(name: str, model: Any, lr: float, momentum: float) -> Any:
@@ -55,6 +55,7 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> Non
               "x_test, y_test")
 @click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
 @click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--max-step-flops", type=float, default=1e10, show_default=True, help=MAX_STEP_FLOPS_HELP)
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--optimizer", "optimizer_name", type=click.Choice(["sgd", "adam"]), default="sgd",
@@ -73,7 +74,8 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> Non
               help="plot the losses per iteration (PNG, needs matplotlib)")
 @click.option("--force", is_flag=True, help="overwrite existing --out/--log/--plot files")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def train_command(model: pathlib.Path, data: str, method: str, levels: str | None, epochs: int,
+def train_command(model: pathlib.Path, data: str, method: str, levels: str | None, max_step_flops: float,
+                  epochs: int,
                   batch_size: int, optimizer_name: str, lr: float, momentum: float, seed: int,
                   device: str, compare_bp: bool, out: pathlib.Path | None, log_path: pathlib.Path | None,
                   plot: pathlib.Path | None, force: bool, quiet: bool) -> None:
@@ -93,11 +95,11 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
         if len(classes) != 1:
             fail(f"{model}: training needs a flat (classes,) output, the model gives {list(classes)}")
         dataset = load_dataset(data, network.input_shape, classes[0])
-        network.plan(network.input_shape, method, levels_value)
+        network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
     except (SpecError, DataError) as error:
         fail(str(error))
     except (ScanCostError, ScanMemoryError, ValueError) as error:
-        fail(f"{model}: {error}")
+        fail(f"{model}: {scan_cost_hint(error)}")
     optimizer = _optimizer(optimizer_name, network, lr, momentum)
     pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
     per_epoch = -(-len(dataset.x_train) // batch_size)

@@ -107,6 +107,7 @@ def write_npy(tmp_path, name, array):
     ("gpu", "--device gpu"),
     ("both_inputs", "exactly one of --input"),
     ("spec", "unknown layer type"),
+    ("costly_step", "raise --max-step-flops, or use --method linear"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, case, fragment):
     from sparse_scan import backend
@@ -125,7 +126,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
             "levels_word": lambda: ["--random", "2", "--method", "hybrid", "--levels", "deep"],
             "gpu": lambda: ["--random", "2", "--device", "gpu"],
             "both_inputs": lambda: ["--random", "2", "--input", write_npy(tmp_path, "x.npy", x)],
-            "spec": lambda: ["--random", "2"]}[case]()
+            "spec": lambda: ["--random", "2"],
+            "costly_step": lambda: ["--random", "2", "--max-step-flops", "100"]}[case]()
     if case == "spec":
         spec = tmp_path / "bad.yaml"
         spec.write_text("input_shape: [1, 8, 8]\nlayers: [{name: c, type: conv9}]\n")
