@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
+from sparse_scan import dense_scan as dense_scan_module
 from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
 from sparse_scan.scan import depth
 
@@ -47,12 +50,18 @@ def test_every_schedule_equals_the_sequential_chain(n, batch, affine):
         np.testing.assert_allclose(single, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=label)
 
 
-def test_threads_split_large_levels_without_changing_results():
+def test_threads_split_large_levels_without_changing_results(monkeypatch):
     rng = np.random.default_rng(0)
     blocks = rng.standard_normal((300, 16, 6, 6)) / 4
     direct = rng.standard_normal((300, 16, 6))
     one = dense_scan(blocks, direct, "blelloch", threads=1)
     np.testing.assert_allclose(dense_scan(blocks, direct, "blelloch", threads=3), one, rtol=1e-12, atol=1e-14)
+    splits = []
+    original = ThreadPoolExecutor.map
+    monkeypatch.setattr(ThreadPoolExecutor, "map", lambda pool, *a: splits.append(1) or original(pool, *a))
+    monkeypatch.setattr(dense_scan_module, "SPLIT_MIN_VALUES", 64)  # split even these small levels
+    np.testing.assert_allclose(dense_scan(blocks, direct, "blelloch", threads=3), one, rtol=1e-12, atol=1e-14)
+    assert splits
     np.testing.assert_allclose(one, reference(blocks, direct), rtol=1e-10, atol=1e-12)
 
 
