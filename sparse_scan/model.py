@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -29,7 +30,7 @@ from . import backend as _backend
 from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
-from .scan import METHODS, ScanCostError, ScanPlan, build_plan, depth, run_plan
+from .scan import METHODS, ElementInfo, ScanCostError, ScanPlan, build_plan, depth, run_plan
 from .spgemm import ProductPlan
 
 __all__ = ["Sequential", "default_memory_budget"]
@@ -183,9 +184,14 @@ class Sequential:
         products = self._products.setdefault((shape, structure, self.memory_budget), {})
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
 
-        def element_pattern(j: int) -> tuple[Any, str, bool]:
-            layer = self.layers[n - j]
-            return layer.pattern(shapes[n - j]), layer.jacobian_kind, layer.sample_independent
+        def element_info(j: int) -> ElementInfo:
+            layer, in_shape = self.layers[n - j], shapes[n - j]
+            size = (math.prod(in_shape), math.prod(shapes[n - j + 1]))
+            return ElementInfo(size, layer.pattern_nnz(in_shape), layer.jacobian_kind,
+                               layer.sample_independent)
+
+        def element_pattern(j: int) -> Any:
+            return self.layers[n - j].pattern(shapes[n - j])
 
         def vector_size(j: int) -> int:
             return int(np.prod(shapes[n - j]))
@@ -202,8 +208,8 @@ class Sequential:
                     else f"layers {first.name!r}..{last.name!r}")
 
         self.plan_builds += 1
-        return build_plan(n, method, levels, element_pattern, vector_size, products, budget, describe,
-                          vector_channels, max_step_flops, progress, dense_matvec)
+        return build_plan(n, method, levels, element_info, element_pattern, vector_size, products, budget,
+                          describe, vector_channels, max_step_flops, progress, dense_matvec)
 
     def _dense_matvecs(self, shapes: Sequence[Shape]) -> list[Callable[[Any], Any]]:
         """Per layer, ``g -> JT @ g`` through its dense weights (called for the plan's dense steps

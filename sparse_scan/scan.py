@@ -39,8 +39,8 @@ from .spgemm import (
     plan_product,
 )
 
-__all__ = ["METHODS", "Element", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "build_plan",
-           "checked_levels", "depth", "live_schedule", "run_plan", "scan_outputs", "schedule"]
+__all__ = ["METHODS", "Element", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step",
+           "build_plan", "checked_levels", "depth", "live_schedule", "run_plan", "scan_outputs", "schedule"]
 
 
 class ScanMemoryError(MemoryError):
@@ -80,6 +80,28 @@ class Element:
 
 
 IDENTITY = Element(1, 0)
+
+
+@dataclass(frozen=True)
+class ElementInfo:
+    """What planning needs of a scan matrix without its pattern's arrays: an mv step needs only this;
+    the operands of a product need the pattern too.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        ``(rows, cols)`` of the JT (or product).
+    nnz : int
+        Stored entries of its pattern.
+    kind : {"general", "diagonal", "selection"}
+    shared : bool
+        Whether its values are the same for every sample.
+    """
+
+    shape: tuple[int, int]
+    nnz: int
+    kind: str
+    shared: bool
 
 
 @dataclass
@@ -371,7 +393,8 @@ def build_plan(
     n: int,
     method: str,
     levels: int | None,
-    element_pattern: Callable[[int], tuple[Pattern, str, bool]],
+    element_info: Callable[[int], ElementInfo],
+    element_pattern: Callable[[int], Pattern],
     vector_size: Callable[[int], int],
     product_cache: dict[tuple[Element, Element], ProductPlan],
     budget_bytes: int | None = None,
@@ -390,8 +413,11 @@ def build_plan(
     method : {"linear", "blelloch", "hybrid"}
     levels : int or None
         Up-sweep levels for ``hybrid`` (0 .. ``depth(n)``).
+    element_info : callable
+        ``j -> ElementInfo`` of scan element ``j >= 1`` (cheap: no pattern arrays).
     element_pattern : callable
-        ``j -> (pattern, jacobian_kind, sample_independent)`` of scan element ``j >= 1``.
+        ``j -> Pattern`` of scan element ``j``, asked for only where a product needs it (an mv needs
+        the shape and ``nnz`` alone, so a chain of mvs builds no pattern).
     vector_size : callable
         ``j -> `` length of the gradient w.r.t. the input of element ``j`` (``j = 0`` is ``g_n``).
     product_cache : dict
@@ -408,7 +434,7 @@ def build_plan(
         Give up with :class:`ScanCostError` before planning a product of more FLOPs (over the
         pattern) than this: deep levels of large networks can need billions of multiply-adds.
     progress : callable, optional
-        ``progress(phase, done, total)`` after each layer pattern (``"patterns"``) and each step
+        ``progress(phase, done, total)`` after each layer pattern built (``"patterns"``) and each step
         (``"steps"``) is planned: long plan builds can show progress.
     dense_matvec : callable, optional
         ``j -> `` whether an mv by element ``j`` alone runs as a dense GEMM over its layer's weights
@@ -419,33 +445,38 @@ def build_plan(
     kept = live_schedule(n, method, levels)
     outputs = scan_outputs(n)
 
-    matrices: dict[Element, tuple[Pattern, str, bool]] = {}
-    for j in range(1, n + 1):
-        matrices[Element(j, j)] = element_pattern(j)
-        report("patterns", j, n)
+    info = {Element(j, j): element_info(j) for j in range(1, n + 1)}
+    raw_operands = sorted({element.lo for _, _, left, right in kept if not left.is_vector
+                           for element in (left, right) if element.lo == element.hi})
+    patterns: dict[Element, Pattern] = {}
+    for done, j in enumerate(raw_operands, start=1):
+        patterns[Element(j, j)] = element_pattern(j)
+        report("patterns", done, len(raw_operands))
     element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
     for j in range(1, n + 1):
-        pattern, _, shared = matrices[Element(j, j)]
-        element_bytes[Element(j, j)] = (pattern.nnz, 0) if shared else (0, pattern.nnz)
+        nnz, shared = info[Element(j, j)].nnz, info[Element(j, j)].shared
+        element_bytes[Element(j, j)] = (nnz, 0) if shared else (0, nnz)
 
     steps = []
     for lvl, phase, left, right in kept:
         out = Element(left.lo, right.hi)
-        right_pattern, right_kind, right_shared = matrices[right]
-        m, k = right_pattern.shape
+        right_info = info[right]
+        right_kind = right_info.kind
+        m, k = right_info.shape
         step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
         if left.is_vector:
             step.scaling = right_kind == "diagonal"
             step.dense = (not step.scaling and right.lo == right.hi and dense_matvec is not None
                           and dense_matvec(right.lo))
             step.shape = (m, k, 1)
-            step.flops = 2 * right_pattern.nnz
-            step.flops_live = right_pattern.nnz if right_kind == "diagonal" else (
+            step.flops = 2 * right_info.nnz
+            step.flops_live = right_info.nnz if right_kind == "diagonal" else (
                 2 * k if right_kind == "selection" else step.flops)
             step.out_nnz = m
             element_bytes[out] = (0, m)
         else:
-            left_pattern, left_kind, left_shared = matrices[left]
+            right_pattern, left_pattern = patterns[right], patterns[left]
+            left_kind = info[left].kind
             key = (left, right)
             product = product_cache.get(key)
             if product is None:
@@ -476,8 +507,9 @@ def build_plan(
             step.out_nnz = product.out.nnz
             step.plan_bytes = product.nbytes
             kind = "diagonal" if right_kind == left_kind == "diagonal" else "general"
-            shared = right_shared and left_shared
-            matrices[out] = (product.out, kind, shared)
+            shared = right_info.shared and info[left].shared
+            patterns[out] = product.out
+            info[out] = ElementInfo(tuple(product.out.shape), product.out.nnz, kind, shared)
             element_bytes[out] = (product.out.nnz, 0) if shared else (0, product.out.nnz)
         steps.append(step)
         report("steps", len(steps), len(kept))

@@ -325,3 +325,17 @@ def test_pruned_pattern_follows_in_place_changes_of_the_zero_set():
     conv.weight[0, 0, 0, 0] = np.nan  # a new non-zero that is not finite cannot define a pattern
     with pytest.raises(ValueError, match=r"layer Conv2d: weight: non-finite"):
         conv.transposed_jacobian(x)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("prune", [False, True])
+def test_pattern_nnz_is_counted_without_building_the_pattern(cfg, prune):
+    conv = make_conv(cfg, prune_pattern=prune)
+    if prune:
+        weight = conv.weight.copy()
+        weight[np.random.default_rng(4).random(weight.shape) < 0.5] = 0.0
+        conv.weight = weight
+    shape = (cfg[0], cfg[7], cfg[8])
+    counted = conv.pattern_nnz(shape)
+    assert not conv._patterns  # nothing built to count it
+    assert counted == conv.pattern(shape).nnz

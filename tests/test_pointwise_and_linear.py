@@ -188,3 +188,13 @@ def test_gpu_twin_matches_cpu(dtype):
         on_cpu, on_gpu = linear.transposed_jacobian(v), linear.transposed_jacobian(gpu.asarray(v))
         assert on_gpu.pattern.same_as(on_cpu.pattern)
         np.testing.assert_array_equal(gpu.to_host(on_gpu.data), on_cpu.data)
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_linear_pattern_nnz_is_counted_without_building_the_pattern(prune):
+    layer = Linear(6, 4, dtype=np.float64, rng=3, prune_pattern=prune)
+    weight = layer.weight.copy()
+    weight[:, ::2] = 0
+    layer.weight = weight
+    counted = layer.pattern_nnz((6,))
+    assert not layer._patterns and counted == layer.pattern((6,)).nnz == (12 if prune else 24)

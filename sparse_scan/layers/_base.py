@@ -94,6 +94,11 @@ class Layer:
         """
         return self._pattern_entry(self.check_in_shape(in_shape), _backend.get(device), index_dtype)[0]
 
+    def pattern_nnz(self, in_shape: Shape) -> int:
+        """Stored entries of :meth:`pattern` for ``in_shape`` (layers that can count them without
+        building the pattern override this: a scan plan's mv steps need only the count)."""
+        return self.pattern(in_shape).nnz
+
     def transposed_jacobian(self, x: Any, index_dtype: Any = None) -> BatchedCSR:
         """Return the batched transposed Jacobian at input ``x`` (NumPy or CuPy array).
 

@@ -165,7 +165,7 @@ class WeightedLayer(Layer):
         """Whether the pattern holds at least :data:`DENSE_MATVEC_MIN_DENSITY` of the dense GEMM's
         multiply-adds (unpruned layers always do; heavily pruned ones keep the SpMV)."""
         shape = self.check_in_shape(in_shape)
-        return self.pattern(shape).nnz >= DENSE_MATVEC_MIN_DENSITY * self.dense_multiply_adds(shape)
+        return self.pattern_nnz(shape) >= DENSE_MATVEC_MIN_DENSITY * self.dense_multiply_adds(shape)
 
     # --- values --------------------------------------------------------------------------------
     def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:

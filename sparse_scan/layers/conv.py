@@ -251,6 +251,20 @@ class Conv2d(WeightedLayer):
         taps = g.cin_per_group * g.kernel[0] * g.kernel[1]
         return columns.reshape(x.shape[0], g.groups, taps, g.out_height * g.out_width)
 
+    def pattern_nnz(self, in_shape: Shape) -> int:
+        """Counted from the geometry: each weight (non-zero ones only when pruned) is stored once per
+        output pixel whose tap for it falls inside the input."""
+        g = self.geometry(in_shape)
+        rows = _inside_taps(g.height, g.out_height, g.kernel[0], g.stride[0], g.pad_top, g.dilation[0])
+        cols = _inside_taps(g.width, g.out_width, g.kernel[1], g.stride[1], g.pad_left, g.dilation[1])
+        inside = np.outer(rows, cols)
+        if self.prune_pattern:
+            self._structure_key()  # a non-finite weight cannot define a pruned pattern
+            weights = np.count_nonzero(self.weight, axis=(0, 1))
+        else:
+            weights = np.full(g.kernel, g.out_channels * g.cin_per_group)
+        return int((weights * inside).sum())
+
     def dense_multiply_adds(self, in_shape: Shape) -> int:
         g = self.geometry(in_shape)
         return (g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1]
@@ -336,6 +350,15 @@ class Conv2d(WeightedLayer):
 
 
 # --- NumPy twins -------------------------------------------------------------------------------
+def _inside_taps(size: int, out_size: int, kernel: int, stride: int, pad_lo: int,
+                 dilation: int) -> np.ndarray:
+    """Per kernel offset along one axis, how many output positions read an input position (not the
+    padding) through it."""
+    positions = (np.arange(out_size)[None, :] * stride - pad_lo
+                 + np.arange(kernel)[:, None] * dilation)
+    return ((positions >= 0) & (positions < size)).sum(axis=1)
+
+
 def _taps(g: ConvGeometry) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     rows = axis_taps(g.height, g.kernel[0], g.stride[0], g.pad_top, g.dilation[0], g.out_height)
     cols = axis_taps(g.width, g.kernel[1], g.stride[1], g.pad_left, g.dilation[1], g.out_width)

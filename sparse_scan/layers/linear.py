@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import backend as _backend
 from ..csr import Pattern, choose_index_dtype
 from ._base import Shape
@@ -80,6 +82,13 @@ class Linear(WeightedLayer):
         if self.bias is not None:
             grads["bias"] = grad.sum(axis=0)
         return grads
+
+    def pattern_nnz(self, in_shape: Shape) -> int:
+        self.check_in_shape(in_shape)
+        if self.prune_pattern:
+            self._structure_key()  # a non-finite weight cannot define a pruned pattern
+            return int(np.count_nonzero(self.weight))
+        return self.in_features * self.out_features
 
     def dense_multiply_adds(self, in_shape: Shape) -> int:
         return self.in_features * self.out_features
