@@ -23,9 +23,12 @@ import click
 from sparse_scan import __version__
 from sparse_scan.weights import write_npz_atomically
 
-__all__ = ["MAX_STEP_FLOPS_HELP", "fail", "main", "parse_levels", "plan_progress", "scan_cost_hint"]
+__all__ = ["fail", "main", "max_step_flops_option", "parse_levels", "plan_progress", "scan_cost_hint"]
 
-MAX_STEP_FLOPS_HELP = "give up before planning a costlier product (deep scans of big networks need billions)"
+max_step_flops_option = click.option(
+    "--max-step-flops", type=float, default=1e10, show_default=True,
+    help="give up before planning a costlier product (deep scans of big networks need billions)")
+"""``--max-step-flops`` of every command that plans a scan (run, train, flops)."""
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 

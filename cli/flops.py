@@ -16,7 +16,7 @@ from sparse_scan import SpecError, load_model
 from sparse_scan.flops import analyse
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
-from .app import MAX_STEP_FLOPS_HELP, fail, main, parse_levels, plan_progress, scan_cost_hint
+from .app import fail, main, max_step_flops_option, parse_levels, plan_progress, scan_cost_hint
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -80,7 +80,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="samples assumed for peak memory")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
-@click.option("--max-step-flops", type=float, default=1e10, show_default=True, help=MAX_STEP_FLOPS_HELP)
+@max_step_flops_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=pathlib.Path), default=None,
               help="write the paper's Fig. 10 (needs matplotlib)")

@@ -21,7 +21,15 @@ from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
 from . import _distributed
-from .app import MAX_STEP_FLOPS_HELP, fail, main, parse_levels, plan_progress, scan_cost_hint, write_gradients
+from .app import (
+    fail,
+    main,
+    max_step_flops_option,
+    parse_levels,
+    plan_progress,
+    scan_cost_hint,
+    write_gradients,
+)
 
 
 def _load_array(path: pathlib.Path, option: str) -> np.ndarray:
@@ -85,7 +93,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
               help="integer class labels as .npy: softmax cross-entropy (mean over the batch)")
 @click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
 @click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
-@click.option("--max-step-flops", type=float, default=1e10, show_default=True, help=MAX_STEP_FLOPS_HELP)
+@max_step_flops_option
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--check", is_flag=True, help="compare with the linear scan (back-propagation)")

@@ -20,7 +20,7 @@ from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 from sparse_scan.train import DataError, load_dataset, train
 from sparse_scan.weights import state_dict, write_npz_atomically
 
-from .app import MAX_STEP_FLOPS_HELP, fail, main, parse_levels, scan_cost_hint
+from .app import fail, main, max_step_flops_option, parse_levels, scan_cost_hint
 
 
 def _optimizer(name: str, model: Any, lr: float, momentum: float) -> Any:
@@ -55,7 +55,7 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> Non
               "x_test, y_test")
 @click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
 @click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
-@click.option("--max-step-flops", type=float, default=1e10, show_default=True, help=MAX_STEP_FLOPS_HELP)
+@max_step_flops_option
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--optimizer", "optimizer_name", type=click.Choice(["sgd", "adam"]), default="sgd",
@@ -75,8 +75,7 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> Non
 @click.option("--force", is_flag=True, help="overwrite existing --out/--log/--plot files")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def train_command(model: pathlib.Path, data: str, method: str, levels: str | None, max_step_flops: float,
-                  epochs: int,
-                  batch_size: int, optimizer_name: str, lr: float, momentum: float, seed: int,
+                  epochs: int, batch_size: int, optimizer_name: str, lr: float, momentum: float, seed: int,
                   device: str, compare_bp: bool, out: pathlib.Path | None, log_path: pathlib.Path | None,
                   plot: pathlib.Path | None, force: bool, quiet: bool) -> None:
     """Train MODEL with BPPSA gradients on a dataset; report the loss per iteration."""

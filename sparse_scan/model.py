@@ -41,6 +41,9 @@ _run_plan = _backend.twin(
     cpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan(plan, grad_out, jacobians,
                                                                       dense_matvecs=dense_matvecs),
     gpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan_gpu(plan, grad_out, jacobians))
+# the JTs a run needs no values for: on the CPU, those only dense steps read (they multiply by the
+# layer's weights); the GPU runs dense steps as SpMVs, so it needs every JT's values
+_valueless = _backend.twin(cpu=lambda be, plan: plan.weights_only, gpu=lambda be, plan: frozenset())
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -282,11 +285,9 @@ class Sequential:
 
         plan = self.plan(shapes[0], method, levels)
         lap("plan_s")
-        # scan element j is the JT of layer n - j; on the CPU, the elements that only dense steps read
-        # need no values: those steps multiply by the layer's weights (the GPU runs them as SpMVs)
-        n = len(self.layers)
-        weights_only = plan.weights_only if be.name == "cpu" else frozenset()
-        jacobians = [None if n - index in weights_only else layer.transposed_jacobian(be.asarray(x))
+        n = len(self.layers)  # scan element j is the JT of layer n - j
+        valueless = _valueless(be, plan)
+        jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                      for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
         lap("values_s")
         batch = grad_out.shape[0]

@@ -279,7 +279,7 @@ class Recurrent:
         direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
         parameters = self._parameters_on(xp)
         if method == "linear" or (method == "hybrid" and levels == 0):
-            totals = chain_through_factors(*self._factors(xp, saved, parameters), direct)
+            totals = chain_through_factors(*self.jacobian_factors(), direct)
         else:
             totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
         grad_gi, grad_gh = self._pre_activation_grads(xp, saved, totals[1:])
