@@ -197,6 +197,12 @@ def plan_block_product(a: BlockLayout, b: BlockLayout) -> BlockProduct:
     return BlockProduct(a, b, out, scatter.astype(dtype), slots)
 
 
+def _gather(xp: Any, values: Any, index: Any) -> Any:
+    """``values[..., index]``; on the host by ``take(mode="clip")`` (the plan's indices are valid by
+    construction), several times faster than NumPy's fancy indexing along the last axis of a batch."""
+    return np.take(values, index, axis=-1, mode="clip") if xp is np else values[..., index]
+
+
 def multiply_blocks(plan: BlockProduct, a_data: Any, b_data: Any, xp: Any = np,
                     scratch_bytes: int = 256 * 2**20) -> Any:
     """Numeric phase of a block product: values of ``C`` in ``plan.out``'s entry order.
@@ -205,8 +211,7 @@ def multiply_blocks(plan: BlockProduct, a_data: Any, b_data: Any, xp: Any = np,
     module they live in (the plan's index arrays must live there too). Each slot's GEMM results are
     computed in chunks of at most ``scratch_bytes``.
     """
-    a_blocks = a_data[..., plan.a.gather]
-    b_blocks = b_data[..., plan.b.gather]
+    a_blocks, b_blocks = _gather(xp, a_data, plan.a.gather), _gather(xp, b_data, plan.b.gather)
     lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
     (c1, c2), c3 = plan.a.channels, plan.b.channels[1]
     dtype = xp.result_type(a_data, b_data)

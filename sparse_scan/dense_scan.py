@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import backend as _backend
+from ._threads import cpu_threads
 from .scan import Element, checked_levels, depth, live_schedule, scan_outputs
 
 __all__ = ["DenseScanPlan", "Location", "auto_levels", "dense_plan", "dense_scan"]
@@ -369,8 +370,6 @@ def _run_chain(xp: Any, levels: list[list[DenseGroup]], blocks: dict[int, Any], 
 
 def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
               threads: int | None) -> Any:
-    from .scan import cpu_threads  # noqa: PLC0415 - one definition of the core count
-
     workers = cpu_threads() if threads is None else max(1, int(threads))
     if workers == 1:
         return _scan_arrays(np, plan, blocks, direct, None)

@@ -24,11 +24,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ._threads import cpu_threads
 from .csr import Pattern
 from .spgemm import (
     PlanBudgetError,
@@ -514,14 +514,6 @@ def build_plan(
         steps.append(step)
         report("steps", len(steps), len(kept))
     return ScanPlan(method, levels, n, steps, outputs, element_bytes)
-
-
-def cpu_threads() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],

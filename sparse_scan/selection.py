@@ -152,24 +152,31 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Any, b_data: An
     """Values of ``C`` (host arrays): zeros, then the live entries' multiply-adds.
 
     The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.
-    Returns ``(B, nnz_C)`` (a view of a buffer with one more, dummy, column per sample).
+    Returns ``(B, nnz_C)`` (a view of a buffer with one more, dummy, column per sample). Every gather
+    and the scatter run on flat indices through ``take``/``put`` (``mode="clip"``: the plan's indices
+    are valid by construction): NumPy's fancy indexing along an axis is several times slower.
     """
     selection, other = (a_data, b_data) if gather.operand == "a" else (b_data, a_data)
-    window_values = selection[:, gather.entries] * gather.valid  # (B, window, columns)
+    batch = selection.shape[0]
+    window_values = np.take(selection, gather.entries, axis=1, mode="clip")  # (B, window, columns)
+    window_values *= gather.valid
     live = np.argmax(window_values != 0, axis=1)  # a column without a live entry picks a zero
     weight = np.take_along_axis(window_values, live[:, None, :], axis=1)[:, 0, :]
     slots = gather.out_pos.shape[1]
-    flat = live.astype(gather.out_pos.dtype)[:, gather.column_of_slot]  # (B, slots): live row
+    flat = np.take(live.astype(gather.out_pos.dtype), gather.column_of_slot, axis=1, mode="clip")
     flat *= slots
-    flat += np.arange(slots, dtype=flat.dtype)
+    flat += np.arange(slots, dtype=flat.dtype)  # (B, slots): the slot in its live row
     if gather.other_pos.ndim == 1:
-        values = np.take(other, gather.other_pos, axis=-1)
+        values = np.take(other, gather.other_pos, axis=-1, mode="clip")
     else:
-        other_pos = gather.other_pos.reshape(-1)[flat]
-        values = other[other_pos] if other.ndim == 1 else np.take_along_axis(other, other_pos, axis=1)
-    values = np.broadcast_to(values, flat.shape)
+        other_pos = np.take(gather.other_pos, flat, mode="clip")
+        if other.ndim == 2:
+            other_pos += np.arange(0, other.size, other.shape[1], dtype=other_pos.dtype)[:, None]
+        values = np.take(other, other_pos, mode="clip")
     if not np.all(weight == 1):  # max-pool's live entries are ones: nothing to scale
-        values = values * weight[:, gather.column_of_slot]
-    out = np.zeros((selection.shape[0], out_nnz + 1), dtype=np.result_type(a_data, b_data))
-    np.put_along_axis(out, gather.out_pos.reshape(-1)[flat], values, axis=1)
+        values = values * np.take(weight, gather.column_of_slot, axis=1, mode="clip")
+    target = np.take(gather.out_pos, flat, mode="clip").astype(np.intp)
+    target += np.arange(0, batch * (out_nnz + 1), out_nnz + 1, dtype=np.intp)[:, None]
+    out = np.zeros((batch, out_nnz + 1), dtype=np.result_type(a_data, b_data))
+    out.reshape(-1)[target] = values  # values broadcast over the batch when shared
     return out[:, :out_nnz]

@@ -297,24 +297,49 @@ def test_bad_calls_are_clear():
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("batched", [False, True])
-def test_lean_and_chunked_products_equal_the_stored_plan(seed, batched):
+@pytest.mark.parametrize("per_sample", ["neither", "a", "both"])
+def test_lean_and_chunked_products_equal_the_stored_plan(seed, per_sample):
     rng = np.random.default_rng(seed)
     a = sp.random(40, 30, density=0.2, format="csr", random_state=seed)
     b = sp.random(30, 50, density=0.2, format="csr", random_state=seed + 9)
     pa, pb = Pattern(a.indptr, a.indices, a.shape), Pattern(b.indptr, b.indices, b.shape)
-    a_data = rng.standard_normal((3, a.nnz)) if batched else a.data
+    a_data = a.data if per_sample == "neither" else rng.standard_normal((3, a.nnz))
+    b_data = rng.standard_normal((3, b.nnz)) if per_sample == "both" else b.data
     stored = plan_product(pa, pb, "general", "general")
     chunked = plan_product(pa, pb, "general", "general", chunk_products=7)
     lean = plan_product(pa, pb, "general", "general", budget_bytes=stored.multiply_adds * 11)
     assert (stored.method, chunked.method, lean.method) == ("general", "general", "rowwise")
     assert lean.nbytes < stored.nbytes
-    expected = multiply(stored, a_data, b.data)
+    samples = [(np.broadcast_to(a_data, (3, a.nnz))[s], np.broadcast_to(b_data, (3, b.nnz))[s])
+               for s in range(3)]
+    oracle = [(sp.csr_matrix((x, a.indices, a.indptr), a.shape)
+               @ sp.csr_matrix((y, b.indices, b.indptr), b.shape)).toarray() for x, y in samples]
+    expected = multiply(stored, a_data, b_data)
+    for s, want in enumerate(oracle):
+        got = expected if expected.ndim == 1 else expected[s]
+        rows = np.repeat(np.arange(40), np.diff(stored.out.indptr))
+        np.testing.assert_allclose(got, want[rows, stored.out.indices], rtol=1e-12, atol=1e-15)
     for plan in (chunked, lean):
         assert plan.out.same_as(stored.out)
         for scratch in (64, 10**9):  # a few products per chunk, or all at once
-            np.testing.assert_allclose(multiply(plan, a_data, b.data, scratch_bytes=scratch),
+            np.testing.assert_allclose(multiply(plan, a_data, b_data, scratch_bytes=scratch),
                                        expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("per_sample", ["neither", "a", "both"])
+def test_stored_products_cut_over_threads_equal_one_piece(monkeypatch, per_sample):
+    rng = np.random.default_rng(7)
+    a = sp.random(60, 45, density=0.2, format="csr", random_state=1)
+    b = sp.random(45, 70, density=0.2, format="csr", random_state=2)
+    pa, pb = Pattern(a.indptr, a.indices, a.shape), Pattern(b.indptr, b.indices, b.shape)
+    a_data = a.data if per_sample == "neither" else rng.standard_normal((4, a.nnz))
+    b_data = rng.standard_normal((4, b.nnz)) if per_sample == "both" else b.data
+    plan = plan_product(pa, pb, "general", "general")
+    whole = multiply(plan, a_data, b_data)
+    monkeypatch.setattr(spgemm, "THREAD_MIN_VALUES", 1)  # every product large enough to share out
+    monkeypatch.setattr(spgemm, "cpu_threads", lambda: 3)
+    np.testing.assert_array_equal(multiply(plan, a_data, b_data), whole)
+    np.testing.assert_array_equal(multiply(plan, a_data, b_data, scratch_bytes=200), whole)
 
 
 def test_products_with_one_multiply_add_per_entry_skip_the_sums():

@@ -237,26 +237,33 @@ def _max_selection_cpu(
 ) -> tuple[np.ndarray, bool]:
     """NumPy twin: 1 at each window's first maximum; also whether some window's maximum is NaN.
 
-    One pass per window offset over strided views. The selected offset starts at the window's first
-    real element and moves only to a strictly greater element (padding is -inf and never wins), so
-    it only grows: a running maximum of ``k * (view > best)`` tracks it without masked writes.
+    One pass per window offset, tracking the selected JT entry itself. It starts at the window's
+    first real element and moves only to a strictly greater element (padding is -inf and never
+    wins). A window's entries grow with its offset (rows are input pixels in order, and later offsets
+    are later pixels), so a running maximum of ``entry_k * (view > best)`` tracks it. Each strided
+    view is first copied into a contiguous buffer: NumPy's ufuncs crawl over the short rows of a
+    strided view, and the copy is the cheapest such pass. Then ones go to the selected entries of a
+    zeroed buffer through flat indices.
     """
     g = aux["geometry"]
+    slot = aux["slot"]
     views = _window_views(np, x, g, -np.inf)
     best = next(views).copy()
-    first = aux["first_offset"]
-    offset = np.broadcast_to(first.reshape(best.shape[1:]), best.shape).copy()
+    plane = best.shape[1:]
+    entry = np.broadcast_to(aux["first_entry"].reshape(plane), best.shape).copy()
+    window = np.empty_like(best)
     greater = np.empty(best.shape, dtype=bool)
-    candidate = np.empty(best.shape, dtype=first.dtype)
+    candidate = np.empty_like(entry)
     for k, view in enumerate(views, start=1):
-        np.greater(view, best, out=greater)
-        np.maximum(best, view, out=best)
-        np.multiply(greater, first.dtype.type(k), out=candidate)
-        np.maximum(offset, candidate, out=offset)
+        np.copyto(window, view)
+        np.greater(window, best, out=greater)
+        np.maximum(best, window, out=best)
+        np.multiply(greater, slot[k].reshape(plane), out=candidate)
+        np.maximum(entry, candidate, out=entry)
     batch = x.shape[0]
-    entry = aux["slot"][offset.reshape(batch, -1), np.arange(g.outputs)]
+    flat = entry.reshape(batch, -1) + np.arange(0, batch * nnz, nnz, dtype=np.intp)[:, None]
     data = np.zeros((batch, nnz), dtype=x.dtype)
-    data.ravel()[(entry + np.arange(0, batch * nnz, nnz, dtype=np.intp)[:, None]).ravel()] = 1
+    data.reshape(-1)[flat] = 1
     return data, bool(np.isnan(best).any())
 
 
@@ -383,8 +390,9 @@ class MaxPool2d(_Pool2d):
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
     ) -> tuple[Pattern, dict[str, Any]]:
         pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
-        offset_dtype = np.min_scalar_type(-aux["geometry"].offsets)
-        aux["first_offset"] = be.xp.argmax(aux["slot"] >= 0, axis=0).astype(offset_dtype)
+        slot = aux["slot"]  # the entry of every window element (-1: padding)
+        first_offset = be.xp.argmax(slot >= 0, axis=0)
+        aux["first_entry"] = slot[first_offset, be.xp.arange(slot.shape[1])]
         return pattern, aux
 
     def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
+from .._threads import cpu_threads
 from ..dense_scan import auto_levels, dense_scan
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
-from ..scan import checked_levels, cpu_threads
+from ..scan import checked_levels
 
 __all__ = ["Recurrent", "chain_through_factors", "fill_blocks"]
 
@@ -146,7 +147,7 @@ class Recurrent:
             A name is unknown or missing, or a value has the wrong shape or is not finite.
         """
         shapes = self.parameter_shapes()
-        given = {key[:-3] if key.endswith("_l0") else key: value for key, value in values.items()}
+        given = {key.removesuffix("_l0"): value for key, value in values.items()}
         unknown = sorted(set(given) - set(shapes))
         missing = sorted(set(shapes) - set(given))
         if unknown or missing:

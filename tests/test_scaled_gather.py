@@ -1,0 +1,44 @@
+"""The host scaling kernel against NumPy's one-shot expression, on every operand layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan import _scaled_gather
+from sparse_scan._scaled_gather import scaled_gather
+
+
+@pytest.fixture(params=["inline", "pieces on threads"])
+def pieces(request, monkeypatch):
+    """Run small inputs through many pieces and the thread pool too (as large ones would)."""
+    if request.param == "pieces on threads":
+        monkeypatch.setattr(_scaled_gather, "PIECE_ENTRIES", 7)
+        monkeypatch.setattr(_scaled_gather, "THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(_scaled_gather, "cpu_threads", lambda: 3)
+    return request.param
+
+
+@pytest.mark.parametrize("values_batched", [False, True])
+@pytest.mark.parametrize("table_batched", [False, True])
+@pytest.mark.parametrize("gathered_values", [False, True])
+@pytest.mark.parametrize("dtypes", [(np.float32, np.float32), (np.float32, np.float64),
+                                    (np.float64, np.float32)])
+def test_equals_the_numpy_expression(pieces, values_batched, table_batched, gathered_values, dtypes):
+    rng = np.random.default_rng(0)
+    batch, nnz, n, m = 4, 61, 9, 23
+    values = rng.standard_normal((batch, m if gathered_values else nnz) if values_batched else
+                                 (m if gathered_values else nnz,)).astype(dtypes[0])
+    table = rng.standard_normal((batch, n) if table_batched else (n,)).astype(dtypes[1])
+    index = rng.integers(0, n, nnz).astype(np.int32)
+    values_index = rng.integers(0, m, nnz).astype(np.int64) if gathered_values else None
+    got = scaled_gather(values, table, index, values_index=values_index)
+    read = values if values_index is None else values[..., values_index]
+    want = read * table[..., index]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_no_entries(pieces):
+    got = scaled_gather(np.zeros(0, np.float32), np.ones((3, 5), np.float32), np.zeros(0, np.int64))
+    assert got.shape == (3, 0)
