@@ -26,6 +26,16 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there, so a new pool is made."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def kernel_pool() -> ThreadPoolExecutor | None:
     """The shared pool of the CPU kernels (one thread per core), or None on a single core."""
     global _POOL

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -42,3 +46,22 @@ def test_equals_the_numpy_expression(pieces, values_batched, table_batched, gath
 def test_no_entries(pieces):
     got = scaled_gather(np.zeros(0, np.float32), np.ones((3, 5), np.float32), np.zeros(0, np.int64))
     assert got.shape == (3, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_pool():
+    values, table = np.arange(2**19, dtype=np.float64), np.ones((2, 3))
+    index = np.zeros(values.size, dtype=np.int64)
+    want = np.broadcast_to(values, (2, values.size))
+    assert np.array_equal(scaled_gather(values, table, index), want)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # the child: with the parent's pool, whose threads it lacks, this would hang
+        os._exit(0 if np.array_equal(scaled_gather(values, table, index), want) else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the kernel pool")
+    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
