@@ -13,12 +13,14 @@ any entry of the column carries, with one table row per window position ``k``: s
 ``k`` holds the ``C`` entry and the other operand's entry of the ``t``-th multiply-add of the
 column's ``k``-th entry (or a dummy). Per sample, the live ``k`` of every column picks a row, so the
 numeric phase is a few batched gathers over ``sum_j L_j`` slots with index arrays fixed by the plan.
-That is also the static bound on live FLOPs reported per step (exact when all of a column's entries
-carry as many multiply-adds, as for a pool on the left of a product).
+That is also the static bound on live FLOPs reported per step (:func:`live_multiply_adds`; exact
+when all of a column's entries carry as many multiply-adds, as for a pool on the left of a product).
 
-Gathers apply when every ``C`` entry can receive at most one live multiply-add (non-overlapping
-windows, or any pool on the right of a product); overlapping windows on the left keep the
-``general`` method. The plan keeps the ``general`` arrays too (multiply-adds grouped by ``C`` entry),
+These tables serve products whose ``C`` entries sum several multiply-adds, of which at most one is
+live (any pool on the right of a product). A non-overlapping pool on the left gives every ``C`` entry
+exactly one multiply-add: the plan then only counts the live ones, and every backend streams the
+``general`` arrays (on the host that costs less than scattering the live entries). Overlapping
+windows on the left keep the ``general`` method. The plan keeps the ``general`` arrays in every case,
 for backends that run every multiply-add and skip the zero ones (the GPU kernel).
 """
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from .csr import Pattern
 
-__all__ = ["SelectionGather", "multiply_live", "plan_selection_gather"]
+__all__ = ["SelectionGather", "live_multiply_adds", "multiply_live", "plan_selection_gather"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,9 +51,8 @@ class SelectionGather:
         The column of ``S`` each slot belongs to.
     out_pos : ndarray, shape (window, slots)
         Per window position and slot: the ``C`` entry (``nnz_C`` for a dummy).
-    other_pos : ndarray, shape (window, slots) or (slots,)
-        ... and the other operand's entry (0 for a dummy); one row for every window position when
-        they all read the same entries (a pool on the left: each column reads one row of ``B``).
+    other_pos : ndarray, shape (window, slots)
+        ... and the other operand's entry (0 for a dummy).
     """
 
     operand: str
@@ -80,8 +81,25 @@ def _rank_within(groups: np.ndarray) -> np.ndarray:
     return np.arange(len(groups)) - np.repeat(starts, lengths)
 
 
+def _slot_widths(selection: Pattern, selected: np.ndarray) -> np.ndarray:
+    """Per column of ``S``: the most multiply-adds any of its entries carries (its slots)."""
+    per_entry = np.bincount(selected, minlength=selection.nnz)
+    width = np.zeros(selection.shape[1], dtype=np.int64)
+    np.maximum.at(width, np.asarray(selection.indices, dtype=np.int64), per_entry)
+    return width
+
+
+def live_multiply_adds(selection: Pattern, selected: np.ndarray) -> int:
+    """Multiply-adds a product needs per sample when only ``S``'s live entries (one per column)
+    count: ``sum_j L_j`` over the columns (the static bound a ``gather`` reports).
+
+    ``selected`` is ``S``'s entry of every multiply-add of the product.
+    """
+    return int(_slot_widths(selection, np.asarray(selected, dtype=np.int64)).sum())
+
+
 def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos: np.ndarray,
-                          b_pos: np.ndarray, starts: np.ndarray | None) -> SelectionGather | None:
+                          b_pos: np.ndarray, starts: np.ndarray) -> SelectionGather | None:
     """The live-entry layout from a ``general`` plan (multiply-adds grouped by ``C`` entry).
 
     Parameters
@@ -94,7 +112,7 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
         Entries of ``C``.
     a_pos, b_pos, starts : ndarray
         The ``general`` plan: operand entries of every multiply-add, and the first multiply-add of
-        every ``C`` entry (None when each has exactly one).
+        every ``C`` entry (a plan with one multiply-add per entry needs no tables).
 
     Returns
     -------
@@ -103,11 +121,8 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
         windows sharing their maximum): those products keep the ``general`` method.
     """
     total = len(a_pos)
-    if starts is None:
-        out_of_product = np.arange(total, dtype=np.int64)
-    else:
-        out_of_product = np.repeat(np.arange(out_nnz, dtype=np.int64),
-                                   np.diff(np.append(np.asarray(starts, np.int64), total)))
+    out_of_product = np.repeat(np.arange(out_nnz, dtype=np.int64),
+                               np.diff(np.append(np.asarray(starts, np.int64), total)))
     selected, other = (a_pos, b_pos) if operand == "a" else (b_pos, a_pos)
     selected = np.asarray(selected, dtype=np.int64)
     column = np.asarray(selection.indices, dtype=np.int64)
@@ -129,9 +144,7 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
     # slots: the t-th multiply-add of an entry goes to slot t of its column
     order = np.argsort(selected, kind="stable")
     rank = _rank_within(selected[order])
-    per_entry = np.bincount(selected, minlength=selection.nnz)
-    width = np.zeros(columns, dtype=np.int64)
-    np.maximum.at(width, column, per_entry)
+    width = _slot_widths(selection, selected)
     first_slot = np.cumsum(width) - width
     slot = first_slot[column_of_product[order]] + rank
     slots = int(width.sum())
@@ -142,9 +155,6 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
     out_pos[row, slot] = out_of_product[order]
     other_pos[row, slot] = np.asarray(other)[order]
     column_of_slot = np.repeat(np.arange(columns), width).astype(dtype)
-    filled = out_pos < out_nnz
-    if np.all(np.where(filled, other_pos, other_pos[0]) == other_pos[0]) and filled[0].all():
-        other_pos = other_pos[0]
     return SelectionGather(operand, entries.astype(dtype), valid, column_of_slot, out_pos, other_pos)
 
 
@@ -152,9 +162,10 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Any, b_data: An
     """Values of ``C`` (host arrays): zeros, then the live entries' multiply-adds.
 
     The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.
-    Returns ``(B, nnz_C)`` (a view of a buffer with one more, dummy, column per sample). Every gather
-    and the scatter run on flat indices through ``take``/``put`` (``mode="clip"``: the plan's indices
-    are valid by construction): NumPy's fancy indexing along an axis is several times slower.
+    Returns ``(B, nnz_C)`` (a view of a buffer with one more, dummy, column per sample). The gathers
+    run on flat indices through ``take`` (``mode="clip"``: the plan's indices are valid by
+    construction) and the scatter on flat indices: NumPy's indexing along an axis of a batch is
+    several times slower.
     """
     selection, other = (a_data, b_data) if gather.operand == "a" else (b_data, a_data)
     batch = selection.shape[0]
@@ -166,17 +177,14 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Any, b_data: An
     flat = np.take(live.astype(gather.out_pos.dtype), gather.column_of_slot, axis=1, mode="clip")
     flat *= slots
     flat += np.arange(slots, dtype=flat.dtype)  # (B, slots): the slot in its live row
-    if gather.other_pos.ndim == 1:
-        values = np.take(other, gather.other_pos, axis=-1, mode="clip")
-    else:
-        other_pos = np.take(gather.other_pos, flat, mode="clip")
-        if other.ndim == 2:
-            other_pos += np.arange(0, other.size, other.shape[1], dtype=other_pos.dtype)[:, None]
-        values = np.take(other, other_pos, mode="clip")
+    other_pos = np.take(gather.other_pos, flat, mode="clip")
+    if other.ndim == 2:
+        other_pos += np.arange(0, other.size, other.shape[1], dtype=other_pos.dtype)[:, None]
+    values = np.take(other, other_pos, mode="clip")
     if not np.all(weight == 1):  # max-pool's live entries are ones: nothing to scale
         values = values * np.take(weight, gather.column_of_slot, axis=1, mode="clip")
     target = np.take(gather.out_pos, flat, mode="clip").astype(np.intp)
     target += np.arange(0, batch * (out_nnz + 1), out_nnz + 1, dtype=np.intp)[:, None]
     out = np.zeros((batch, out_nnz + 1), dtype=np.result_type(a_data, b_data))
-    out.reshape(-1)[target] = values  # values broadcast over the batch when shared
+    out.reshape(-1)[target] = values
     return out[:, :out_nnz]

@@ -43,7 +43,7 @@ from ._scaled_gather import THREAD_MIN_VALUES, scaled_gather
 from ._threads import cpu_threads, kernel_pool
 from .blocks import BlockProduct, block_layout, multiply_blocks, plan_block_product
 from .csr import Pattern, choose_index_dtype
-from .selection import SelectionGather, multiply_live, plan_selection_gather
+from .selection import SelectionGather, live_multiply_adds, multiply_live, plan_selection_gather
 
 __all__ = ["PlanBudgetError", "ProductPlan", "count_multiply_adds", "matvec", "multiply", "plan_product"]
 
@@ -107,7 +107,10 @@ class ProductPlan:
     blocks : BlockProduct or None
         The block structure of a ``block`` plan.
     selection : SelectionGather or None
-        The live-entry structure of a ``gather`` plan.
+        The live-entry structure of a ``gather`` plan whose ``C`` entries sum several multiply-adds
+        (None when each has one: every backend then streams the ``general`` arrays).
+    live_multiply_adds : int or None
+        A ``gather`` plan's multiply-adds per sample over the live selection entries.
     """
 
     method: str
@@ -119,6 +122,7 @@ class ProductPlan:
     operands: tuple[Pattern, Pattern] | None = None
     blocks: BlockProduct | None = None
     selection: SelectionGather | None = None
+    live_multiply_adds: int | None = None
 
     @property
     def flops(self) -> int:
@@ -128,10 +132,10 @@ class ProductPlan:
     @property
     def flops_live(self) -> int:
         """FLOPs over the live entries: a ``gather`` needs one selection entry per column (at most
-        ``2 * selection.live_multiply_adds``); other methods run their whole pattern. (The host runs
-        a ``gather`` with one multiply-add per ``C`` entry over the whole pattern: streaming every
+        ``2 * live_multiply_adds``); other methods run their whole pattern. (The host runs a
+        ``gather`` with one multiply-add per ``C`` entry over the whole pattern: streaming every
         entry costs it less than scattering the live ones; the GPU kernel skips the dead ones.)"""
-        return self.flops if self.selection is None else 2 * self.selection.live_multiply_adds
+        return self.flops if self.live_multiply_adds is None else 2 * self.live_multiply_adds
 
     @property
     def nbytes(self) -> int:
@@ -305,13 +309,19 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: 
         if total * PRODUCT_PLAN_BYTES > budget_bytes:
             return _rowwise_plan(a, b, total, chunk_products, budget_bytes, index_dtype)
     plan = _general_plan(a, b, total, chunk_products, index_dtype)
-    fits = budget_bytes is None or total * (PRODUCT_PLAN_BYTES + SELECTION_PLAN_BYTES) <= budget_bytes
-    if "selection" in (a_kind, b_kind) and fits:
-        operand = "a" if a_kind == "selection" else "b"
-        gather = plan_selection_gather(a if operand == "a" else b, operand, plan.out.nnz, plan.a_pos,
-                                       plan.b_pos, plan.starts)
+    if "selection" not in (a_kind, b_kind):
+        return plan
+    operand = "a" if a_kind == "selection" else "b"
+    selection, selected = (a, plan.a_pos) if operand == "a" else (b, plan.b_pos)
+    if plan.starts is None:  # one multiply-add per C entry: no live-entry tables to build
+        return dataclasses.replace(plan, method="gather",
+                                   live_multiply_adds=live_multiply_adds(selection, selected))
+    if budget_bytes is None or total * (PRODUCT_PLAN_BYTES + SELECTION_PLAN_BYTES) <= budget_bytes:
+        gather = plan_selection_gather(selection, operand, plan.out.nnz, plan.a_pos, plan.b_pos,
+                                       plan.starts)
         if gather is not None:
-            plan = dataclasses.replace(plan, method="gather", selection=gather)
+            plan = dataclasses.replace(plan, method="gather", selection=gather,
+                                       live_multiply_adds=gather.live_multiply_adds)
     return plan
 
 
@@ -341,7 +351,7 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
         return scaled_gather(b_data, a_data, plan.a_pos)
     if plan.method in ("general", "gather") and plan.starts is None:
         return _single_products(plan, a_data, b_data)
-    if plan.method == "gather" and (a_data if plan.selection.operand == "a" else b_data).ndim == 2:
+    if plan.selection is not None and (a_data if plan.selection.operand == "a" else b_data).ndim == 2:
         return multiply_live(plan.selection, plan.out.nnz, a_data, b_data)
     lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
     dtype = np.result_type(a_data, b_data)

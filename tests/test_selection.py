@@ -105,8 +105,20 @@ def test_scalings_and_blocks_are_not_gathers():
 
 
 def test_gather_plans_within_budget_only():
-    a, b = pool_and_conv(dict(kernel_size=2), 8, pool_first=True)
+    # a pool on the right: C entries sum a window's multiply-adds, so the gather needs its tables
+    a, b = pool_and_conv(dict(kernel_size=2), 8, pool_first=False)
     general = plan_product(a.pattern, b.pattern, "general", "general")
-    tight = plan_product(a.pattern, b.pattern, "selection", "general",
+    tight = plan_product(a.pattern, b.pattern, "general", "selection",
                          budget_bytes=general.multiply_adds * 13)
     assert tight.method == "general"
+    roomy = plan_product(a.pattern, b.pattern, "general", "selection")
+    assert roomy.method == "gather" and roomy.selection is not None
+
+
+def test_one_multiply_add_gathers_build_no_tables():
+    # a pool on the left: one multiply-add per C entry, streamed by every backend; only counted
+    a, b = pool_and_conv(dict(kernel_size=2), 8, pool_first=True)
+    general = plan_product(a.pattern, b.pattern, "general", "general")
+    plan = plan_product(a.pattern, b.pattern, "selection", "general", budget_bytes=general.multiply_adds * 13)
+    assert plan.method == "gather" and plan.selection is None and plan.starts is None
+    assert plan.nbytes == general.nbytes and plan.flops_live * 4 == plan.flops
