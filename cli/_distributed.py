@@ -54,8 +54,7 @@ def parse_split(split: str | None) -> list[int] | None:
 def _abort(comm: Any, message: str) -> NoReturn:
     """Rank 0: print ``message`` and end every rank (some may be stuck)."""
     click.echo(f"sparse-scan: error: {message}", err=True)
-    sys.stderr.flush()
-    comm.Abort(2)
+    distributed.abort(comm, 2)
     raise SystemExit(2)  # not reached: Abort ends this process too
 
 

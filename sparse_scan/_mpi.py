@@ -17,9 +17,10 @@ from typing import Any, Callable
 import numpy as np
 
 __all__ = ["Channel", "DistributedError", "MPIUnavailableError", "RankTimeoutError", "RemoteRankError",
-           "import_mpi", "launched", "launcher", "payload_bytes"]
+           "abort", "import_mpi", "launched", "launcher", "payload_bytes"]
 
 TAG_ERROR = 99
+ABORT_GRACE_S = 1.0  # time for the launcher to forward what was printed before MPI_Abort kills it
 INSTALL_HINT = "pip install 'sparse-scan[mpi]' (mpi4py and the mpich wheel)"
 # set by MPICH's hydra and PMI launchers, Open MPI's mpirun and PMIx launchers such as srun
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -51,7 +52,7 @@ class RemoteRankError(DistributedError):
     """Another rank failed and said so; ``rank`` is the rank at fault.
 
     ``timed_out`` is true when the other rank gave up waiting (``rank`` is then the one it waited
-    for, which may be stuck: end the job with ``comm.Abort``).
+    for, which may be stuck: end the job with :func:`abort`).
     """
 
     def __init__(self, message: str, rank: int, timed_out: bool = False) -> None:
@@ -85,6 +86,18 @@ def launcher() -> str:
 def launched() -> bool:
     """Whether this process was started by an MPI launcher."""
     return any(name in os.environ for name in LAUNCHER_VARIABLES)
+
+
+def abort(comm: Any, code: int, grace: float = ABORT_GRACE_S) -> None:
+    """End every rank of ``comm`` with exit status ``code`` (some may be stuck), keeping what was printed.
+
+    MPI_Abort kills the launcher's output forwarding too: a message printed just before it can be
+    lost under load. So flush both streams and wait ``grace`` seconds first.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(grace)
+    comm.Abort(code)
 
 
 def payload_bytes(obj: Any) -> int:

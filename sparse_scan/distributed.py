@@ -28,7 +28,7 @@ With ``P`` ranks, rank ``r`` holds layers ``a_r+1 .. b_r`` of a :class:`~sparse_
 
 Every wait polls against ``timeout`` and checks for failure notices, so a failed or stuck rank
 ends the others with a :class:`DistributedError` naming it instead of a hang (a command-line program
-should then call ``comm.Abort``; ``sparse-scan run --distributed`` does).
+should then end every rank with :func:`abort`; ``sparse-scan run --distributed`` does).
 
 Examples
 --------
@@ -68,6 +68,7 @@ from ._mpi import (
     MPIUnavailableError,
     RankTimeoutError,
     RemoteRankError,
+    abort,
     import_mpi,
     launched,
     launcher,
@@ -78,8 +79,8 @@ from .scan import ScanCostError
 from .spgemm import PlanBudgetError
 
 __all__ = ["CHAIN_PRODUCT_FACTOR", "COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError",
-           "RankTimeoutError", "RemoteRankError", "backward", "balanced_split", "launched", "launcher",
-           "layer_costs", "slices"]
+           "RankTimeoutError", "RemoteRankError", "abort", "backward", "balanced_split", "launched",
+           "launcher", "layer_costs", "slices"]
 
 COMBINES = ("chain", "exscan", "relay")
 CHAIN_PRODUCT_FACTOR = 32  # chain: a slice product may cost this many times BP's FLOPs (module doc)

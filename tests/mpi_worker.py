@@ -6,7 +6,7 @@
 ``x_i``), ``param.<name>``, ``sent_bytes`` and ``products`` (each rank's slice product non-zeros, -1
 for none) to ``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes
 it sleep; a :class:`~sparse_scan.distributed.DistributedError` is printed, and a timeout ends every
-rank (``MPI_Abort``).
+rank (:func:`sparse_scan.distributed.abort`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
     except distributed.DistributedError as error:
         print(f"rank {comm.rank}: {error}", file=sys.stderr, flush=True)
         if isinstance(error, distributed.RankTimeoutError) or getattr(error, "timed_out", False):
-            comm.Abort(3)  # a stuck rank would never exit: end them all
+            distributed.abort(comm, 3)  # a stuck rank would never exit: end them all
         raise SystemExit(3) from None
     if comm.rank == 0:
         arrays = {f"grad.{i}": g for i, g in enumerate(result.grads)}

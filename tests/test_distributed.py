@@ -13,6 +13,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +129,20 @@ def test_slice_products_chain_like_back_propagation(seed):
                                grads[0].reshape(BATCH, -1), rtol=1e-10, atol=1e-12)
     vector = distributed._op(grads[n].reshape(BATCH, -1), both)
     np.testing.assert_allclose(vector, grads[0].reshape(BATCH, -1), rtol=1e-10, atol=1e-12)
+
+
+def test_abort_flushes_and_waits_before_ending_the_job(capsys):
+    """What was printed before MPI_Abort gets ``grace`` seconds to reach the launcher."""
+    events: list = []
+
+    class Comm:
+        def Abort(self, code):  # noqa: N802 - mpi4py's name
+            events.append((code, time.monotonic() - start, capsys.readouterr().err))
+
+    print("rank 0: stuck", file=sys.stderr, end="")
+    start = time.monotonic()
+    distributed.abort(Comm(), 3, grace=0.2)
+    assert len(events) == 1 and events[0][0] == 3 and events[0][1] >= 0.2 and events[0][2] == "rank 0: stuck"
 
 
 def test_cli_needs_a_launcher_or_mpi4py(monkeypatch):
