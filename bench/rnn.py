@@ -6,8 +6,9 @@ configuration, the median over repeats of one backward pass per iteration:
 
 - ``blelloch``, ``hybrid-auto`` and ``linear`` (BP emulated with the Jacobians): our
   ``recurrent.backward`` — Jacobian blocks, the scan, input and parameter gradients — with the
-  scan alone reported next to it. Back-propagation's schedule (``linear``, or ``hybrid-auto`` when it
-  picks depth 0) fills no blocks: its scan is ``chain_through_factors`` over the blocks' factors;
+  scan alone reported next to it. On the CPU back-propagation's schedule (``linear``, or ``hybrid-auto``
+  when it picks depth 0) fills no blocks: its scan is ``chain_through_factors`` over the blocks'
+  factors (on a GPU it is the chain kernel over the filled blocks);
 - ``torch``: ``loss.backward()`` through ``nn.RNN``/``nn.GRU`` with the same weights (PyTorch's CPU
   kernels here, cuDNN on a GPU), when torch is installed;
 - ``jax``: ``jax.lax.associative_scan`` over the same blocks (jit-compiled, compile time excluded),
@@ -162,9 +163,10 @@ def relative_error(got: dict[str, Any], expected: dict[str, np.ndarray]) -> floa
                for k, v in expected.items())
 
 
-def factored_schedule(method: str, levels: int | None) -> bool:
-    """Whether ``Recurrent.backward`` runs this schedule on the factored blocks (no block filled)."""
-    return method == "linear" or (method == "hybrid" and levels == 0)
+def factored_schedule(method: str, levels: int | None, device: str) -> bool:
+    """Whether ``Recurrent.backward`` runs this schedule on the factored blocks (no block filled: BP on
+    the CPU; on a GPU BP is one chain launch over the filled blocks)."""
+    return device == "cpu" and (method == "linear" or (method == "hybrid" and levels == 0))
 
 
 def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backend.Backend,
@@ -173,9 +175,10 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     repeats = repeats_for(steps, batch)
     xd, seed = be.asarray(x), be.asarray(grad_last)
     sync = be.synchronize
+    factored = be.name == "cpu"
     row: dict[str, Any] = {"model": kind, "T": steps, "B": batch, "input": size, "H": hidden,
                            "repeats": repeats,
-                           "auto_levels": auto_levels(steps, batch, hidden, be.name, factored=True),
+                           "auto_levels": auto_levels(steps, batch, hidden, be.name, factored=factored),
                            "depth": depth(steps)}
     cell.forward(xd)
     blocks, factors = cell.transposed_jacobians(), cell.jacobian_factors()
@@ -184,7 +187,7 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     for label, method, levels in SCHEDULES:
         timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: cell.backward(seed, m, lv), sync)
         resolved = row["auto_levels"] if levels == "auto" else levels
-        if factored_schedule(method, resolved):
+        if factored_schedule(method, resolved, be.name):
             timers[f"{label}_scan"] = timed(lambda: chain_through_factors(*factors, seed), sync)
         else:
             timers[f"{label}_scan"] = timed(lambda m=method, lv=resolved: dense_scan(blocks, seed, m, lv),
@@ -200,7 +203,7 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     for label, method, levels in SCHEDULES:
         resolved = row["auto_levels"] if levels == "auto" else levels
         entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"]}
-        if factored_schedule(method, resolved):  # T steps of one GEMM over the stacked factors
+        if factored_schedule(method, resolved, be.name):  # T steps of one GEMM over the stacked factors
             terms = factors[1].shape[2] + (factors[2] is not None)
             flops = 2 * steps * batch * terms * hidden * hidden
             entry.update(critical_steps=steps, work_flops=flops, critical_flops=flops,

@@ -32,7 +32,14 @@
 //   [14] M_out (mm; 0 otherwise)   [15] v_out (0 for a non-affine mm)
 // A copy uses [0] to [4], [12], [13] and [15] only (per = H); the other fields are 0.
 //
-// Name expressions: dense_scan_level<T> with T in {float, double}.
+// A run of levels of one matrix-vector product each, every one on the previous one's result (the chains of
+// DenseScanPlan: back-propagation, and the linear middle of a hybrid), is ONE launch of dense_scan_chain:
+// a thread block per sample walks the run's descriptors in order, its threads share each step's H
+// entries, and a barrier separates the steps (__syncthreads also makes the block's global writes visible
+// to the block). The run's parallelism is the samples times H, so this is what the chain offers anyway,
+// without a launch per step. Its rows' first work items ([1]) are not read.
+//
+// Name expressions: dense_scan_level<T> and dense_scan_chain<T> with T in {float, double}.
 
 #define DENSE_FIELDS 16
 #define DENSE_MM 0
@@ -98,5 +105,20 @@ __global__ void dense_scan_level(const long long* table, long long steps, long l
     const long long* d = table + dense_find_step(table, steps, item) * DENSE_FIELDS;
     const long long local = item - d[1];
     dense_item<T>(d, local / d[3], local % d[3]);
+  }
+}
+
+// A run of `steps` descriptors at `table`, in order, each on the results of the ones before: one thread
+// block per sample (grid-stride over the samples), a barrier after every step. The bounds of both loops
+// are the same for every thread of a block, so every thread reaches every barrier.
+template <typename T>
+__global__ void dense_scan_chain(const long long* table, long long steps) {
+  const long long samples = table[2];
+  for (long long sample = blockIdx.x; sample < samples; sample += gridDim.x) {
+    for (long long step = 0; step < steps; ++step) {
+      const long long* d = table + step * DENSE_FIELDS;
+      for (long long index = threadIdx.x; index < d[3]; index += blockDim.x) dense_item<T>(d, sample, index);
+      __syncthreads();
+    }
   }
 }

@@ -4,8 +4,12 @@ The steps of a level are independent. Each becomes a descriptor (a row of ``FIEL
 first work item, samples, items per sample, ``H``, the affine flag, device pointers of its operand
 rows and their sample strides; layout in ``rawkernels/dense_scan.cu``) in one host table for the whole
 plan, and a level runs as one launch of ``dense_scan_level<T>`` over its rows: a work item is one
-output element of one step and sample, so any ``H`` runs with the same launch shape. One more launch of
-the same kernel (copy rows) gathers the outputs, wherever the levels left them, into one array.
+output element of one step and sample, so any ``H`` runs with the same launch shape. A run of
+chained levels (:attr:`~sparse_scan.dense_scan.DenseScanPlan.chains`: back-propagation, the linear
+middle of a hybrid) is one launch of ``dense_scan_chain<T>`` instead: a thread block per sample walks
+the run's rows with a barrier between steps, so back-propagation over T steps takes two launches, not
+T + 1. One more launch of ``dense_scan_level<T>`` (copy rows) gathers the outputs, wherever the levels
+left them, into one array.
 
 What depends only on the plan, the batch size, ``H``, the value dtype and whether the scan is affine is
 built once and cached in a :class:`_Workspace`: the descriptor table (uploaded once), the vector input
@@ -29,11 +33,13 @@ import numpy as np
 from . import _kernels
 from .dense_scan import INPUT, DenseGroup, DenseScanPlan, Location
 
-__all__ = ["run_dense_plan_gpu"]
+__all__ = ["chain_threads", "launch_count", "run_dense_plan_gpu"]
 
 KERNEL_FILE = "dense_scan.cu"
 FIELDS = 16
 MM, MV, COPY = 0, 1, 2
+WARP = 32
+MAX_THREADS = 1024
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
@@ -64,14 +70,28 @@ class _Shape:
         return self.batch * self.size
 
 
+def chain_threads(size: int) -> int:
+    """Threads per block of ``dense_scan_chain`` for blocks of ``size``: the step's ``size`` entries in
+    whole warps, at most 1024 (larger blocks loop)."""
+    return min(MAX_THREADS, -(-int(size) // WARP) * WARP)
+
+
+def launch_count(plan: DenseScanPlan) -> int:
+    """Kernel launches of one numeric phase: one per level, one per chain of levels instead of its
+    levels, and the gather."""
+    chained = sum(stop - start for start, stop in plan.chains.items())
+    return plan.critical_steps - chained + len(plan.chains) + 1
+
+
 @dataclass(eq=False)
 class _Level:
-    """One launch (a scan level, or the gather of the outputs): its rows of the device table and
-    its work items."""
+    """One launch (a scan level, a chain of levels, or the gather of the outputs): its rows of the
+    device table and its work items (for a chain: its samples, one thread block each)."""
 
     table: Any
     steps: int
     items: int
+    chain: bool = False
 
 
 @dataclass(eq=False)
@@ -94,7 +114,7 @@ class _Workspace:
     bound : int or None
         The blocks pointer the device table holds now.
     levels : list of _Level
-        The plan's levels, then the gather.
+        The launches: the plan's levels (a chain of levels as one), then the gather.
     """
 
     shape: _Shape
@@ -220,18 +240,24 @@ def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     result = xp.empty_like(inputs)
     blocks, vectors = _allocate(plan, shape)
     builder = _TableBuilder(shape, inputs, blocks, vectors)
-    bounds: list[tuple[int, int, int]] = []
-    for groups in plan.levels_of_groups:
+    bounds: list[tuple[int, int, int, bool]] = []
+    chain_end = 0
+    for index, groups in enumerate(plan.levels_of_groups):
         first, items = len(builder.rows), 0
         for group in groups:
             items = builder.add_group(group, items)
-        bounds.append((first, len(builder.rows) - first, items))
+        if index < chain_end:  # one more row of the chain launch (each level of a chain is one row)
+            start, steps, _, _ = bounds.pop()
+            bounds.append((start, steps + 1, shape.batch, True))
+            continue
+        chain_end = plan.chains.get(index, 0)
+        bounds.append((first, len(builder.rows) - first, shape.batch if chain_end else items, chain_end > 0))
     first = len(builder.rows)
-    bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result)))
+    bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result), False))
     host_table = np.array(builder.rows, dtype=np.int64).reshape(-1)
     device_table = xp.asarray(host_table)
-    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items)
-              for first, steps, items in bounds]
+    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items, chain)
+              for first, steps, items, chain in bounds]
     positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
     offsets = np.array([o for _, o in builder.patches], dtype=np.int64)
     return _Workspace(shape, inputs, blocks, vectors, result, host_table, device_table, positions, offsets,
@@ -277,6 +303,11 @@ def run_dense_plan_gpu(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
     workspace = _workspace(plan, shape)
     workspace.bind(blocks, direct)
     kernel = _kernels.function(KERNEL_FILE, "dense_scan_level", dtype)
+    chain = _kernels.function(KERNEL_FILE, "dense_scan_chain", dtype) if plan.chains else None
     for level in workspace.levels:
-        _kernels.launch(kernel, level.items, (level.table, np.int64(level.steps), np.int64(level.items)))
+        if level.chain:
+            _kernels.launch_blocks(chain, level.items, chain_threads(shape.size),
+                                   (level.table, np.int64(level.steps)))
+        else:
+            _kernels.launch(kernel, level.items, (level.table, np.int64(level.steps), np.int64(level.items)))
     return workspace.outputs()

@@ -13,10 +13,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["cupy_module", "device_pointer", "function", "launch", "per_plan", "source", "type_name",
-           "upload_stream_ordered"]
+__all__ = ["cupy_module", "device_pointer", "function", "launch", "launch_blocks", "per_plan", "source",
+           "type_name", "upload_stream_ordered"]
 
 THREADS_PER_BLOCK = 256
+MAX_BLOCKS = 65535 * 8
 _MODULES: dict[tuple[int, str, tuple[str, ...]], Any] = {}
 _CUDA_TYPES = {
     np.dtype(np.float32): "float",
@@ -59,8 +60,14 @@ def function(filename: str, kernel: str, *template_dtypes: Any) -> Any:
 
 def launch(kernel: Any, work_items: int, args: Sequence[Any]) -> None:
     """Launch a grid-stride kernel over ``work_items`` items (at least one block)."""
-    blocks = max(1, min((int(work_items) + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK, 65535 * 8))
+    blocks = max(1, min((int(work_items) + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK, MAX_BLOCKS))
     kernel((blocks,), (THREADS_PER_BLOCK,), tuple(args))
+
+
+def launch_blocks(kernel: Any, blocks: int, threads: int, args: Sequence[Any]) -> None:
+    """Launch a kernel whose work is cut by thread block (one block per sample, say; it loops when
+    there are more than the launch's blocks) with ``threads`` threads per block."""
+    kernel((max(1, min(int(blocks), MAX_BLOCKS)),), (int(threads),), tuple(args))
 
 
 def per_plan(store: dict[int, dict[Any, Any]], plan: Any) -> dict[Any, Any]:

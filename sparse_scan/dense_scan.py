@@ -391,17 +391,20 @@ _scan = _backend.twin(cpu=_scan_cpu, gpu=_scan_gpu)
 # batched groups costs far more than one step of a chain's tight loop) and sustained FLOP/s of
 # batched small block products. CPU: NumPy's stacked matmul on 20x20 blocks, T=1000, measured on a
 # 2-core machine (the Blelloch scan's 19 levels took 5-9 ms at B=2 for 35 MFLOP, hybrid 3 about as
-# much; a chain step 3-6 us); GPU: a conservative fraction of an H100.
+# much; a chain step 3-6 us); GPU: a conservative fraction of an H100, and a chain step inside the one
+# launch of a chain (a block-wide barrier and an H-long dot product per thread) taken as less than a
+# launch. The GPU figures are estimates: no GPU has timed them yet.
 _LEVEL_SECONDS = {"cpu": 5e-4, "gpu": 5e-6}
-_CHAIN_STEP_SECONDS = {"cpu": 6e-6, "gpu": 5e-6}
+_CHAIN_STEP_SECONDS = {"cpu": 6e-6, "gpu": 2e-6}
 _FLOPS_PER_SECOND = {"cpu": 3e10, "gpu": 5e12}
-# Back-propagation with the blocks left in factored form (recurrent layers' `linear`): seconds per
-# step (a few array calls: 2.6-4.4 us measured on 2 cores at H=20; two or three launches on a GPU),
-# and the block values a scan of depth > 0 must fill first (1e9/s measured for the RNN on 2 cores,
-# after about a millisecond of setting up the fill's threads).
-_FACTORED_STEP_SECONDS = {"cpu": 4e-6, "gpu": 2e-5}
-_FILL_VALUES_PER_SECOND = {"cpu": 1e9, "gpu": 1e11}
-_FILL_SECONDS = {"cpu": 1e-3, "gpu": 2e-5}
+# Back-propagation with the blocks left in factored form (recurrent layers' `linear` on the CPU):
+# seconds per step (a few array calls: 2.6-4.4 us measured on 2 cores at H=20), and the block values
+# a scan of depth > 0 must fill first (1e9/s measured for the RNN on 2 cores, after about a
+# millisecond of setting up the fill's threads). On a GPU every depth fills the blocks (a few
+# launches), and back-propagation is one chain launch.
+_FACTORED_STEP_SECONDS = {"cpu": 4e-6}
+_FILL_VALUES_PER_SECOND = {"cpu": 1e9}
+_FILL_SECONDS = {"cpu": 1e-3}
 
 
 @functools.lru_cache(maxsize=256)
@@ -411,10 +414,12 @@ def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bo
     Each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU
     the scan's extra work usually outweighs the shorter critical path, on a GPU it does not. With
     ``factored`` (the blocks are not filled yet, and depth 0 would not need them: recurrent layers'
-    back-propagation applies each block in factored form), depth 0 costs a factored step per layer
-    and every other depth also pays for filling the ``n * batch * size²`` block values. The choice is
-    cached per arguments.
+    back-propagation on the CPU applies each block in factored form), depth 0 costs a factored step
+    per layer and every other depth also pays for filling the ``n * batch * size²`` block values;
+    ``factored`` is the CPU's only. The choice is cached per arguments.
     """
+    if factored and device not in _FACTORED_STEP_SECONDS:
+        raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
         plan = dense_plan(n, "hybrid", levels)

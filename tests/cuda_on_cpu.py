@@ -1,8 +1,11 @@
 """Compile a RawKernel source with g++ for the CPU and load it with ctypes.
 
-The kernels are grid-stride loops without shared memory or barriers, so running every (block, thread)
-of a small grid one after another on the host executes exactly the source the GPU runs. Tests compare
-this against the NumPy twins, which checks index arithmetic, bounds and dtype handling without a GPU.
+Most kernels are grid-stride loops without shared memory or barriers, so running every (block, thread)
+of a small grid one after another on the host (``SHIM_LAUNCH``) executes exactly the source the GPU
+runs. Kernels with ``__syncthreads`` run through ``SHIM_LAUNCH_THREADS``: the blocks one after another,
+the threads of a block as host threads meeting at a ``std::barrier`` (so ``__shared__`` may be one
+static array, reused block after block). Tests compare this against the NumPy twins, which checks
+index arithmetic, bounds, barriers and dtype handling without a GPU.
 """
 
 from __future__ import annotations
@@ -20,13 +23,35 @@ import pytest
 RAWKERNELS = pathlib.Path(__file__).resolve().parents[1] / "rawkernels"
 
 SHIM = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
 struct dim3 { unsigned int x, y, z; };
-static dim3 threadIdx, blockIdx, blockDim, gridDim;
+static thread_local dim3 threadIdx;
+static dim3 blockIdx, blockDim, gridDim;
+static std::barrier<>* shim_block_barrier = nullptr;
 #define __global__
 #define __device__
 #define __host__
+#define __shared__ static
 #define __forceinline__ inline
 #define __restrict__ __restrict
+static inline void __syncthreads() { shim_block_barrier->arrive_and_wait(); }
+#define SHIM_LAUNCH_THREADS(grid, block, ...)                                           \
+  do {                                                                                  \
+    gridDim = {(unsigned)(grid), 1u, 1u};                                               \
+    blockDim = {(unsigned)(block), 1u, 1u};                                             \
+    std::barrier<> barrier_(blockDim.x);                                                \
+    shim_block_barrier = &barrier_;                                                     \
+    for (unsigned b_ = 0; b_ < gridDim.x; ++b_) {                                       \
+      blockIdx = {b_, 0u, 0u};                                                          \
+      std::vector<std::thread> threads_;                                                \
+      for (unsigned t_ = 0; t_ < blockDim.x; ++t_)                                      \
+        threads_.emplace_back([&, t_] { threadIdx = {t_, 0u, 0u}; __VA_ARGS__; });      \
+      for (auto& thread_ : threads_) thread_.join();                                    \
+    }                                                                                   \
+    shim_block_barrier = nullptr;                                                       \
+  } while (0)
 #define SHIM_LAUNCH(grid, block, ...)                                                   \
   do {                                                                                  \
     gridDim = {(unsigned)(grid), 1u, 1u};                                               \
@@ -45,7 +70,8 @@ def compile_for_cpu(cu_file: str, wrappers: str) -> ctypes.CDLL:
     """Build ``rawkernels/<cu_file>`` plus C wrappers into a shared library (cached by content).
 
     ``wrappers`` defines ``extern "C"`` functions taking ``int grid, int block`` plus the kernel's
-    arguments and calling ``SHIM_LAUNCH(grid, block, kernel<...>(...))``.
+    arguments and calling ``SHIM_LAUNCH(grid, block, kernel<...>(...))`` (or ``SHIM_LAUNCH_THREADS``
+    for a kernel with barriers).
     """
     if shutil.which("g++") is None:
         pytest.skip("g++ is not available to run kernel sources on the CPU")
@@ -60,7 +86,7 @@ def compile_for_cpu(cu_file: str, wrappers: str) -> ctypes.CDLL:
         cpp.write_text(text)
         partial = library.with_suffix(".tmp.so")
         result = subprocess.run(
-            ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
+            ["g++", "-std=c++20", "-pthread", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
              "-Wno-unused-variable", "-o", str(partial), str(cpp)],
             capture_output=True, text=True,
         )

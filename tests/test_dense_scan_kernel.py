@@ -20,6 +20,7 @@ from sparse_scan import dense_scan as dense_scan_module
 from sparse_scan._dense_scan_gpu import COPY, FIELDS, MM, MV, run_dense_plan_gpu
 from sparse_scan.dense_scan import dense_plan, dense_scan
 from sparse_scan.recurrent import GRU, RNN
+from sparse_scan.recurrent import _base as recurrent_base
 from sparse_scan.scan import depth
 
 VALUE_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -43,12 +44,15 @@ def kernels():
         f'extern "C" void dense_scan_level_{value}(int grid, int block, const long long* table,'
         f" long long steps, long long items)"
         f" {{ SHIM_LAUNCH(grid, block, (dense_scan_level<{value}>(table, steps, items))); }}\n"
+        f'extern "C" void dense_scan_chain_{value}(int grid, int block, const long long* table,'
+        f" long long steps)"
+        f" {{ SHIM_LAUNCH_THREADS(grid, block, (dense_scan_chain<{value}>(table, steps))); }}\n"
         for value in VALUE_TYPES.values())
     return compile_for_cpu("dense_scan.cu", wrappers)
 
 
-def kernel(library, dtype):
-    return getattr(library, f"dense_scan_level_{VALUE_TYPES[np.dtype(dtype)]}")
+def kernel(library, dtype, name="dense_scan_level"):
+    return getattr(library, f"{name}_{VALUE_TYPES[np.dtype(dtype)]}")
 
 
 def chain(rng, n, batch, size, dtype, affine):
@@ -147,23 +151,73 @@ def test_every_step_kind_in_one_table_matches_numpy(kernels, grid, block, size, 
     table.check()
 
 
+@pytest.mark.parametrize("grid, block", [(1, 1), (2, 3), (5, 32)])
+@pytest.mark.parametrize("size", [1, 3, 33])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chain_kernel_runs_every_step_on_the_last_one(kernels, grid, block, size, affine, dtype):
+    """``dense_scan_chain``: each step reads the vector the step before wrote (a barrier apart), with
+    blocks per sample or shared, fewer or more thread blocks than samples and threads than entries."""
+    rng = np.random.default_rng(size + 10 * block)
+    batch, h, keep = 3, size, []
+
+    def value(*shape):
+        keep.append(np.ascontiguousarray(rng.standard_normal(shape) / np.sqrt(h), dtype=dtype))
+        return keep[-1]
+
+    vector, rows = value(batch, h), []
+    want = vector.astype(np.float64)
+    for step in range(7):
+        right = value(h, h) if step == 2 else value(batch, h, h)  # one shared by the batch
+        direct = value(batch, h) if affine else None
+        out = np.full((batch, h), np.nan, dtype)
+        keep.append(out)
+        rows.append([MV, 0, batch, h, h, int(affine), right.ctypes.data, 0 if right.ndim == 2 else h * h,
+                     0 if direct is None else direct.ctypes.data, h if affine else 0, 0, 0,
+                     vector.ctypes.data, h, 0, out.ctypes.data])
+        want = np.matmul(right.astype(np.float64), want[..., None])[..., 0]
+        if affine:
+            want = want + direct
+        vector = out
+    table = np.array(rows, dtype=np.int64).reshape(-1)
+    kernel(kernels, dtype, "dense_scan_chain")(grid, block, pointer(table), ctypes.c_longlong(len(rows)))
+    np.testing.assert_allclose(vector, want, rtol=TOLERANCE[np.dtype(dtype)] * 10, atol=1e-5)
+
+
+def test_chain_blocks_hold_whole_warps_up_to_1024_threads():
+    assert [_dense_scan_gpu.chain_threads(h) for h in (1, 20, 32, 33, 1000, 1025, 5000)] == [
+        32, 32, 32, 64, 1024, 1024, 1024]
+
+
 # --- the GPU orchestration on the CPU: NumPy for CuPy, the CPU build for the RawKernel ----------------
 @pytest.fixture
 def scan_on_cpu(kernels, monkeypatch):
-    """Run ``run_dense_plan_gpu`` on the host; records every launch's number of steps."""
+    """Run ``run_dense_plan_gpu`` on the host; records every launch's number of steps (a chain's as
+    ``("chain", steps)``)."""
     launches, uploads = [], []
 
     def function(filename, name, dtype):
-        assert (filename, name) == ("dense_scan.cu", "dense_scan_level")
-        return kernel(kernels, dtype)
+        assert filename == "dense_scan.cu" and name in ("dense_scan_level", "dense_scan_chain")
+        return name, kernel(kernels, dtype, name)
 
     def launch(compiled, work_items, args):
+        name, compiled = compiled
         table, steps, items = args
+        assert name == "dense_scan_level"
         assert isinstance(steps, np.int64) and isinstance(items, np.int64), "explicit int64 scalars"
         assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
         assert work_items == items > 0
         launches.append(int(steps))
         compiled(3, 7, pointer(table), ctypes.c_longlong(steps), ctypes.c_longlong(items))
+
+    def launch_blocks(compiled, blocks, threads, args):
+        name, compiled = compiled
+        table, steps = args
+        assert name == "dense_scan_chain" and isinstance(steps, np.int64)
+        assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
+        assert blocks == table[2] and threads % 32 == 0 and 0 < threads <= 1024
+        launches.append(("chain", int(steps)))
+        compiled(min(blocks, 2), min(threads, 8), pointer(table), ctypes.c_longlong(steps))
 
     def upload(device, host):
         uploads.append(host.size)
@@ -175,7 +229,22 @@ def scan_on_cpu(kernels, monkeypatch):
     monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
     monkeypatch.setattr(_dense_scan_gpu._kernels, "function", function)
     monkeypatch.setattr(_dense_scan_gpu._kernels, "launch", launch)
+    monkeypatch.setattr(_dense_scan_gpu._kernels, "launch_blocks", launch_blocks)
     return launches, uploads
+
+
+def expected_launches(plan):
+    """Per launch: the steps of a level, ``("chain", steps)`` for a chain of levels; then the gather."""
+    launches, index = [], 0
+    while index < plan.critical_steps:
+        stop = plan.chains.get(index)
+        if stop is None:
+            launches.append(sum(len(group.ops) for group in plan.levels_of_groups[index]))
+            index += 1
+        else:
+            launches.append(("chain", stop - index))
+            index = stop
+    return launches + [plan.n + 1]
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -192,8 +261,9 @@ def test_every_schedule_on_cpu_standin_equals_numpy(scan_on_cpu, n, size, affine
             got = run_dense_plan_gpu(plan, blocks, direct)
             assert_close(got, dense_scan(blocks, direct, method, levels, threads=1),
                          TOLERANCE[np.dtype(dtype)])
-            steps = [sum(len(group.ops) for group in groups) for groups in plan.levels_of_groups]
-            assert launches == steps + [n + 1]  # one launch per level, then the gather
+            # one launch per level or chain of levels, then the gather
+            assert launches == expected_launches(plan)
+            assert len(launches) == _dense_scan_gpu.launch_count(plan)
             launches.clear()
 
 
@@ -204,8 +274,28 @@ def test_dense_scan_gpu_twin_runs_the_kernels_on_cpu_standin(scan_on_cpu):
     plan = dense_plan(5, "blelloch")
     gpu_twin = dense_scan_module._scan.twins["gpu"]
     got = gpu_twin(backend.get("cpu"), plan, blocks, direct, None)
-    assert len(launches) == plan.critical_steps + 1
+    assert len(launches) == plan.critical_steps + 1 == _dense_scan_gpu.launch_count(plan)  # no chain
     assert_close(got, dense_scan(blocks, direct), 1e-12)
+
+
+@pytest.mark.parametrize("cell", [RNN, GRU])
+@pytest.mark.parametrize("last_only", [False, True], ids=["every-step", "last-only"])
+def test_recurrent_bp_gpu_twin_is_one_chain_launch_on_cpu_standin(scan_on_cpu, monkeypatch, cell, last_only):
+    """On a GPU, BP fills the blocks and runs their chain in one launch: equal to BP through the
+    factors (the CPU twin), which fills nothing."""
+    launches, _ = scan_on_cpu
+    gpu_scan = dense_scan_module._scan.twins["gpu"]
+    monkeypatch.setattr(recurrent_base, "dense_scan", lambda blocks, direct, method: gpu_scan(
+        backend.get("cpu"), dense_plan(len(blocks), method), blocks, direct, None))
+    steps, batch, hidden = 9, 3, 5
+    layer = cell(2, hidden, dtype=np.float64, rng=1)
+    rng = np.random.default_rng(6)
+    layer.forward(rng.standard_normal((batch, steps, 2)))
+    direct = rng.standard_normal((batch, hidden) if last_only else (steps, batch, hidden))
+    cpu = backend.get("cpu")
+    got = recurrent_base._back_propagate.twins["gpu"](cpu, layer, direct, None)
+    assert launches == [("chain", steps), steps + 1]
+    assert_close(got, recurrent_base._back_propagate.twins["cpu"](cpu, layer, direct, None), 1e-12)
 
 
 def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu):
@@ -285,8 +375,11 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, monkeypatch):
     gpu = backend.get("gpu")
     launches = []
     launch = _dense_scan_gpu._kernels.launch
+    launch_blocks = _dense_scan_gpu._kernels.launch_blocks
     monkeypatch.setattr(_dense_scan_gpu._kernels, "launch",
                         lambda *args: (launches.append(args[1]), launch(*args)))
+    monkeypatch.setattr(_dense_scan_gpu._kernels, "launch_blocks",
+                        lambda *args: (launches.append(args[1]), launch_blocks(*args)))
     rng = np.random.default_rng(n)
     for size in SIZES:
         for batch in BATCHES:
@@ -296,7 +389,7 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, monkeypatch):
                 got = dense_scan(gpu.asarray(blocks), gpu.asarray(direct), method, levels)
                 assert backend.of(got).name == "gpu"
                 assert_close(gpu.to_host(got), want, TOLERANCE[np.dtype(dtype)] * 10)
-                assert len(launches) == dense_plan(n, method, levels).critical_steps + 1
+                assert len(launches) == _dense_scan_gpu.launch_count(dense_plan(n, method, levels))
                 launches.clear()
 
 

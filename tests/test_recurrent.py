@@ -188,5 +188,7 @@ def test_auto_depth_counts_the_block_fill_that_factored_bp_avoids():
     # on 2 CPU cores BP through the factors wins (measured 7-10x PyTorch at T=1000, B=16) ...
     assert auto_levels(1000, 16, 20, "cpu", factored=True) == 0
     assert auto_levels(1000, 2, 20, "cpu", factored=True) == 0
-    # ... the GPU model keeps the scan's short critical path
-    assert auto_levels(1000, 16, 20, "gpu", factored=True) > 0
+    # ... the GPU model keeps the scan's short critical path (its BP fills the blocks too)
+    assert auto_levels(1000, 16, 20, "gpu") > 0
+    with pytest.raises(ValueError, match="CPU only"):
+        auto_levels(1000, 16, 20, "gpu", factored=True)

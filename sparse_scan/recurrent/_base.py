@@ -7,9 +7,11 @@ which the blocks are filled in one batched pass split over time between the CPU'
 hidden states), from which every input and parameter gradient is one GEMM or one sum over all steps
 and samples.
 
-Back-propagation's schedule (``linear``, or a ``hybrid`` of depth 0) needs no block at all: each step
-applies ``Σ_k W_k^T diag(c_k)`` to one vector per sample, one GEMM over the samples
-(:func:`chain_through_factors`), so the ``T·B·H²`` block values are neither filled nor read.
+Back-propagation's schedule (``linear``, or a ``hybrid`` of depth 0) needs no block at all on the CPU:
+each step applies ``Σ_k W_k^T diag(c_k)`` to one vector per sample, one GEMM over the samples
+(:func:`chain_through_factors`), so the ``T·B·H²`` block values are neither filled nor read. On a GPU
+that loop would be a few launches per step; there the blocks are filled (a few launches over all
+steps) and the chain of ``T`` products is one launch (``dense_scan_chain``).
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, dire
         if affine and t > 1:
             totals[t - 1] += direct[t - 2]
     return totals
+
+
+def _back_propagate_cpu(be: _backend.Backend, layer: "Recurrent", direct: Any, threads: int | None) -> Any:
+    """NumPy twin: BP through the factors, no block filled."""
+    return chain_through_factors(*layer.jacobian_factors(), direct)
+
+
+def _back_propagate_gpu(be: _backend.Backend, layer: "Recurrent", direct: Any, threads: int | None) -> Any:
+    """CUDA twin: fill the blocks, then the chain in one launch."""
+    return dense_scan(layer.transposed_jacobians(threads), direct, "linear")
+
+
+_back_propagate = _backend.twin(cpu=_back_propagate_cpu, gpu=_back_propagate_gpu)
 
 
 class Recurrent:
@@ -274,13 +289,13 @@ class Recurrent:
             raise ValueError(f"{layer}: grad_h: expected ({batch}, {steps}, {size}) or ({batch}, {size}), "
                              f"got {tuple(grad_h.shape)}")
         if method == "hybrid" and levels == "auto":
-            levels = auto_levels(steps, batch, size, be.name, factored=True)
+            levels = auto_levels(steps, batch, size, be.name, factored=be.name == "cpu")
         levels = checked_levels(steps, method, levels)
         grad_h = xp.asarray(grad_h, dtype=self.dtype)
         direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
         parameters = self._parameters_on(xp)
         if method == "linear" or (method == "hybrid" and levels == 0):
-            totals = chain_through_factors(*self.jacobian_factors(), direct)
+            totals = _back_propagate(be, self, direct, threads)
         else:
             totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
         grad_gi, grad_gh = self._pre_activation_grads(xp, saved, totals[1:])
