@@ -3,8 +3,9 @@
 //
 // The steps of a level are independent. Each is a descriptor row of a small device table, and one
 // grid-stride launch covers the work items of all of them: a thread finds its step by a binary search
-// over the steps' first work items (as rawkernels/scan.cu does). One thread per output element, no
-// shared memory and no barriers, so tests run this exact source on the CPU.
+// over the steps' first work items (as rawkernels/scan.cu does). dense_scan_level has one thread per
+// output element, no shared memory and no barriers; dense_scan_tiled and dense_scan_chain use barriers,
+// and tests run them on the CPU with the threads of a block as host threads.
 //
 // Tiling, any H: a work item is ONE output element (an entry of a block product or of a vector), and a
 // thread computes it as an H-long dot product. The launch has a fixed block size, independent of H, and
@@ -30,7 +31,16 @@
 //   [6] M_r   [7] M_r stride   [8] v_r (0 when not affine)   [9] v_r stride
 //   [10] M_l (mm; 0 otherwise)   [11] M_l stride   [12] v_l (0 for a non-affine mm)   [13] v_l stride
 //   [14] M_out (mm; 0 otherwise)   [15] v_out (0 for a non-affine mm)
+//   [16] first unit of the step in a dense_scan_tiled launch   [17] units per sample (see below)
 // A copy uses [0] to [4], [12], [13] and [15] only (per = H); the other fields are 0.
+//
+// Large H: dense_scan_tiled runs a level's block products as tiled GEMMs. A unit is the work of one
+// thread block of DENSE_TILE_THREADS threads: a DENSE_TILE × DENSE_TILE tile of M_out (mm), or
+// DENSE_TILE_THREADS consecutive entries of v_out (the vector part of an affine mm, and mv). Sample b of
+// a step covers its units b * [17] .. b * [17] + [17]: the ceil(H/DENSE_TILE)^2 tiles in row-major order,
+// then the ceil(H/DENSE_TILE_THREADS) vector chunks. A tile stages DENSE_TILE-wide slabs of M_r's rows
+// and M_l's columns in shared memory (coalesced loads), so each loaded value serves DENSE_TILE
+// multiply-adds instead of one; sums run over k in the same order as dense_scan_level's.
 //
 // A run of levels of one matrix-vector product each, every one on the previous one's result (the chains of
 // DenseScanPlan: back-propagation, and the linear middle of a hybrid), is ONE launch of dense_scan_chain:
@@ -39,25 +49,29 @@
 // to the block). The run's parallelism is the samples times H, so this is what the chain offers anyway,
 // without a launch per step. Its rows' first work items ([1]) are not read.
 //
-// Name expressions: dense_scan_level<T> and dense_scan_chain<T> with T in {float, double}.
+// Name expressions: dense_scan_level<T>, dense_scan_tiled<T> and dense_scan_chain<T> with T in
+// {float, double}.
 
-#define DENSE_FIELDS 16
+#define DENSE_FIELDS 18
 #define DENSE_MM 0
 #define DENSE_MV 1
 #define DENSE_COPY 2
+#define DENSE_TILE 16
+#define DENSE_TILE_THREADS (DENSE_TILE * DENSE_TILE)
 
 template <typename P>
 __device__ __forceinline__ P* dense_pointer(long long address) {
   return reinterpret_cast<P*>(static_cast<unsigned long long>(address));
 }
 
-// The last step whose first work item is <= item (steps without work share their successor's start).
+// The last step whose first work item (field 1; or unit, field 16) is <= item (steps without work share
+// their successor's start).
 __device__ __forceinline__ long long dense_find_step(const long long* table, long long steps,
-                                                     long long item) {
+                                                     long long item, int field = 1) {
   long long lo = 0, hi = steps;
   while (hi - lo > 1) {
     const long long mid = lo + (hi - lo) / 2;
-    if (table[mid * DENSE_FIELDS + 1] <= item) {
+    if (table[mid * DENSE_FIELDS + field] <= item) {
       lo = mid;
     } else {
       hi = mid;
@@ -105,6 +119,52 @@ __global__ void dense_scan_level(const long long* table, long long steps, long l
     const long long* d = table + dense_find_step(table, steps, item) * DENSE_FIELDS;
     const long long local = item - d[1];
     dense_item<T>(d, local / d[3], local % d[3]);
+  }
+}
+
+// Tile (tile_row, tile_col) of M_out = M_r M_l for one sample, by the DENSE_TILE_THREADS threads of a
+// block (thread t computes entry (t / DENSE_TILE, t % DENSE_TILE) of the tile). Every thread runs the
+// same number of slabs, so every thread reaches every barrier; entries outside H load as zeros.
+template <typename T>
+__device__ __forceinline__ void dense_tile(const long long* d, long long sample, long long tile_row,
+                                           long long tile_col, T (*right_slab)[DENSE_TILE + 1],
+                                           T (*left_slab)[DENSE_TILE + 1]) {
+  const long long size = d[4];
+  const int ty = threadIdx.x / DENSE_TILE, tx = threadIdx.x % DENSE_TILE;
+  const long long i = tile_row * DENSE_TILE + ty, j = tile_col * DENSE_TILE + tx;
+  const T* right = dense_pointer<const T>(d[6]) + sample * d[7];
+  const T* left = dense_pointer<const T>(d[10]) + sample * d[11];
+  T sum = (T)0;
+  for (long long k0 = 0; k0 < size; k0 += DENSE_TILE) {
+    right_slab[ty][tx] = (i < size && k0 + tx < size) ? right[i * size + k0 + tx] : (T)0;
+    left_slab[ty][tx] = (k0 + ty < size && j < size) ? left[(k0 + ty) * size + j] : (T)0;
+    __syncthreads();
+    const int width = size - k0 < DENSE_TILE ? (int)(size - k0) : DENSE_TILE;
+    for (int k = 0; k < width; ++k) sum += right_slab[ty][k] * left_slab[k][tx];
+    __syncthreads();
+  }
+  if (i < size && j < size) dense_pointer<T>(d[14])[sample * size * size + i * size + j] = sum;
+}
+
+// One scan level of mm and mv steps (no copies) in units (layout above): a block per unit, grid-stride
+// over the units. A unit's kind is the same for all threads of its block, so the barriers of a tile are
+// reached by the whole block. Launch with exactly DENSE_TILE_THREADS threads per block.
+template <typename T>
+__global__ void dense_scan_tiled(const long long* table, long long steps, long long units) {
+  __shared__ T right_slab[DENSE_TILE][DENSE_TILE + 1];
+  __shared__ T left_slab[DENSE_TILE][DENSE_TILE + 1];
+  for (long long unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const long long* d = table + dense_find_step(table, steps, unit, 16) * DENSE_FIELDS;
+    const long long local = unit - d[16];
+    const long long sample = local / d[17], index = local % d[17];
+    const long long size = d[4];
+    const long long side = d[0] == DENSE_MM ? (size + DENSE_TILE - 1) / DENSE_TILE : 0;
+    if (index < side * side) {
+      dense_tile<T>(d, sample, index / side, index % side, right_slab, left_slab);
+    } else {
+      const long long entry = (index - side * side) * DENSE_TILE_THREADS + threadIdx.x;
+      if (entry < size) dense_item<T>(d, sample, (d[0] == DENSE_MM ? size * size : 0) + entry);
+    }
   }
 }
 

@@ -4,7 +4,10 @@ The steps of a level are independent. Each becomes a descriptor (a row of ``FIEL
 first work item, samples, items per sample, ``H``, the affine flag, device pointers of its operand
 rows and their sample strides; layout in ``rawkernels/dense_scan.cu``) in one host table for the whole
 plan, and a level runs as one launch of ``dense_scan_level<T>`` over its rows: a work item is one
-output element of one step and sample, so any ``H`` runs with the same launch shape. A run of
+output element of one step and sample, so any ``H`` runs with the same launch shape. From
+``TILED_MIN_SIZE`` on, a level with block products runs ``dense_scan_tiled<T>`` instead: a thread
+block per ``16×16`` output tile, staging slabs of both operands in shared memory (each loaded value
+serves 16 multiply-adds instead of one). A run of
 chained levels (:attr:`~sparse_scan.dense_scan.DenseScanPlan.chains`: back-propagation, the linear
 middle of a hybrid) is one launch of ``dense_scan_chain<T>`` instead: a thread block per sample walks
 the run's rows with a barrier between steps, so back-propagation over T steps takes two launches, not
@@ -33,13 +36,19 @@ import numpy as np
 from . import _kernels
 from .dense_scan import INPUT, DenseGroup, DenseScanPlan, Location
 
-__all__ = ["chain_threads", "launch_count", "run_dense_plan_gpu"]
+__all__ = ["TILED_MIN_SIZE", "chain_threads", "launch_count", "run_dense_plan_gpu"]
 
 KERNEL_FILE = "dense_scan.cu"
-FIELDS = 16
+FIELDS = 18
 MM, MV, COPY = 0, 1, 2
 WARP = 32
 MAX_THREADS = 1024
+TILE = 16  # DENSE_TILE of rawkernels/dense_scan.cu
+TILE_THREADS = TILE * TILE
+TILED_MIN_SIZE = 64
+"""Blocks from this size on multiply as tiles (``dense_scan_tiled``); smaller ones one entry per thread,
+where a tile would leave most of its threads idle (at H = 20 a 32×32 cover computes 400 of 1024
+entries). A reasoned threshold, not yet timed on a GPU."""
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
@@ -85,13 +94,14 @@ def launch_count(plan: DenseScanPlan) -> int:
 
 @dataclass(eq=False)
 class _Level:
-    """One launch (a scan level, a chain of levels, or the gather of the outputs): its rows of the
-    device table and its work items (for a chain: its samples, one thread block each)."""
+    """One launch: its rows of the device table, its kernel (``level``: a scan level or the gather of
+    the outputs; ``tiled``: a level of large blocks; ``chain``: a chain of levels) and its work (work
+    items, units of a thread block each, or samples)."""
 
     table: Any
     steps: int
     items: int
-    chain: bool = False
+    kernel: str = "level"
 
 
 @dataclass(eq=False)
@@ -199,28 +209,33 @@ class _TableBuilder:
         array = self.inputs if location.buffer == INPUT else self.vectors[location.buffer]
         return _pointer(array) + location.row * self.shape.vector * self.itemsize
 
-    def add_group(self, group: DenseGroup, first: int) -> int:
-        """Append one descriptor per step of ``group``, work items from ``first``; return the next."""
+    def add_group(self, group: DenseGroup, first: int, first_unit: int) -> tuple[int, int]:
+        """Append one descriptor per step of ``group``, work items from ``first`` and tiled units from
+        ``first_unit``; return the next of both."""
         shape = self.shape
         size, affine = shape.size, int(shape.affine)
         block_stride, vector_stride = size * size, size
+        chunks = -(-size // TILE_THREADS)  # vector entries, a block of threads each
         for row, op in enumerate(group.ops):
             if group.kind == "mm":
                 per = size * size + size * affine
+                units = (-(-size // TILE)) ** 2 + chunks * affine
                 left = [self.block(op.left, 10), block_stride,
                         self.vector(op.left) if affine else 0, vector_stride * affine]
                 out = [_pointer(self.blocks[group.buffer]) + row * shape.block * self.itemsize,
                        self.vector(Location(group.buffer, row)) if affine else 0]
             else:
-                per = size
+                per, units = size, chunks
                 left = [0, 0, self.vector(op.left), vector_stride]
                 out = [0, self.vector(Location(group.buffer, row))]
             right = [self.block(op.right, 6), block_stride,
                      self.vector(op.right) if affine else 0, vector_stride * affine]
             kind = MM if group.kind == "mm" else MV
-            self.rows.append([kind, first, shape.batch, per, size, affine, *right, *left, *out])
+            self.rows.append([kind, first, shape.batch, per, size, affine, *right, *left, *out,
+                              first_unit, units])
             first += shape.batch * per
-        return first
+            first_unit += shape.batch * units
+        return first, first_unit
 
     def add_copies(self, sources: list[Location], result: Any) -> int:
         """Append one copy per source vector row into the rows of ``result``; return the work items."""
@@ -228,7 +243,7 @@ class _TableBuilder:
         for position, source in enumerate(sources):
             out = _pointer(result) + position * shape.vector * self.itemsize
             self.rows.append([COPY, first, shape.batch, shape.size, shape.size, 0, 0, 0, 0, 0, 0, 0,
-                              self.vector(source), shape.size, 0, out])
+                              self.vector(source), shape.size, 0, out, 0, 0])
             first += shape.vector
         return first
 
@@ -240,24 +255,30 @@ def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     result = xp.empty_like(inputs)
     blocks, vectors = _allocate(plan, shape)
     builder = _TableBuilder(shape, inputs, blocks, vectors)
-    bounds: list[tuple[int, int, int, bool]] = []
+    bounds: list[tuple[int, int, int, str]] = []
     chain_end = 0
     for index, groups in enumerate(plan.levels_of_groups):
-        first, items = len(builder.rows), 0
+        first, items, units = len(builder.rows), 0, 0
         for group in groups:
-            items = builder.add_group(group, items)
+            items, units = builder.add_group(group, items, units)
         if index < chain_end:  # one more row of the chain launch (each level of a chain is one row)
             start, steps, _, _ = bounds.pop()
-            bounds.append((start, steps + 1, shape.batch, True))
+            bounds.append((start, steps + 1, shape.batch, "chain"))
             continue
         chain_end = plan.chains.get(index, 0)
-        bounds.append((first, len(builder.rows) - first, shape.batch if chain_end else items, chain_end > 0))
+        steps = len(builder.rows) - first
+        if chain_end:
+            bounds.append((first, steps, shape.batch, "chain"))
+        elif shape.size >= TILED_MIN_SIZE and any(group.kind == "mm" for group in groups):
+            bounds.append((first, steps, units, "tiled"))
+        else:
+            bounds.append((first, steps, items, "level"))
     first = len(builder.rows)
-    bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result), False))
+    bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result), "level"))
     host_table = np.array(builder.rows, dtype=np.int64).reshape(-1)
     device_table = xp.asarray(host_table)
-    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items, chain)
-              for first, steps, items, chain in bounds]
+    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items, kernel)
+              for first, steps, items, kernel in bounds]
     positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
     offsets = np.array([o for _, o in builder.patches], dtype=np.int64)
     return _Workspace(shape, inputs, blocks, vectors, result, host_table, device_table, positions, offsets,
@@ -302,12 +323,14 @@ def run_dense_plan_gpu(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
     shape = _Shape(int(blocks.shape[1]), int(blocks.shape[2]), dtype, direct.ndim == 3)
     workspace = _workspace(plan, shape)
     workspace.bind(blocks, direct)
-    kernel = _kernels.function(KERNEL_FILE, "dense_scan_level", dtype)
-    chain = _kernels.function(KERNEL_FILE, "dense_scan_chain", dtype) if plan.chains else None
+    kernels = {name: _kernels.function(KERNEL_FILE, f"dense_scan_{name}", dtype)
+               for name in sorted({level.kernel for level in workspace.levels})}
     for level in workspace.levels:
-        if level.chain:
-            _kernels.launch_blocks(chain, level.items, chain_threads(shape.size),
-                                   (level.table, np.int64(level.steps)))
+        kernel, steps, items = kernels[level.kernel], np.int64(level.steps), np.int64(level.items)
+        if level.kernel == "chain":
+            _kernels.launch_blocks(kernel, level.items, chain_threads(shape.size), (level.table, steps))
+        elif level.kernel == "tiled":
+            _kernels.launch_blocks(kernel, level.items, TILE_THREADS, (level.table, steps, items))
         else:
-            _kernels.launch(kernel, level.items, (level.table, np.int64(level.steps), np.int64(level.items)))
+            _kernels.launch(kernel, level.items, (level.table, steps, items))
     return workspace.outputs()

@@ -17,7 +17,7 @@ from cuda_on_cpu import compile_for_cpu, pointer
 
 from sparse_scan import _dense_scan_gpu, backend
 from sparse_scan import dense_scan as dense_scan_module
-from sparse_scan._dense_scan_gpu import COPY, FIELDS, MM, MV, run_dense_plan_gpu
+from sparse_scan._dense_scan_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS, run_dense_plan_gpu
 from sparse_scan.dense_scan import dense_plan, dense_scan
 from sparse_scan.recurrent import GRU, RNN
 from sparse_scan.recurrent import _base as recurrent_base
@@ -47,6 +47,9 @@ def kernels():
         f'extern "C" void dense_scan_chain_{value}(int grid, int block, const long long* table,'
         f" long long steps)"
         f" {{ SHIM_LAUNCH_THREADS(grid, block, (dense_scan_chain<{value}>(table, steps))); }}\n"
+        f'extern "C" void dense_scan_tiled_{value}(int grid, int block, const long long* table,'
+        f" long long steps, long long units)"
+        f" {{ SHIM_LAUNCH_THREADS(grid, block, (dense_scan_tiled<{value}>(table, steps, units))); }}\n"
         for value in VALUE_TYPES.values())
     return compile_for_cpu("dense_scan.cu", wrappers)
 
@@ -74,7 +77,7 @@ class Table:
 
     def __init__(self, batch, size, dtype):
         self.batch, self.size, self.dtype = batch, size, np.dtype(dtype)
-        self.rows, self.keep, self.checks, self.items = [], [], [], 0
+        self.rows, self.keep, self.checks, self.items, self.units = [], [], [], 0, 0
 
     def ptr(self, array):
         if array is None:
@@ -96,13 +99,16 @@ class Table:
         out_block = None if left is None else np.full((b, h, h), np.nan, self.dtype)
         out_vector = None if vector_product is None else np.full((b, h), np.nan, self.dtype)
         kind, per = (MM, h * h + (h if left_vector is not None else 0)) if left is not None else (MV, h)
+        chunks = -(-h // TILE_THREADS)  # tiled units: 16x16 tiles of an mm, then vector chunks
+        units = chunks if left is None else (-(-h // TILE)) ** 2 + (chunks if left_vector is not None else 0)
         self.rows.append([kind, self.items, b, per, h, int(affine),
                           self.ptr(right), self.stride(right, 2),
                           self.ptr(right_vector if affine else None), self.stride(right_vector, 1),
                           self.ptr(left), self.stride(left, 2),
                           self.ptr(left_vector), self.stride(left_vector, 1),
-                          self.ptr(out_block), self.ptr(out_vector)])
+                          self.ptr(out_block), self.ptr(out_vector), self.units, units])
         self.items += b * per
+        self.units += b * units
         if out_block is not None:
             self.checks.append((out_block, np.broadcast_to(np.matmul(right, left), (b, h, h))))
         if out_vector is not None:
@@ -111,19 +117,54 @@ class Table:
     def copy(self, vector):
         out = np.full((self.batch, self.size), np.nan, self.dtype)
         self.rows.append([COPY, self.items, self.batch, self.size, self.size, 0, 0, 0, 0, 0, 0, 0,
-                          self.ptr(vector), self.stride(vector, 1), 0, self.ptr(out)])
+                          self.ptr(vector), self.stride(vector, 1), 0, self.ptr(out), 0, 0])
         self.items += self.batch * self.size
         self.checks.append((out, np.broadcast_to(vector, out.shape)))
 
-    def run(self, library, grid, block):
+    def run(self, library, grid, block, tiled=False):
         table = np.array(self.rows, dtype=np.int64).reshape(-1)
         assert table.size == len(self.rows) * FIELDS
-        kernel(library, self.dtype)(grid, block, pointer(table), ctypes.c_longlong(len(self.rows)),
-                                    ctypes.c_longlong(self.items))
+        if tiled:
+            kernel(library, self.dtype, "dense_scan_tiled")(
+                grid, TILE_THREADS, pointer(table), ctypes.c_longlong(len(self.rows)),
+                ctypes.c_longlong(self.units))
+        else:
+            kernel(library, self.dtype)(grid, block, pointer(table), ctypes.c_longlong(len(self.rows)),
+                                        ctypes.c_longlong(self.items))
 
     def check(self):
         for got, want in self.checks:
             np.testing.assert_allclose(got, want, rtol=TOLERANCE[self.dtype] * 10, atol=1e-5)
+
+
+def steps_of_every_kind(table, rng, dtype, copies=True):
+    """Every step kind and operand layout the level kernels meet, into ``table``."""
+    h, b = table.size, table.batch
+
+    def value(*shape):
+        return np.ascontiguousarray(rng.standard_normal(shape), dtype=dtype)
+
+    table.step(value(b, h, h), value(b, h), value(b, h, h), value(b, h), affine=True)  # mm affine
+    table.step(value(b, h, h), None, value(b, h, h), None, affine=False)  # mm, blocks only
+    table.step(value(b, h, h), value(b, h), None, value(b, h), affine=True)  # mv affine
+    table.step(value(b, h, h), None, None, value(b, h), affine=False)  # mv
+    table.step(value(h, h), value(h), value(b, h, h), value(b, h), affine=True)  # shared right
+    table.step(value(b, h, h), value(b, h), value(h, h), value(h), affine=True)  # shared left
+    table.step(value(h, h), None, None, value(b, h), affine=False)  # shared matrix of an mv
+    if copies:
+        table.copy(value(b, h))
+        table.copy(value(h))  # a shared vector, copied to every sample
+
+
+@pytest.mark.parametrize("grid", [1, 3])
+@pytest.mark.parametrize("size", [1, 3, 17, 33])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tiled_kernel_runs_every_mm_and_mv_step_kind(kernels, grid, size, dtype):
+    """``dense_scan_tiled``: whole and partial 16x16 tiles, vector chunks, shared operands."""
+    table = Table(3, size, dtype)
+    steps_of_every_kind(table, np.random.default_rng(size + grid), dtype, copies=False)
+    table.run(kernels, grid, None, tiled=True)
+    table.check()
 
 
 @pytest.mark.parametrize("grid, block", [(1, 1), (3, 5), (16, 32)])
@@ -133,20 +174,8 @@ def test_every_step_kind_in_one_table_matches_numpy(kernels, grid, block, size, 
     rng = np.random.default_rng(size * grid + block)
     batch = 3
 
-    def value(*shape):
-        return np.ascontiguousarray(rng.standard_normal(shape), dtype=dtype)
-
     table = Table(batch, size, dtype)
-    h, b = size, batch
-    table.step(value(b, h, h), value(b, h), value(b, h, h), value(b, h), affine=True)  # mm affine
-    table.step(value(b, h, h), None, value(b, h, h), None, affine=False)  # mm, blocks only
-    table.step(value(b, h, h), value(b, h), None, value(b, h), affine=True)  # mv affine
-    table.step(value(b, h, h), None, None, value(b, h), affine=False)  # mv
-    table.step(value(h, h), value(h), value(b, h, h), value(b, h), affine=True)  # shared right
-    table.step(value(b, h, h), value(b, h), value(h, h), value(h), affine=True)  # shared left
-    table.step(value(h, h), None, None, value(b, h), affine=False)  # shared matrix of an mv
-    table.copy(value(b, h))
-    table.copy(value(h))  # a shared vector, copied to every sample
+    steps_of_every_kind(table, rng, dtype)
     table.run(kernels, grid, block)
     table.check()
 
@@ -174,7 +203,7 @@ def test_chain_kernel_runs_every_step_on_the_last_one(kernels, grid, block, size
         keep.append(out)
         rows.append([MV, 0, batch, h, h, int(affine), right.ctypes.data, 0 if right.ndim == 2 else h * h,
                      0 if direct is None else direct.ctypes.data, h if affine else 0, 0, 0,
-                     vector.ctypes.data, h, 0, out.ctypes.data])
+                     vector.ctypes.data, h, 0, out.ctypes.data, 0, 0])
         want = np.matmul(right.astype(np.float64), want[..., None])[..., 0]
         if affine:
             want = want + direct
@@ -193,11 +222,12 @@ def test_chain_blocks_hold_whole_warps_up_to_1024_threads():
 @pytest.fixture
 def scan_on_cpu(kernels, monkeypatch):
     """Run ``run_dense_plan_gpu`` on the host; records every launch's number of steps (a chain's as
-    ``("chain", steps)``)."""
+    ``("chain", steps)``, a tiled level's as ``("tiled", steps)``)."""
     launches, uploads = [], []
 
     def function(filename, name, dtype):
-        assert filename == "dense_scan.cu" and name in ("dense_scan_level", "dense_scan_chain")
+        assert filename == "dense_scan.cu" and name in ("dense_scan_level", "dense_scan_chain",
+                                                        "dense_scan_tiled")
         return name, kernel(kernels, dtype, name)
 
     def launch(compiled, work_items, args):
@@ -212,12 +242,19 @@ def scan_on_cpu(kernels, monkeypatch):
 
     def launch_blocks(compiled, blocks, threads, args):
         name, compiled = compiled
-        table, steps = args
-        assert name == "dense_scan_chain" and isinstance(steps, np.int64)
+        table, steps = args[:2]
+        assert isinstance(steps, np.int64)
         assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
-        assert blocks == table[2] and threads % 32 == 0 and 0 < threads <= 1024
-        launches.append(("chain", int(steps)))
-        compiled(min(blocks, 2), min(threads, 8), pointer(table), ctypes.c_longlong(steps))
+        if name == "dense_scan_chain":
+            assert blocks == table[2] and threads % 32 == 0 and 0 < threads <= 1024
+            launches.append(("chain", int(steps)))
+            compiled(min(blocks, 2), min(threads, 8), pointer(table), ctypes.c_longlong(steps))
+            return
+        assert name == "dense_scan_tiled" and threads == TILE_THREADS and isinstance(args[2], np.int64)
+        last = table.reshape(-1, FIELDS)[-1]
+        assert blocks == args[2] == last[16] + last[2] * last[17]  # every unit of the level
+        launches.append(("tiled", int(steps)))
+        compiled(min(blocks, 2), threads, pointer(table), ctypes.c_longlong(steps), ctypes.c_longlong(blocks))
 
     def upload(device, host):
         uploads.append(host.size)
@@ -233,13 +270,17 @@ def scan_on_cpu(kernels, monkeypatch):
     return launches, uploads
 
 
-def expected_launches(plan):
-    """Per launch: the steps of a level, ``("chain", steps)`` for a chain of levels; then the gather."""
+def expected_launches(plan, size=1):
+    """Per launch: the steps of a level (``("tiled", steps)`` for a level of block products when
+    ``size`` reaches ``TILED_MIN_SIZE``), ``("chain", steps)`` for a chain of levels; then the gather."""
     launches, index = [], 0
     while index < plan.critical_steps:
         stop = plan.chains.get(index)
         if stop is None:
-            launches.append(sum(len(group.ops) for group in plan.levels_of_groups[index]))
+            groups = plan.levels_of_groups[index]
+            steps = sum(len(group.ops) for group in groups)
+            tiled = size >= _dense_scan_gpu.TILED_MIN_SIZE and any(group.kind == "mm" for group in groups)
+            launches.append(("tiled", steps) if tiled else steps)
             index += 1
         else:
             launches.append(("chain", stop - index))
@@ -265,6 +306,24 @@ def test_every_schedule_on_cpu_standin_equals_numpy(scan_on_cpu, n, size, affine
             assert launches == expected_launches(plan)
             assert len(launches) == _dense_scan_gpu.launch_count(plan)
             launches.clear()
+
+
+@pytest.mark.parametrize("n", [5, 21])
+@pytest.mark.parametrize("size", [3, 17])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
+def test_tiled_levels_on_cpu_standin_equal_numpy(scan_on_cpu, monkeypatch, n, size, affine):
+    """Levels of block products through ``dense_scan_tiled`` (its threshold lowered to these sizes)."""
+    launches, _ = scan_on_cpu
+    monkeypatch.setattr(_dense_scan_gpu, "TILED_MIN_SIZE", 2)
+    blocks, direct = chain(np.random.default_rng(n + size), n, 2, size, np.float64, affine)
+    for method, levels in [("blelloch", None), ("hybrid", 1), ("linear", None)]:
+        plan = dense_plan(n, method, levels)
+        assert_close(run_dense_plan_gpu(plan, blocks, direct), dense_scan(blocks, direct, method, levels),
+                     1e-12)
+        assert launches == expected_launches(plan, size)
+        assert method == "linear" or any(isinstance(launch, tuple) and launch[0] == "tiled"
+                                         for launch in launches)
+        launches.clear()
 
 
 def test_dense_scan_gpu_twin_runs_the_kernels_on_cpu_standin(scan_on_cpu):
@@ -371,8 +430,11 @@ def test_module_imports_without_cupy():
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gpu_dense_scan_equals_numpy(n, affine, dtype, monkeypatch):
+@pytest.mark.parametrize("tiled_from", [_dense_scan_gpu.TILED_MIN_SIZE, 2], ids=["default", "all-tiled"])
+def test_gpu_dense_scan_equals_numpy(n, affine, dtype, tiled_from, monkeypatch):
     gpu = backend.get("gpu")
+    monkeypatch.setattr(_dense_scan_gpu, "TILED_MIN_SIZE", tiled_from)
+    monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
     launches = []
     launch = _dense_scan_gpu._kernels.launch
     launch_blocks = _dense_scan_gpu._kernels.launch_blocks
@@ -381,7 +443,7 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, monkeypatch):
     monkeypatch.setattr(_dense_scan_gpu._kernels, "launch_blocks",
                         lambda *args: (launches.append(args[1]), launch_blocks(*args)))
     rng = np.random.default_rng(n)
-    for size in SIZES:
+    for size in SIZES + [70]:  # 70: tiled by default, partial tiles
         for batch in BATCHES:
             blocks, direct = chain(rng, n, batch, size, dtype, affine)
             for method, levels in schedules(n):
