@@ -7,7 +7,9 @@ build time (symbolic, once per architecture) and the median wall time of ``Seque
 when torch is installed. Gradients are checked against the linear scan. Schedules whose plan does not
 fit the memory budget or need a product of more than ``--max-step-flops`` (checked before it is
 built), or whose work exceeds ``--max-work-flops``, are listed (with their figures when planned) and
-not run. Prints JSON (``--json``) or a table.
+not run. With ``--device gpu`` the forward and backward run on CuPy arrays (timed to the end of the
+device work) against PyTorch autograd on CUDA, and the gradients are checked against the CPU's linear
+scan. Prints JSON (``--json``) or a table.
 """
 
 from __future__ import annotations
@@ -19,18 +21,22 @@ import time
 from typing import Any
 
 import numpy as np
-from common import machine, median_time
+from common import machine, median_time, no_sync
 from vgg import vgg11_features
 
 from sparse_scan import backend
 from sparse_scan.scan import ScanCostError, ScanMemoryError, depth
 
 
-def torch_backward_time(model, x: np.ndarray, grad: np.ndarray, repeats: int) -> float | None:
-    """Median time of autograd's backward through a PyTorch mirror of ``model`` (None without torch)."""
+def torch_backward_time(model, x: np.ndarray, grad: np.ndarray, repeats: int,
+                        device: str = "cpu") -> float | None:
+    """Median time of autograd's backward through a PyTorch mirror of ``model`` (None without torch,
+    or without CUDA in torch when ``device`` is gpu)."""
     try:
         import torch
     except ImportError:
+        return None
+    if device == "gpu" and not torch.cuda.is_available():
         return None
     modules = []
     for layer in model.layers:
@@ -45,15 +51,17 @@ def torch_backward_time(model, x: np.ndarray, grad: np.ndarray, repeats: int) ->
         else:
             m = torch.nn.ReLU()
         modules.append(m)
-    net = torch.nn.Sequential(*modules)
-    inputs = torch.from_numpy(x).requires_grad_(True)
+    where = "cuda" if device == "gpu" else "cpu"
+    net = torch.nn.Sequential(*modules).to(where)
+    inputs = torch.from_numpy(x).to(where).requires_grad_(True)
     output = net(inputs)
-    upstream = torch.from_numpy(grad)
+    upstream = torch.from_numpy(grad).to(where)
 
     def backward() -> None:
         torch.autograd.grad(output, [inputs], upstream, retain_graph=True)
 
-    return median_time(backward, repeats)
+    sync = torch.cuda.synchronize if device == "gpu" else no_sync
+    return median_time(backward, repeats, sync)
 
 
 def schedules(n: int) -> list[tuple[str, Any]]:
@@ -62,13 +70,17 @@ def schedules(n: int) -> list[tuple[str, Any]]:
 
 
 def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
+    be = backend.get(args.device)
     rng = np.random.default_rng(0)
     model = vgg11_features(pruned=prune > 0)
     name = f"vgg11-pruned{int(prune * 100)}" if prune else "vgg11"
     x = rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32)
     grad = rng.standard_normal(model.forward(x).shape).astype(np.float32)
-    rows, reference = [], None
-    torch_s = torch_backward_time(model, x, grad, args.repeats)
+    reference = model.backward(grad, "linear")  # on the CPU
+    rows = []
+    torch_s = torch_backward_time(model, x, grad, args.repeats, be.name)
+    model.forward(be.asarray(x))
+    grad = be.asarray(grad)
     for method, levels in schedules(len(model)):
         row: dict[str, Any] = {"model": name, "batch": args.batch, "method": method, "levels": levels}
         rows.append(row)
@@ -89,12 +101,11 @@ def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
         if plan.work_flops * args.batch > args.max_work_flops:
             row["skipped"] = f"{plan.work_flops * args.batch:.3g} FLOPs of work over --max-work-flops"
             continue
-        grads = model.backward(grad, method, levels)
-        if reference is None:
-            reference = grads
+        grads = [be.to_host(g) for g in model.backward(grad, method, levels)]
         row["max_rel_error_vs_linear"] = max(float(np.abs(g - r).max() / max(np.abs(r).max(), 1e-30))
                                              for g, r in zip(grads, reference, strict=True))
-        row["backward_s"] = median_time(lambda m=method, k=levels: model.backward(grad, m, k), args.repeats)
+        row["backward_s"] = median_time(lambda m=method, k=levels: model.backward(grad, m, k), args.repeats,
+                                        be.synchronize)
         if torch_s is not None:
             row["torch_autograd_s"] = torch_s
             row["speedup_vs_torch"] = torch_s / row["backward_s"]
@@ -115,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="schedules with more work (whole batch) are planned but not run")
     parser.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True,
                         help="also the unpruned network")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = measure(args, 0.97) + (measure(args, 0.0) if args.dense else [])
     if args.json:
-        print(json.dumps({"benchmark": "scan", "machine": machine(backend.get("cpu")), "rows": rows},
+        print(json.dumps({"benchmark": "scan", "machine": machine(backend.get(args.device)), "rows": rows},
                          indent=2))
         return 0
     for r in rows:

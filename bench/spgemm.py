@@ -8,8 +8,11 @@ matrix-matrix product of up-sweep levels 0 and 1 is timed three ways in one run:
   drops zeros, so it is the oracle and the baseline, not a substitute);
 * the plan build (symbolic, once per architecture) against one SciPy product.
 
-The numeric results are checked against SciPy's. Products over ``--max-multiply-adds`` (per
-sample) are listed with their figures but not run. Prints JSON (``--json``) or a table.
+With ``--device gpu`` the numeric phase runs on the GPU (``spgemm.multiply`` on CuPy operands: one
+RawKernel launch, or batched GEMMs for block products) against cupyx ``A @ B`` (cuSPARSE SpGEMM), one
+sample at a time, both timed to the end of their device work. The numeric results are checked against
+SciPy's (or cupyx's). Products over ``--max-multiply-adds`` (per sample) are listed with their figures
+but not run. Prints JSON (``--json``) or a table.
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ from sparse_scan.scan import Element, schedule
 from sparse_scan.spgemm import count_multiply_adds, multiply, plan_product
 
 
-def scipy_matrix(pattern, data, sample: int):
+def scipy_matrix(pattern, data, sample: int, be: backend.Backend):
+    """Sample ``sample`` of a batched CSR as a SciPy matrix (cupyx on the GPU)."""
     values = data if data.ndim == 1 else data[sample]
+    if be.name == "gpu":
+        import cupyx.scipy.sparse as gpu_sparse  # noqa: PLC0415 - GPU runs only
+
+        return gpu_sparse.csr_matrix((be.asarray(values), be.asarray(pattern.indices),
+                                      be.asarray(pattern.indptr)), shape=pattern.shape)
     return sp.csr_matrix((values, pattern.indices, pattern.indptr), shape=pattern.shape)
 
 
-def median_time_of(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
-    return median_time(lambda: fn(*args), repeats)
+def median_time_of(fn: Callable[..., Any], args: tuple, repeats: int, be: backend.Backend) -> float:
+    return median_time(lambda: fn(*args), repeats, be.synchronize)
 
 
 def scipy_products(pairs: list) -> list:
@@ -45,6 +54,8 @@ def scipy_products(pairs: list) -> list:
 
 
 def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
+    be = backend.get(args.device)
+    baseline = "cupyx" if be.name == "gpu" else "scipy"
     rows = []
     rng = np.random.default_rng(0)
     for batch in (1, args.batch):
@@ -90,21 +101,28 @@ def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
                        shared_operands=a_data.ndim == 1 and b_data.ndim == 1)
             result = multiply(plan, a_data, b_data)
             values[out] = (plan.out, "general", result)
-            row["ours_s"] = median_time_of(multiply, (plan, a_data, b_data), args.repeats)
+            operands = (plan, be.asarray(a_data), be.asarray(b_data))
+            row["ours_s"] = median_time_of(multiply, operands, args.repeats, be)
+            if be.name == "gpu":
+                on_device = be.to_host(multiply(*operands))
+                row["max_rel_error_gpu_vs_cpu"] = float(abs(on_device - result).max()) / max(
+                    float(abs(result).max(initial=0.0)), 1e-30)
             samples = 1 if row["shared_operands"] else batch
             if multiply_adds > args.max_scipy_multiply_adds:
-                row["scipy_skipped"] = "over --max-scipy-multiply-adds"
+                row[f"{baseline}_skipped"] = "over --max-scipy-multiply-adds"
                 continue
-            pairs = [(scipy_matrix(a_pat, a_data, s), scipy_matrix(b_pat, b_data, s))
+            pairs = [(scipy_matrix(a_pat, a_data, s, be), scipy_matrix(b_pat, b_data, s, be))
                      for s in range(samples)]
-            row["scipy_s"] = median_time_of(scipy_products, (pairs,), args.repeats)
+            row[f"{baseline}_s"] = median_time_of(scipy_products, (pairs,), args.repeats, be)
             check = pairs[0][0] @ pairs[0][1]
+            if be.name == "gpu":
+                check = check.get()
             ours = sp.csr_matrix((result if result.ndim == 1 else result[0], plan.out.indices,
                                   plan.out.indptr), shape=plan.out.shape)
             scale = float(abs(check).max()) if check.nnz else 1.0
-            row["max_rel_error_vs_scipy"] = float(abs(ours - check).max()) / scale if check.nnz else 0.0
-            row["speedup_vs_scipy"] = row["scipy_s"] / row["ours_s"]
-            row["plan_vs_one_scipy_product"] = row["plan_s"] / (row["scipy_s"] / samples)
+            row[f"max_rel_error_vs_{baseline}"] = float(abs(ours - check).max()) / scale if check.nnz else 0.0
+            row[f"speedup_vs_{baseline}"] = row[f"{baseline}_s"] / row["ours_s"]
+            row[f"plan_vs_one_{baseline}_product"] = row["plan_s"] / (row[f"{baseline}_s"] / samples)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
@@ -119,19 +137,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="the same limit for products without dense blocks (scalar plans)")
     parser.add_argument("--max-scipy-multiply-adds", type=float, default=4e8,
                         help="SciPy is not timed on products above this (per sample)")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: our numeric phase on CuPy operands against cupyx (cuSPARSE)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = measure(args, 0.97) + measure(args, 0.0)
     if args.json:
-        print(json.dumps({"benchmark": "spgemm", "machine": machine(backend.get("cpu")), "rows": rows},
+        print(json.dumps({"benchmark": "spgemm", "machine": machine(backend.get(args.device)), "rows": rows},
                          indent=2))
         return 0
+    name = "cupyx" if args.device == "gpu" else "scipy"
     for r in rows:
         print(f"{r['model']:15} B={r['batch']:<3} L{r['level']} {r['layers'][0]:>3}..{r['layers'][1]:<3} "
               f"{r.get('method', '-'):13} madds={r.get('multiply_adds', 0):>12} "
-              + (f"ours={r['ours_s'] * 1e3:9.2f} ms scipy={r['scipy_s'] * 1e3:9.2f} ms "
-                 f"x{r['speedup_vs_scipy']:.1f} plan/scipy={r['plan_vs_one_scipy_product']:.1f}"
-                 if "scipy_s" in r else f"ours={r['ours_s'] * 1e3:9.2f} ms (no scipy)"
+              + (f"ours={r['ours_s'] * 1e3:9.2f} ms {name}={r[f'{name}_s'] * 1e3:9.2f} ms "
+                 f"x{r[f'speedup_vs_{name}']:.1f} plan/{name}={r[f'plan_vs_one_{name}_product']:.1f}"
+                 if f"{name}_s" in r else f"ours={r['ours_s'] * 1e3:9.2f} ms (no {name})"
                  if "ours_s" in r else r.get("skipped", "")))
     return 0
 

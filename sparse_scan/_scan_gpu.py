@@ -35,7 +35,7 @@ from .csr import Pattern, choose_index_dtype
 from .scan import Element, ScanPlan, Step
 from .spgemm import ProductPlan
 
-__all__ = ["PRODUCT_FALLBACKS", "run_plan_gpu"]
+__all__ = ["PRODUCT_FALLBACKS", "multiply_gpu", "run_plan_gpu"]
 
 KERNEL_FILE = "scan.cu"
 FIELDS = 16
@@ -164,7 +164,16 @@ def _spmv_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
 
 
 def _product_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
-    product = step.product
+    return _product_row(step.product, dtype, (step.right, layout.stride(step.right)),
+                        (step.left, layout.stride(step.left)), step.out,
+                        layout.shared[step.right] and not layout.shared[step.left])
+
+
+def _product_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Any, int], b_values: tuple[Any, int],
+                 out: Any, per_sample_first: bool) -> list[Any]:
+    """A PRODUCT descriptor: ``a_values``/``b_values`` are ``(values, sample stride)``; with
+    ``per_sample_first`` (A shared, B per sample) the operands trade slots, so that the kernel tests
+    the per-sample operand, which holds the explicit zeros, first."""
     positions = {"a": product.a_pos, "b": product.b_pos}
     if product.method == "scale_columns":
         positions["a"] = None
@@ -175,21 +184,26 @@ def _product_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
     starts = 0
     if product.method in ("general", "gather") and product.starts is not None:
         starts = _device_index(product, "starts", _starts_with_end(product), dtype)
-    a = (index["a"], step.right, layout.stride(step.right))
-    b = (index["b"], step.left, layout.stride(step.left))
-    if layout.shared[step.right] and not layout.shared[step.left]:
-        a, b = b, a  # the per-sample operand holds the explicit zeros: test it first
-    return [PRODUCT, 0, 0, product.out.nnz, a[0], b[0], starts, a[1], a[2], b[1], b[2], step.out]
+    a = (index["a"], *a_values)
+    b = (index["b"], *b_values)
+    if per_sample_first:
+        a, b = b, a
+    return [PRODUCT, 0, 0, product.out.nnz, a[0], b[0], starts, a[1], a[2], b[1], b[2], out]
 
 
 def _rowwise_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
-    product = step.product
+    return _rowwise_row(step.product, dtype, (step.right, layout.stride(step.right)),
+                        (step.left, layout.stride(step.left)), (step.out, layout.stride(step.out)))
+
+
+def _rowwise_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Any, int], b_values: tuple[Any, int],
+                 out: tuple[Any, int]) -> list[Any]:
+    """A ROWWISE descriptor (arguments as :func:`_product_row`'s, ``out`` with its stride too)."""
     arrays = []
     for pattern in (*product.operands, product.out):
         arrays += [_device_index(pattern, "indptr", pattern.indptr, dtype),
                    _device_index(pattern, "indices", pattern.indices, dtype)]
-    return [ROWWISE, 0, 0, product.out.shape[0], *arrays, step.right, layout.stride(step.right),
-            step.left, layout.stride(step.left), step.out, layout.stride(step.out)]
+    return [ROWWISE, 0, 0, product.out.shape[0], *arrays, *a_values, *b_values, *out]
 
 
 _FIELD_BUILDERS = {"general": _product_fields, "gather": _product_fields,
@@ -416,3 +430,55 @@ def run_plan_gpu(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> lis
             _kernels.launch(kernel, level.items,
                             (level.table, np.int64(level.steps), np.int64(level.items)))
     return [values[element] for element in plan.outputs]
+
+
+def multiply_gpu(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+    """One numeric product on the GPU (the contract of :func:`sparse_scan.spgemm.multiply`).
+
+    A product the scan kernel knows (general, gather, scalings, row-wise) is one launch of
+    ``scan_level`` over a one-row descriptor table; its index arrays go to the device once per plan.
+    Block products are batched GEMMs (:data:`PRODUCT_FALLBACKS`). The host is not synchronised.
+
+    Parameters
+    ----------
+    plan : ProductPlan
+    a_data, b_data : cupy.ndarray, shape (nnz,) or (B, nnz)
+        Values of ``A`` and ``B`` (a diagonal's data holds its diagonal); ``(nnz,)`` when shared by
+        the batch.
+
+    Returns
+    -------
+    cupy.ndarray, shape (nnz_C,) or (B, nnz_C)
+        Values of ``C`` in ``plan.out``'s entry order, in the promoted dtype (float32 or float64).
+    """
+    xp = _xp()
+    dtype = np.result_type(a_data.dtype, b_data.dtype)
+    if dtype not in VALUE_DTYPES:
+        raise TypeError(f"the GPU product runs in float32 or float64; the operands promote to {dtype}")
+    a, b = xp.ascontiguousarray(a_data, dtype=dtype), xp.ascontiguousarray(b_data, dtype=dtype)
+    if plan.method not in KERNEL_METHODS:
+        fallback = PRODUCT_FALLBACKS.get(plan.method)
+        if fallback is None:
+            raise NotImplementedError(f"no GPU kernel for product method {plan.method!r}")
+        return fallback(plan, a, b)
+    batch = max(a.shape[0] if a.ndim == 2 else 1, b.shape[0] if b.ndim == 2 else 1)
+    shared = a.ndim == b.ndim == 1
+    out = xp.empty((plan.out.nnz,) if shared else (batch, plan.out.nnz), dtype=dtype)
+    patterns = list(plan.operands or ()) + [plan.out]
+    index_dtype = choose_index_dtype(max([plan.multiply_adds] + [p.nnz for p in patterns]),
+                                     max(max(p.shape) for p in patterns))
+    strides = [0 if x.ndim == 1 else x.shape[1] for x in (a, b)]
+    if plan.method == "rowwise":
+        fields = _rowwise_row(plan, index_dtype, (a, strides[0]), (b, strides[1]),
+                              (out, 0 if shared else plan.out.nnz))
+    else:
+        fields = _product_row(plan, index_dtype, (a, strides[0]), (b, strides[1]), out,
+                              a.ndim == 1 and b.ndim == 2)
+    fields[2] = 1 if shared else batch
+    builder = _TableBuilder({}, {})
+    builder.add(fields)
+    table = xp.asarray(np.array(builder.rows[0], dtype=np.int64))
+    items = fields[2] * fields[3]
+    kernel = _kernels.function(KERNEL_FILE, "scan_level", index_dtype, dtype)
+    _kernels.launch(kernel, items, (table, np.int64(1), np.int64(items)))
+    return out

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse
 
+from . import backend as _backend
 from ._scaled_gather import THREAD_MIN_VALUES, scaled_gather
 from ._threads import cpu_threads, kernel_pool
 from .blocks import BlockProduct, block_layout, multiply_blocks, plan_block_product
@@ -341,8 +342,16 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
     ``(nnz_C,)`` when both are shared, else ``(B, nnz_C)``. A diagonal operand's data holds its
-    diagonal. Temporary products stay within ``scratch_bytes``.
+    diagonal. Temporary products stay within ``scratch_bytes`` (on the host). CuPy operands (both on
+    the GPU) run the scan's RawKernel or batched GEMMs (``_scan_gpu.multiply_gpu``).
     """
+    devices = {_backend.of(a_data).name, _backend.of(b_data).name}
+    if devices != {"cpu"}:
+        if devices != {"gpu"}:
+            raise ValueError("multiply: a_data and b_data must both be NumPy or both CuPy arrays")
+        from ._scan_gpu import multiply_gpu  # noqa: PLC0415 - it imports this module
+
+        return multiply_gpu(plan, a_data, b_data)
     if plan.method == "block":
         return multiply_blocks(plan.blocks, a_data, b_data, scratch_bytes=scratch_bytes)
     if plan.method == "scale_columns":

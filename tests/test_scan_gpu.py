@@ -18,7 +18,7 @@ import scipy.sparse as sp
 from cuda_on_cpu import compile_for_cpu, pointer
 from test_scan import random_chain, schedules
 
-from sparse_scan import _scan_gpu, backend
+from sparse_scan import _scan_gpu, backend, spgemm
 from sparse_scan._scan_gpu import FIELDS, PRODUCT, ROWWISE, SPMV, run_plan_gpu
 from sparse_scan.csr import Pattern
 from sparse_scan.scan import ScanPlan, run_plan
@@ -243,6 +243,40 @@ def scan_on_cpu(kernels, monkeypatch):
     return launches
 
 
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("value_dtype", [np.float32, np.float64])
+def test_multiply_gpu_on_cpu_standin_equals_multiply(scan_on_cpu, index_dtype, value_dtype):
+    """``spgemm.multiply``'s GPU twin: one launch of a one-row table per product, every method and
+    sharing of the operands, equal to the host's numeric phase."""
+    rng = np.random.default_rng(11)
+    for plan, a, b in random_products(rng, index_dtype, value_dtype, batch=3):
+        got = _scan_gpu.multiply_gpu(plan, a, b)
+        want = multiply(plan, a, b)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=TOLERANCE[np.dtype(value_dtype)], atol=1e-6)
+    assert scan_on_cpu == [1] * len(random_products(rng, index_dtype, value_dtype, batch=3))
+
+
+def test_multiply_gpu_block_products_and_bad_dtypes_on_cpu_standin(scan_on_cpu, monkeypatch):
+    monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
+    monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
+    model, in_shape, _, _ = chain_inputs(13, seed=33, batch=2, dtype=np.float64)
+    products = [step.product for step in model.plan(in_shape, "blelloch").steps if step.method == "block"]
+    assert products
+    for product in products:  # block products go to batched GEMMs, no launch of the scan kernel
+        a, b = rng_values(product.blocks.a.gather.size, 2), rng_values(product.blocks.b.gather.size, 3)
+        np.testing.assert_allclose(_scan_gpu.multiply_gpu(product, a, b[:2]), multiply(product, a, b[:2]),
+                                   rtol=1e-12)
+    assert scan_on_cpu == []
+    plan, a, b = random_products(np.random.default_rng(1), np.int32, np.float64, batch=2)[0]
+    with pytest.raises(TypeError, match="float32 or float64"):
+        _scan_gpu.multiply_gpu(plan, a.astype(np.float16), b.astype(np.float16))
+
+
+def rng_values(nnz, batch):
+    return np.random.default_rng(nnz).standard_normal((batch, nnz))
+
+
 def chain_inputs(n, seed, batch, dtype):
     """A random chain after a forward pass, an output gradient, and the scan's JTs (scan order)."""
     model, in_shape = random_chain(n, seed=seed, dtype=dtype)
@@ -374,6 +408,20 @@ def test_gpu_backward_equals_cpu_for_every_schedule(n, dtype):
         got = model.backward(gpu.asarray(grad_out), method=method, levels=levels, device="gpu")
         assert all(backend.of(g).name == "gpu" for g in got)
         assert_close([gpu.to_host(g) for g in got], want, TOLERANCE[np.dtype(dtype)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_dtype", [np.float32, np.float64])
+def test_gpu_multiply_equals_cpu(value_dtype):
+    gpu = backend.get("gpu")
+    rng = np.random.default_rng(12)
+    for plan, a, b in random_products(rng, np.int32, value_dtype, batch=3):
+        got = multiply(plan, gpu.asarray(a), gpu.asarray(b))
+        assert backend.of(got).name == "gpu"
+        np.testing.assert_allclose(gpu.to_host(got), multiply(plan, a, b),
+                                   rtol=TOLERANCE[np.dtype(value_dtype)], atol=1e-6)
+    with pytest.raises(ValueError, match="both NumPy or both CuPy"):
+        multiply(plan, gpu.asarray(a), b)
 
 
 @pytest.mark.gpu
