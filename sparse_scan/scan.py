@@ -24,11 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ._threads import cpu_threads
+from ._threads import cpu_threads, step_pool
 from .csr import Pattern
 from .spgemm import (
     PlanBudgetError,
@@ -563,7 +562,8 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
         return multiply(step.product, right, values[step.left])
 
     workers = cpu_threads() if threads is None else max(1, int(threads))
-    with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+    concurrent = workers > 1 and any(len(level) > 1 for level in plan.levels_of_steps)
+    with step_pool(workers) if concurrent else contextlib.nullcontext() as pool:
         for level in plan.levels_of_steps:
             steps = [plan.steps[index] for index in level]
             run = pool.map if pool is not None and len(steps) > 1 else map

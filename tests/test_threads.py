@@ -1,0 +1,46 @@
+"""The shared worker pools: reused across calls, separate for steps and kernels, none where unused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan import _threads, scan
+from sparse_scan._threads import cpu_threads, kernel_pool, step_pool
+from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
+from sparse_scan.model import Sequential
+
+
+def test_step_pool_is_shared_at_the_core_count_and_owned_otherwise():
+    with step_pool(cpu_threads()) as first, step_pool(cpu_threads()) as second:
+        assert first is second
+    assert first.submit(int, 3).result() == 3  # still open: it lives as long as the process
+    with step_pool(cpu_threads() + 1) as own:
+        assert own is not first and own.submit(int, 4).result() == 4
+    with pytest.raises(RuntimeError):
+        own.submit(int, 5)  # closed on exit
+    if kernel_pool() is not None:
+        assert kernel_pool() is not first  # steps wait on kernels: never the same threads
+
+
+def test_only_schedules_with_concurrent_steps_take_step_threads(monkeypatch):
+    calls = []
+    real = scan.step_pool
+    monkeypatch.setattr(scan, "step_pool", lambda workers: (calls.append(workers), real(workers))[1])
+    model = Sequential(Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(), MaxPool2d(2),
+                       Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1), ReLU(), input_shape=(2, 6, 6))
+    x = np.random.default_rng(0).standard_normal((2, 2, 6, 6))
+    grad = np.random.default_rng(1).standard_normal(model.forward(x).shape)
+    linear = model.backward(grad, "linear", device="cpu")
+    assert calls == []  # one step per level: no pool
+    blelloch = model.backward(grad, "blelloch", device="cpu")
+    assert calls == ([] if cpu_threads() < 2 else [cpu_threads()])
+    for got, want in zip(blelloch, linear, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_forked_children_forget_both_pools(monkeypatch):
+    monkeypatch.setattr(_threads, "_POOL", object())
+    monkeypatch.setattr(_threads, "_STEP_POOL", object())
+    _threads._forget_pool()
+    assert _threads._POOL is None and _threads._STEP_POOL is None
