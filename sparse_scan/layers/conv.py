@@ -228,28 +228,32 @@ class Conv2d(WeightedLayer):
         g = self.geometry(x.shape[1:])
         xp = _backend.of(x).xp
         columns = self._columns(x, g)
-        taps = columns.shape[2]
         batch = x.shape[0]
-        weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, taps)
-        out = xp.matmul(weight[None], columns)
-        out = out.reshape(batch, g.out_channels, g.out_height, g.out_width)
+        weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
+        out = xp.matmul(weight, columns).reshape(g.out_channels, batch, g.out_height, g.out_width)
         if self.bias is not None:
-            out = out + xp.asarray(self.bias)[None, :, None, None]
-        return out
+            out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
+        return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
 
     def _columns(self, x: Any, g: ConvGeometry) -> Any:
-        """``(B, groups, taps, out pixels)``: the input element each kernel tap of each output reads
-        (``taps = in_channels / groups * kh * kw``, zeros in the padding)."""
+        """``(groups, taps, B * out pixels)``: the input element each kernel tap of each output reads
+        (``taps = in_channels / groups * kh * kw``, zeros in the padding), the batch folded into the
+        columns so that one GEMM per group reads the weights once for every sample."""
         xp = _backend.of(x).xp
         top, bottom, left, right = self._pads
+        batch = x.shape[0]
         padded = xp.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
-        columns = xp.stack([
-            padded[:, :, kh * g.dilation[0]:, kw * g.dilation[1]:]
-                  [:, :, : (g.out_height - 1) * g.stride[0] + 1: g.stride[0],
-                   : (g.out_width - 1) * g.stride[1] + 1: g.stride[1]]
-            for kh in range(g.kernel[0]) for kw in range(g.kernel[1])], axis=2)
-        taps = g.cin_per_group * g.kernel[0] * g.kernel[1]
-        return columns.reshape(x.shape[0], g.groups, taps, g.out_height * g.out_width)
+        channels = (padded.reshape(batch, g.groups, g.cin_per_group, *padded.shape[2:])
+                    .transpose(1, 2, 0, 3, 4))
+        (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
+        rows, cols = (g.out_height - 1) * sh + 1, (g.out_width - 1) * sw + 1
+        columns = xp.empty((g.groups, g.cin_per_group, kh, kw, batch, g.out_height, g.out_width),
+                           dtype=x.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                columns[:, :, i, j] = channels[..., i * dh:i * dh + rows:sh, j * dw:j * dw + cols:sw]
+        taps = g.cin_per_group * kh * kw
+        return columns.reshape(g.groups, taps, batch * g.out_height * g.out_width)
 
     def pattern_nnz(self, in_shape: Shape) -> int:
         """Counted from the geometry: each weight (non-zero ones only when pruned) is stored once per
@@ -309,8 +313,7 @@ class Conv2d(WeightedLayer):
         grad = xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
         # (groups, cout, B * pixels) @ (groups, B * pixels, taps)
         left = grad.transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels)
-        right = columns.transpose(1, 0, 3, 2).reshape(g.groups, batch * pixels, columns.shape[2])
-        grads = {"weight": xp.matmul(left, right).reshape(self.weight.shape)}
+        grads = {"weight": xp.matmul(left, columns.transpose(0, 2, 1)).reshape(self.weight.shape)}
         if self.bias is not None:
             grads["bias"] = grad.sum(axis=(0, 3)).reshape(-1)
         return grads
