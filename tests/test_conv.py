@@ -11,7 +11,7 @@ from oracles import finite_difference_jt, torch_jt
 
 from sparse_scan import backend
 from sparse_scan.layers import Conv2d
-from sparse_scan.layers.conv import _structural_pattern_cpu
+from sparse_scan.layers.conv import SPARSE_FORWARD_MAX_DENSITY, _structural_pattern_cpu
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
 # asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.
@@ -310,6 +310,26 @@ def test_dense_matvec_pays_for_unpruned_weights_not_for_heavily_pruned_ones():
     grad = np.random.default_rng(2).standard_normal((2, 16 * 100)).astype(np.float32)
     np.testing.assert_allclose(pruned.dense_transposed_matvec(grad, shape),
                                grad @ pruned.transposed_jacobian(x).todense().T, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [cfg for cfg in CONFIGS if make_conv(cfg).weight.size >= 20])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_heavily_pruned_forward_multiplies_sparse_weights(cfg, dtype):
+    """At most SPARSE_FORWARD_MAX_DENSITY non-zeros: the CPU forward takes CSR weights (every
+    geometry), equal to the direct definition, following in-place value and zero-set changes."""
+    conv, x = make_conv(cfg, dtype=dtype, prune_pattern=True), make_input(cfg, dtype=dtype)
+    weight = conv.weight.copy()
+    keep = max(1, int(SPARSE_FORWARD_MAX_DENSITY * weight.size))
+    weight.ravel()[np.random.default_rng(4).permutation(weight.size)[keep:]] = 0
+    conv.weight = weight
+    assert conv._sparse_weights() is not None
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
+    conv.weight *= 3  # in place, same zero set: the kept structure, the current values
+    np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
+    conv.weight[conv.weight == 0] = 1.0  # dense now: back to the GEMM
+    assert conv._sparse_weights() is None
+    np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
 
 
 def test_pruned_pattern_follows_in_place_changes_of_the_zero_set():

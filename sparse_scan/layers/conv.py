@@ -10,6 +10,10 @@ Along each axis, the taps of an input position depend only on its position class
 stride's residue in the interior). The values fill exploits that: the rows of one class pair hold the
 same weights in the same order and lie at affine offsets, so each class pair is one strided block copy
 instead of an ``nnz``-long gather.
+
+The forward pass is one GEMM per group over the batch's columns (im2col). Pruned weights
+(``prune_pattern=True``) at most :data:`SPARSE_FORWARD_MAX_DENSITY` dense multiply on the CPU as a
+SciPy CSR matrix instead, skipping the pruned multiply-adds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.sparse
 
 from .. import _kernels
 from .. import backend as _backend
@@ -26,9 +31,13 @@ from ._base import Shape
 from ._geometry import IntPair, output_size, pair, window_extent
 from ._weighted import RngLike, WeightedLayer
 
-__all__ = ["Conv2d"]
+__all__ = ["SPARSE_FORWARD_MAX_DENSITY", "Conv2d"]
 
 KERNEL_FILE = "conv_jt.cu"
+SPARSE_FORWARD_MAX_DENSITY = 0.05
+"""Pruned weights with at most this fraction of non-zeros multiply the forward's columns as a CSR
+matrix on the CPU. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16): 2-4x
+faster at 3%, slower from about 6-10% (SciPy's product runs on one core)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,7 @@ class Conv2d(WeightedLayer):
             (self.out_channels, self.in_channels // self.groups) + self.kernel_size,
             bias, fan_in, dtype, rng, prune_pattern,
         )
+        self._sparse_structure: tuple[Any, list[tuple[np.ndarray, ...]] | None] | None = None
 
     def _resolve_padding(self, label: str) -> tuple[int, int, int, int]:
         """(top, bottom, left, right) from an int pair, 'valid' or 'same'."""
@@ -229,11 +239,41 @@ class Conv2d(WeightedLayer):
         xp = _backend.of(x).xp
         columns = self._columns(x, g)
         batch = x.shape[0]
-        weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
-        out = xp.matmul(weight, columns).reshape(g.out_channels, batch, g.out_height, g.out_width)
+        sparse = self._sparse_weights() if xp is np else None
+        if sparse is None:
+            weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
+            out = xp.matmul(weight, columns)
+        else:
+            out = np.stack([group @ block for group, block in zip(sparse, columns, strict=True)])
+        out = out.reshape(g.out_channels, batch, g.out_height, g.out_width)
         if self.bias is not None:
             out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
         return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
+
+    def _sparse_weights(self) -> list[scipy.sparse.csr_matrix] | None:
+        """Per group, the pruned weights ``(cout / groups, taps)`` as CSR, or None where they are not
+        pruned or too dense to pay (:data:`SPARSE_FORWARD_MAX_DENSITY`). The structure is kept per
+        zero set; the values are gathered from the current weights at every call."""
+        if not self.prune_pattern:
+            return None
+        key = self._structure_key()
+        if self._sparse_structure is None or self._sparse_structure[0] != key:
+            groups = self._weight.reshape(self.groups, self.out_channels // self.groups, -1)
+            structure = None
+            if np.count_nonzero(groups) <= SPARSE_FORWARD_MAX_DENSITY * groups.size:
+                structure = []
+                for index, group in enumerate(groups):
+                    matrix = scipy.sparse.csr_matrix(group != 0)
+                    rows = np.repeat(np.arange(group.shape[0]), np.diff(matrix.indptr))
+                    positions = (index * group.size + rows * group.shape[1] + matrix.indices).astype(np.intp)
+                    structure.append((matrix.indptr, matrix.indices, positions, group.shape))
+            self._sparse_structure = (key, structure)
+        structure = self._sparse_structure[1]
+        if structure is None:
+            return None
+        flat = self._weight.ravel()
+        return [scipy.sparse.csr_matrix((flat[positions], indices, indptr), shape=shape)
+                for indptr, indices, positions, shape in structure]
 
     def _columns(self, x: Any, g: ConvGeometry) -> Any:
         """``(groups, taps, B * out pixels)``: the input element each kernel tap of each output reads
