@@ -7,12 +7,12 @@ plan, and a level runs as one launch of ``dense_scan_level<T>`` over its rows: a
 output element of one step and sample, so any ``H`` runs with the same launch shape. From
 ``TILED_MIN_SIZE`` on, a level with block products runs ``dense_scan_tiled<T>`` instead: a thread
 block per ``16×16`` output tile, staging slabs of both operands in shared memory (each loaded value
-serves 16 multiply-adds instead of one). A run of
-chained levels (:attr:`~sparse_scan.dense_scan.DenseScanPlan.chains`: back-propagation, the linear
-middle of a hybrid) is one launch of ``dense_scan_chain<T>`` instead: a thread block per sample walks
-the run's rows with a barrier between steps, so back-propagation over T steps takes two launches, not
-T + 1. One more launch of ``dense_scan_level<T>`` (copy rows) gathers the outputs, wherever the levels
-left them, into one array.
+serves 16 multiply-adds instead of one). A run of chained levels
+(:attr:`~sparse_scan.dense_scan.DenseScanPlan.chains`: back-propagation, the linear middle of a
+hybrid) is one launch of ``dense_scan_chain<T>``: a thread block per sample walks the run's rows with
+a barrier between steps, so back-propagation over T steps takes two launches, not T + 1. One more
+launch of ``dense_scan_level<T>`` (copy rows) gathers the outputs, wherever the levels left them, into
+one array.
 
 What depends only on the plan, the batch size, ``H``, the value dtype and whether the scan is affine is
 built once and cached in a :class:`_Workspace`: the descriptor table (uploaded once), the vector input

@@ -437,7 +437,7 @@ def multiply_gpu(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
 
     A product the scan kernel knows (general, gather, scalings, row-wise) is one launch of
     ``scan_level`` over a one-row descriptor table; its index arrays go to the device once per plan.
-    Block products are batched GEMMs (:data:`PRODUCT_FALLBACKS`). The host is not synchronised.
+    Block products are batched GEMMs (:data:`PRODUCT_FALLBACKS`).
 
     Parameters
     ----------
