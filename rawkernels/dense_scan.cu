@@ -150,7 +150,8 @@ __device__ __forceinline__ void dense_tile(const long long* d, long long sample,
 // over the units. A unit's kind is the same for all threads of its block, so the barriers of a tile are
 // reached by the whole block. Launch with exactly DENSE_TILE_THREADS threads per block.
 template <typename T>
-__global__ void dense_scan_tiled(const long long* table, long long steps, long long units) {
+__global__ void __launch_bounds__(DENSE_TILE_THREADS) dense_scan_tiled(const long long* table, long long steps,
+                                                                       long long units) {
   __shared__ T right_slab[DENSE_TILE][DENSE_TILE + 1];
   __shared__ T left_slab[DENSE_TILE][DENSE_TILE + 1];
   for (long long unit = blockIdx.x; unit < units; unit += gridDim.x) {
@@ -172,7 +173,7 @@ __global__ void dense_scan_tiled(const long long* table, long long steps, long l
 // block per sample (grid-stride over the samples), a barrier after every step. The bounds of both loops
 // are the same for every thread of a block, so every thread reaches every barrier.
 template <typename T>
-__global__ void dense_scan_chain(const long long* table, long long steps) {
+__global__ void __launch_bounds__(1024) dense_scan_chain(const long long* table, long long steps) {
   const long long samples = table[2];
   for (long long sample = blockIdx.x; sample < samples; sample += gridDim.x) {
     for (long long step = 0; step < steps; ++step) {

@@ -56,6 +56,7 @@ _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 
 # array-module hooks (CuPy; tests stand NumPy in for them by patching these module names)
 _xp, _pointer, _upload = _kernels.cupy_module, _kernels.device_pointer, _kernels.upload_stream_ordered
+_device = _kernels.current_device
 
 
 # --- the workspace ----------------------------------------------------------------------------------
@@ -292,9 +293,10 @@ def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:
 
 def _workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     cache = _workspaces(plan)
-    if shape not in cache:
-        cache[shape] = _build_workspace(plan, shape)
-    return cache[shape]
+    key = (shape, _device())
+    if key not in cache:
+        cache[key] = _build_workspace(plan, shape)
+    return cache[key]
 
 
 # --- the numeric phase ------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["cupy_module", "device_pointer", "function", "launch", "launch_blocks", "per_plan", "source",
-           "type_name", "upload_stream_ordered"]
+__all__ = ["cupy_module", "current_device", "device_pointer", "function", "launch", "launch_blocks",
+           "per_plan", "source", "type_name", "upload_stream_ordered"]
 
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 65535 * 8
@@ -87,12 +87,17 @@ def cupy_module() -> Any:
     return cupy
 
 
+def current_device() -> int:
+    """The id of the current CUDA device (caches of device data are per device)."""
+    return int(cupy_module().cuda.Device().id)
+
+
 def device_pointer(array: Any) -> int:
     """The device address of a CuPy array's data, as an integer for a descriptor table."""
     return int(array.data.ptr)
 
 
 def upload_stream_ordered(device: Any, host: np.ndarray) -> None:
-    """Copy ``host`` into the device array on the current stream (a plain ``set()`` would be a
-    synchronous cudaMemcpy, which waits for the device)."""
+    """Copy ``host`` into the device array, ordered on the current stream. (From pageable host memory
+    CUDA may still return only once the copy is staged; ``host`` may be reused after the call.)"""
     device.set(host, stream=cupy_module().cuda.get_current_stream())

@@ -56,13 +56,14 @@ _DEVICE_INDEX: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyD
 
 # array-module hooks (CuPy; tests stand NumPy in for them by patching these module names)
 _xp, _pointer, _upload = _kernels.cupy_module, _kernels.device_pointer, _kernels.upload_stream_ordered
+_device = _kernels.current_device
 
 
 # --- device index arrays, cached per pattern / product plan ---------------------------------------
 def _device_index(owner: Any, name: str, host: Any, dtype: np.dtype) -> Any:
     """``host`` as a device array of ``dtype``, uploaded once per (``owner``, ``name``, ``dtype``)."""
     arrays = _DEVICE_INDEX.setdefault(owner, {})
-    key = (name, dtype)
+    key = (name, dtype, _device())
     if key not in arrays:
         arrays[key] = _xp().asarray(host, dtype=dtype)
     return arrays[key]
@@ -343,7 +344,7 @@ def _workspaces(plan: ScanPlan) -> dict[Any, _Workspace]:
 def _workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vector_size: int,
                dtype: np.dtype) -> _Workspace:
     cache = _workspaces(plan)
-    key = (batch, vector_size, dtype, tuple(jt.data.ndim == 1 for jt in jacobians))
+    key = (batch, vector_size, dtype, tuple(jt.data.ndim == 1 for jt in jacobians), _device())
     if key not in cache:
         cache[key] = _build_workspace(plan, jacobians, batch, vector_size, dtype)
     return cache[key]
@@ -369,15 +370,16 @@ def _run_fallback(step: Step, values: dict[Element, Any]) -> None:
 def _device_blocks(product: ProductPlan) -> BlockProduct:
     """``product``'s block structure with its index arrays on the device (uploaded once)."""
     arrays = _DEVICE_INDEX.setdefault(product, {})
-    if "blocks" not in arrays:
+    key = ("blocks", _device())
+    if key not in arrays:
         blocks, xp = product.blocks, _xp()
-        arrays["blocks"] = dataclasses.replace(
+        arrays[key] = dataclasses.replace(
             blocks,
             a=dataclasses.replace(blocks.a, gather=xp.asarray(blocks.a.gather)),
             b=dataclasses.replace(blocks.b, gather=xp.asarray(blocks.b.gather)),
             scatter=xp.asarray(blocks.scatter),
             slots=[tuple(xp.asarray(index) for index in slot) for slot in blocks.slots])
-    return arrays["blocks"]
+    return arrays[key]
 
 
 def _multiply_blocks_on_device(product: ProductPlan, a_data: Any, b_data: Any) -> Any:
@@ -465,8 +467,8 @@ def multiply_gpu(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
     shared = a.ndim == b.ndim == 1
     out = xp.empty((plan.out.nnz,) if shared else (batch, plan.out.nnz), dtype=dtype)
     patterns = list(plan.operands or ()) + [plan.out]
-    index_dtype = choose_index_dtype(max([plan.multiply_adds] + [p.nnz for p in patterns]),
-                                     max(max(p.shape) for p in patterns))
+    largest = max([plan.multiply_adds, a.shape[-1], b.shape[-1]] + [p.nnz for p in patterns])  # positions
+    index_dtype = choose_index_dtype(largest, max(max(p.shape) for p in patterns))
     strides = [0 if x.ndim == 1 else x.shape[1] for x in (a, b)]
     if plan.method == "rowwise":
         fields = _rowwise_row(plan, index_dtype, (a, strides[0]), (b, strides[1]),

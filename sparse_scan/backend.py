@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Hashable, Literal
 
 import numpy as np
 
@@ -59,8 +59,13 @@ class Backend:
         return self.xp.asarray(array, dtype=dtype)
 
     def to_host(self, array: Any) -> np.ndarray:
-        """Return ``array`` as a NumPy array (copying from the GPU when needed)."""
-        return array.get() if self.name == "gpu" else np.asarray(array)
+        """Return ``array`` as a NumPy array (copying from the GPU when needed; host arrays pass)."""
+        return array.get() if type(array).__module__.startswith("cupy") else np.asarray(array)
+
+    def device_key(self) -> Hashable:
+        """Where this backend's arrays live now: ``"cpu"``, or ``("gpu", current CUDA device id)``
+        (caches of device data are per device)."""
+        return "cpu" if self.name == "cpu" else ("gpu", self.xp.cuda.Device().id)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (timing); a no-op on the CPU."""

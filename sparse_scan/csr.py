@@ -64,6 +64,21 @@ def choose_index_dtype(nnz: int, ncols: int, requested: Any = None) -> np.dtype:
     return dtype
 
 
+def _row_of_entries_cpu(be: _backend.Backend, indptr: Any, rows: int, nnz: int, dtype: np.dtype) -> Any:
+    """NumPy twin: each row's index repeated over its entries."""
+    return np.repeat(np.arange(rows, dtype=dtype), np.diff(indptr))
+
+
+def _row_of_entries_gpu(be: _backend.Backend, indptr: Any, rows: int, nnz: int, dtype: np.dtype) -> Any:
+    """CuPy twin: entry ``k``'s row is the number of rows ending at or before ``k`` (a search on the
+    device; ``cupy.repeat`` takes no device array of counts before CuPy 14.1)."""
+    cp = be.xp
+    return cp.searchsorted(indptr[1:], cp.arange(nnz, dtype=dtype), side="right").astype(dtype, copy=False)
+
+
+_row_of_entries = _backend.twin(cpu=_row_of_entries_cpu, gpu=_row_of_entries_gpu)
+
+
 @dataclass(frozen=True, eq=False)
 class Pattern:
     """The structure of a CSR matrix: ``indptr``, ``indices`` and ``shape``, without values.
@@ -110,9 +125,8 @@ class Pattern:
 
     def row_of_entries(self) -> Any:
         """Row index of every stored entry, shape ``(nnz,)``, in the pattern's array module."""
-        xp = _backend.of(self.indptr).xp
-        counts = xp.diff(self.indptr)
-        return xp.repeat(xp.arange(self.shape[0], dtype=self.index_dtype), counts)
+        return _row_of_entries(_backend.of(self.indptr), self.indptr, self.shape[0], self.nnz,
+                               self.index_dtype)
 
     def to(self, device: str) -> "Pattern":
         """Return this pattern on ``device`` (``"cpu"`` or ``"gpu"``)."""

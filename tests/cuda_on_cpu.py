@@ -36,6 +36,7 @@ static std::barrier<>* shim_block_barrier = nullptr;
 #define __shared__ static
 #define __forceinline__ inline
 #define __restrict__ __restrict
+#define __launch_bounds__(...)
 static inline void __syncthreads() { shim_block_barrier->arrive_and_wait(); }
 #define SHIM_LAUNCH_THREADS(grid, block, ...)                                           \
   do {                                                                                  \

@@ -205,3 +205,12 @@ def test_gpu_backend_is_cupy():
     np.testing.assert_array_equal(gpu.to_host(a), np.arange(4, dtype=np.float32))
     np.testing.assert_array_equal(backend.get("cpu").asarray(a), np.arange(4, dtype=np.float32))
     assert backend.get("auto") is gpu
+
+
+def test_to_host_passes_host_arrays_on_every_backend_and_caches_are_per_device():
+    gpu_named = backend.Backend("gpu", np, scipy.sparse)  # NumPy standing in for CuPy
+    labels = np.array([1, 2])
+    assert gpu_named.to_host(labels) is labels  # host labels beside device logits: no .get()
+    assert backend.get("cpu").device_key() == "cpu"
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=3)))
+    assert backend.Backend("gpu", fake, scipy.sparse).device_key() == ("gpu", 3)

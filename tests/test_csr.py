@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse
 
+from sparse_scan import backend, csr
 from sparse_scan.csr import INT32_MAX, BatchedCSR, Pattern, choose_index_dtype
 
 
@@ -224,3 +225,19 @@ def test_to_cupyx_and_device_round_trip():
         np.testing.assert_array_equal(jt.to_cupyx(b).toarray().get(), jt.to_scipy(b).toarray())
     np.testing.assert_array_equal(jt.todense().get(), BatchedCSR(p, batch).todense())
     np.testing.assert_array_equal(gp.row_of_entries().get(), p.row_of_entries())
+
+
+def test_row_of_entries_twins_agree_with_empty_rows():
+    """The GPU twin searches the row ends on the device (NumPy stands in for CuPy here)."""
+    rng = np.random.default_rng(5)
+    for index_dtype in (np.int32, np.int64):
+        counts = rng.integers(0, 4, 30)
+        counts[[0, 7, 29]] = 0
+        indptr = np.concatenate(([0], np.cumsum(counts))).astype(index_dtype)
+        stand_in = backend.Backend("gpu", np, scipy.sparse)
+        got = csr._row_of_entries.twins["gpu"](stand_in, indptr, 30, int(indptr[-1]), np.dtype(index_dtype))
+        want = csr._row_of_entries.twins["cpu"](backend.get("cpu"), indptr, 30, int(indptr[-1]),
+                                                np.dtype(index_dtype))
+        assert got.dtype == want.dtype == index_dtype
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(want, np.repeat(np.arange(30), counts))

@@ -262,6 +262,7 @@ def scan_on_cpu(kernels, monkeypatch):
 
     monkeypatch.setattr(_dense_scan_gpu, "_xp", lambda: np)
     monkeypatch.setattr(_dense_scan_gpu, "_pointer", lambda array: array.ctypes.data)
+    monkeypatch.setattr(_dense_scan_gpu, "_device", lambda: 0)
     monkeypatch.setattr(_dense_scan_gpu, "_upload", upload)
     monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
     monkeypatch.setattr(_dense_scan_gpu._kernels, "function", function)
@@ -357,7 +358,7 @@ def test_recurrent_bp_gpu_twin_is_one_chain_launch_on_cpu_standin(scan_on_cpu, m
     assert_close(got, recurrent_base._back_propagate.twins["cpu"](cpu, layer, direct, None), 1e-12)
 
 
-def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu):
+def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu, monkeypatch):
     _, uploads = scan_on_cpu
     rng = np.random.default_rng(3)
     plan = dense_plan(13, "hybrid", 2)
@@ -379,6 +380,9 @@ def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu):
     run_dense_plan_gpu(plan, blocks, direct[-1])
     run_dense_plan_gpu(plan, blocks.astype(np.float32), direct.astype(np.float32))
     assert len(_dense_scan_gpu._workspaces(plan)) == 4  # per batch, affine flag and dtype
+    monkeypatch.setattr(_dense_scan_gpu, "_device", lambda: 1)  # another current GPU
+    assert_close(run_dense_plan_gpu(plan, blocks, direct), kept, 1e-12)
+    assert len(_dense_scan_gpu._workspaces(plan)) == 5  # its own device memory
 
 
 def test_non_contiguous_blocks_on_cpu_standin(scan_on_cpu):

@@ -56,3 +56,17 @@ def test_training_follows_pytorch_adam_on_the_same_batches(kind):
         loss.backward()
         optimizer.step()
         assert record["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_gpu_training_gives_the_host_losses(kind):
+    """Host labels beside device logits; the scan and the forward on the GPU."""
+    data = Bitstream(steps=30, samples=32, seed=2)
+    losses = {}
+    for device in ("cpu", "gpu"):
+        model = classifier(kind)
+        records = train_recurrent(model, data, Adam(model, lr=1e-2), iterations=3, batch_size=8,
+                                  device=device)
+        losses[device] = [record["loss"] for record in records]
+    np.testing.assert_allclose(losses["gpu"], losses["cpu"], rtol=1e-4)  # float32

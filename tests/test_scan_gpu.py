@@ -235,6 +235,7 @@ def scan_on_cpu(kernels, monkeypatch):
 
     monkeypatch.setattr(_scan_gpu, "_xp", lambda: np)
     monkeypatch.setattr(_scan_gpu, "_pointer", lambda array: array.ctypes.data)
+    monkeypatch.setattr(_scan_gpu, "_device", lambda: 0)
     monkeypatch.setattr(_scan_gpu, "_upload", lambda device, host: np.copyto(device, host))
     monkeypatch.setattr(_scan_gpu, "_DEVICE_INDEX", weakref.WeakKeyDictionary())
     monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
@@ -325,7 +326,7 @@ def test_int64_indices_and_lean_products_on_cpu_standin(scan_on_cpu, monkeypatch
     assert next(iter(_scan_gpu._workspaces(plan).values())).index_dtype == np.int64
 
 
-def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu):
+def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu, monkeypatch):
     model, in_shape, grad_out, jts = chain_inputs(6, seed=3, batch=4, dtype=np.float64)
     plan = model.plan(in_shape, "hybrid", 1)
     first = run_plan_gpu(plan, grad_out, jts)
@@ -341,6 +342,12 @@ def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu):
     run_plan_gpu(plan, grad_out[:2], [jt if jt.shared else dataclasses.replace(jt, data=jt.data[:2])
                                       for jt in jts])
     assert len(_scan_gpu._workspaces(plan)) == 2  # one per batch size
+    indices = len(_scan_gpu._DEVICE_INDEX)
+    monkeypatch.setattr(_scan_gpu, "_device", lambda: 1)  # another current GPU: its own memory
+    assert_close(run_plan_gpu(plan, new_grad, new_jts), second, 0.0)
+    assert len(_scan_gpu._workspaces(plan)) == 3
+    assert all(any(key[-1] == 1 for key in arrays) for arrays in _scan_gpu._DEVICE_INDEX.values())
+    assert len(_scan_gpu._DEVICE_INDEX) == indices
 
 
 def test_intermediates_share_memory_across_levels_on_cpu_standin(scan_on_cpu):

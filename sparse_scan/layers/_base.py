@@ -114,7 +114,7 @@ class Layer:
         self, in_shape: Shape, be: _backend.Backend, index_dtype: Any
     ) -> tuple[Pattern, dict[str, Any]]:
         requested = None if index_dtype is None else np.dtype(index_dtype).name
-        key = (in_shape, be.name, requested, self._structure_key())
+        key = (in_shape, be.device_key(), requested, self._structure_key())
         entry = self._patterns.get(key)
         if entry is None:
             entry = self._build_pattern(be, in_shape, index_dtype)

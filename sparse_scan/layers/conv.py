@@ -350,7 +350,7 @@ class Conv2d(WeightedLayer):
         xp = _backend.of(x).xp
         columns = self._columns(x, g)
         batch, pixels = x.shape[0], g.out_height * g.out_width
-        grad = xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
+        grad = _backend.of(x).asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
         # (groups, cout, B * pixels) @ (groups, B * pixels, taps)
         left = grad.transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels)
         grads = {"weight": xp.matmul(left, columns.transpose(0, 2, 1)).reshape(self.weight.shape)}
@@ -554,8 +554,9 @@ def _fill_values_cpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, au
 def _structural_pattern_gpu(be: _backend.Backend, g: ConvGeometry, index_dtype: Any) -> tuple[Pattern, Any]:
     cp = be.xp
     rows, cols = g.shape
-    counts = cp.asarray(_row_counts(g))  # analytic, tiny host work
-    nnz = int(counts.sum())  # sync: pattern build, once per shape
+    host_counts = _row_counts(g)  # analytic, tiny host work
+    nnz = int(host_counts.sum())
+    counts = cp.asarray(host_counts)
     dtype = choose_index_dtype(nnz, cols, index_dtype)
     indptr = cp.zeros(rows + 1, dtype=dtype)
     cp.cumsum(counts, out=indptr[1:])

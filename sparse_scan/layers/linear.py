@@ -77,7 +77,7 @@ class Linear(WeightedLayer):
     def parameter_gradients(self, x: Any, grad_out: Any) -> dict[str, Any]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch."""
         x = self._check_input(x)
-        grad = _backend.of(x).xp.asarray(grad_out)
+        grad = _backend.of(x).asarray(grad_out)  # on x's device, wherever the backward ran
         grads = {"weight": grad.T @ x}
         if self.bias is not None:
             grads["bias"] = grad.sum(axis=0)
