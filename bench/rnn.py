@@ -269,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gru", nargs="*", default=list(GRU_SHAPES), choices=list(GRU_SHAPES))
     parser.add_argument("--no-jax", action="store_true", help="skip JAX even when it is installed")
     parser.add_argument("--plot", type=pathlib.Path, help="write the Fig. 8-style plot here")
+    parser.add_argument("--replot", type=pathlib.Path, metavar="JSON",
+                        help="only draw --plot from this script's saved JSON output")
     parser.add_argument("--json", action="store_true", help="JSON only (default also JSON)")
     parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="rnn", help=argparse.SUPPRESS)
@@ -281,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         result = torch_worker(args.kind, steps, batch, args.size, 20, args.device, args.repeats, args.out) \
             if args.worker == "torch" else jax_worker(args.kind, steps, batch, args.size, 20, args.repeats)
         print(json.dumps(result))
+        return 0
+    if args.replot is not None:
+        if args.plot is None:
+            parser.error("--replot needs --plot")
+        saved = json.loads(args.replot.read_text())
+        plot(saved["rows"], args.plot, saved["machine"].get("gpu", saved["machine"]["processor"]))
         return 0
     be = backend.get(args.device)
     rows = []
@@ -302,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         steps, size = GRU_SHAPES[name]
         run("gru", name, steps, 16, size)
     info = machine(be)
+    print(json.dumps({"machine": info, "rows": rows}, indent=1), flush=True)  # before the plot can fail
     if args.plot is not None:
         plot(rows, args.plot, info.get("gpu", info["processor"]))
-    print(json.dumps({"machine": info, "rows": rows}, indent=1))
     return 0
 
 

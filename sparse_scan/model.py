@@ -289,6 +289,8 @@ class Sequential:
         valueless = _valueless(be, plan)
         jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                      for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
+        if timings is not None:
+            be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")
         batch = grad_out.shape[0]
         flat = _run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
