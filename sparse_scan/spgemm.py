@@ -454,24 +454,60 @@ def _multiply_rowwise(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, lim
         out[..., first:last] = np.add.reduceat(products, sums_at, axis=-1)
 
 
+MATVEC_THREAD_MIN = 2**21
+"""Host SpMVs with this many multiply-adds (non-zeros times vectors) run on every core. Measured on 2
+cores, VGG-11's 97%-pruned convolution JTs: 1.2-1.5x faster from about 3M, 1.7x slower at 0.5M."""
+
+
 def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
     """``A @ v`` for a batch of vectors ``(B, cols)`` on the host: returns ``(B, rows)``.
 
-    ``data`` is ``(nnz,)`` (one matrix for the batch: one SciPy multi-vector product) or ``(B, nnz)``
+    ``data`` is ``(nnz,)`` (one matrix for the batch: SciPy multi-vector products) or ``(B, nnz)``
     (one matrix per sample: one SciPy product per sample). SciPy's compiled CSR kernels keep
-    explicit zeros in the matrix; the result is a dense vector, so its pattern is not at stake.
+    explicit zeros in the matrix; the result is a dense vector, so its pattern is not at stake. From
+    :data:`MATVEC_THREAD_MIN` multiply-adds on, the work is cut over the cores (SciPy's kernels
+    release the GIL): runs of rows of about equal non-zeros, or the samples.
     """
-    rows = pattern.shape[0]
+    rows, batch = pattern.shape[0], vectors.shape[0]
     dtype = np.result_type(data, vectors)
+    out = np.empty((batch, rows), dtype=dtype)
+    pool = kernel_pool() if pattern.nnz * batch >= MATVEC_THREAD_MIN else None
+    workers = 1 if pool is None else cpu_threads()
     if data.ndim == 1:
-        product = _scipy_matrix(pattern, data) @ np.ascontiguousarray(vectors.T)
-        return np.ascontiguousarray(product.T, dtype=dtype)
-    out = np.empty((vectors.shape[0], rows), dtype=dtype)
-    matrix = _scipy_matrix(pattern, data[0])
-    for sample in range(vectors.shape[0]):
-        matrix.data = data[sample]  # a view: SciPy's constructor would copy a row of a larger array
-        out[sample] = matrix @ vectors[sample]
+        stacked = np.ascontiguousarray(vectors.T)
+        indptr = np.asarray(pattern.indptr)
+        cuts = np.searchsorted(indptr, np.linspace(0, pattern.nnz, workers + 1)[1:-1])
+        bounds = np.concatenate(([0], cuts, [rows])).astype(np.int64)
+
+        def rows_run(first: int, last: int) -> None:
+            start, stop = int(indptr[first]), int(indptr[last])
+            part = Pattern(indptr[first:last + 1] - indptr[first], pattern.indices[start:stop],
+                           (last - first, pattern.shape[1]))
+            out[:, first:last] = (_scipy_matrix(part, data[start:stop]) @ stacked).T
+
+        runs = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        _run_parts(pool, rows_run, runs)
+        return out
+
+    def samples_run(first: int, last: int) -> None:
+        matrix = _scipy_matrix(pattern, data[first])
+        for sample in range(first, last):
+            matrix.data = data[sample]  # a view: SciPy's constructor would copy a row of a larger array
+            out[sample] = matrix @ vectors[sample]
+
+    bounds = np.linspace(0, batch, min(workers, batch) + 1).astype(np.int64)
+    _run_parts(pool, samples_run, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                                   if b > a])
     return out
+
+
+def _run_parts(pool: Any, run: Any, parts: list[tuple[int, int]]) -> None:
+    """``run(first, last)`` for every part: on the pool's threads when there is more than one."""
+    if pool is None or len(parts) < 2:
+        for first, last in parts:
+            run(first, last)
+    else:
+        list(pool.map(lambda part: run(*part), parts))
 
 
 def _scipy_matrix(pattern: Pattern, data: np.ndarray) -> scipy.sparse.csr_matrix:

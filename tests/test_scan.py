@@ -443,3 +443,26 @@ def test_a_chain_of_dense_mvs_plans_without_building_their_patterns():
     grad_out = rng.standard_normal(model.forward(x).shape)
     model.backward(grad_out, "linear")
     assert all(not model.layers[len(model) - j]._patterns for j in plan.weights_only)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threaded, shared):
+    """Rows cut at about equal non-zeros (empty rows included) or samples cut over the threads."""
+    if threaded:
+        monkeypatch.setattr(spgemm, "MATVEC_THREAD_MIN", 1)
+        monkeypatch.setattr(spgemm, "cpu_threads", lambda: 3)
+    rng = np.random.default_rng(8)
+    matrix = sp.random(40, 30, density=0.2, format="lil", random_state=rng)
+    matrix[5:9] = 0  # empty rows
+    matrix = matrix.tocsr()
+    matrix.eliminate_zeros()
+    matrix.sort_indices()
+    pattern = Pattern(matrix.indptr, matrix.indices, matrix.shape)
+    vectors = rng.standard_normal((5, 30))
+    data = matrix.data if shared else rng.standard_normal((5, matrix.nnz))
+    got = spgemm.matvec(pattern, data, vectors)
+    for sample in range(5):
+        values = data if shared else data[sample]
+        want = sp.csr_matrix((values, matrix.indices, matrix.indptr), shape=matrix.shape) @ vectors[sample]
+        np.testing.assert_allclose(got[sample], want, rtol=1e-12, atol=1e-12)
