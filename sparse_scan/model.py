@@ -19,10 +19,11 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -44,6 +45,19 @@ _run_plan = _backend.twin(
 # the JTs a run needs no values for: on the CPU, those only dense steps read (they multiply by the
 # layer's weights); the GPU runs dense steps as SpMVs, so it needs every JT's values
 _valueless = _backend.twin(cpu=lambda be, plan: plan.weights_only, gpu=lambda be, plan: frozenset())
+
+
+@contextlib.contextmanager
+def _structures_held(layers: Sequence[Layer]) -> Iterator[None]:
+    """The layers' pattern structure keys are computed once inside the block (its caller must not
+    change weights meanwhile)."""
+    for layer in layers:
+        layer._hold_structure(True)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._hold_structure(False)
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -283,12 +297,13 @@ class Sequential:
             if timings is not None:
                 timings[name] = clock[-1] - clock[-2]
 
-        plan = self.plan(shapes[0], method, levels)
-        lap("plan_s")
-        n = len(self.layers)  # scan element j is the JT of layer n - j
-        valueless = _valueless(be, plan)
-        jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
-                     for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
+        with _structures_held(self.layers):  # pruned layers hash their zero sets once, not twice
+            plan = self.plan(shapes[0], method, levels)
+            lap("plan_s")
+            n = len(self.layers)  # scan element j is the JT of layer n - j
+            valueless = _valueless(be, plan)
+            jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
+                         for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
         if timings is not None:
             be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")

@@ -466,3 +466,31 @@ def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threa
         values = data if shared else data[sample]
         want = sp.csr_matrix((values, matrix.indices, matrix.indptr), shape=matrix.shape) @ vectors[sample]
         np.testing.assert_allclose(got[sample], want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_after(monkeypatch):
+    from sparse_scan.layers import _weighted
+
+    calls = []
+    real = _weighted.WeightedLayer._zero_set_key
+    monkeypatch.setattr(_weighted.WeightedLayer, "_zero_set_key",
+                        lambda layer: (calls.append(layer.name), real(layer))[1])
+    convs = [Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True),
+             Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1, prune_pattern=True)]
+    model = Sequential(convs[0], ReLU(), convs[1], input_shape=(2, 5, 5))
+    x = np.random.default_rng(0).standard_normal((2, 2, 5, 5))
+    grad = np.random.default_rng(1).standard_normal((2, 2, 5, 5))
+    model.forward(x)
+    calls.clear()
+    first = model.backward(grad, "linear")
+    assert sorted(calls) == sorted(conv.name for conv in convs)  # once per pruned layer, not per use
+    convs[0].weight[0] = 0.0  # in place, between two backward passes: a new zero set and pattern
+    model.forward(x)
+    second = model.backward(grad, "linear")
+    reference = Sequential(*[Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
+                             Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1)], input_shape=(2, 5, 5))
+    reference.layers[0].weight = convs[0].weight.copy()
+    reference.forward(x)
+    for got, want in zip(second, reference.backward(grad, "linear"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(first[0], second[0])

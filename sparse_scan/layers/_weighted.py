@@ -66,6 +66,8 @@ class WeightedLayer(Layer):
         self._weight_shape = tuple(weight_shape)
         self.prune_pattern = bool(prune_pattern)
         self._last_zero_set: tuple[np.ndarray, Hashable] | None = None
+        self._held_key: tuple[Hashable] | None = None  # (key,) once computed while held
+        self._holding = False
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._weight = generator.uniform(-bound, bound, self._weight_shape).astype(self._dtype)
@@ -132,6 +134,18 @@ class WeightedLayer(Layer):
         and a weight changed in place to a non-finite value still keeps its entry)."""
         if not self.prune_pattern:
             return None
+        if self._held_key is not None:
+            return self._held_key[0]
+        key = self._zero_set_key()
+        if self._holding:
+            self._held_key = (key,)
+        return key
+
+    def _hold_structure(self, hold: bool) -> None:
+        self._holding, self._held_key = hold, None
+
+    def _zero_set_key(self) -> Hashable:
+        """A hash of the weights' zero set (the last one is kept, see :meth:`_structure_key`)."""
         mask = np.packbits(self._weight.ravel() != 0)
         last = self._last_zero_set
         if last is not None and np.array_equal(last[0], mask):
