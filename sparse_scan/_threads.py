@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-__all__ = ["cpu_threads", "kernel_pool", "step_pool"]
+__all__ = ["cpu_threads", "kernel_pool", "step_pool", "worker_pool"]
 
 _POOL: ThreadPoolExecutor | None = None
 _STEP_POOL: ThreadPoolExecutor | None = None
@@ -66,3 +66,19 @@ def step_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
             _STEP_POOL = ThreadPoolExecutor(workers, thread_name_prefix="sparse-scan-step")
         pool = _STEP_POOL
     yield pool
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
+    """Threads for work cut into ``workers`` parts by its caller: None for one part, the shared
+    kernel pool, or (a single core, where there is none) a pool of ``workers`` threads closed on exit,
+    so that an explicit thread count is honoured everywhere."""
+    if workers <= 1:
+        yield None
+        return
+    shared = kernel_pool()
+    if shared is not None:
+        yield shared
+        return
+    with ThreadPoolExecutor(workers) as own:
+        yield own

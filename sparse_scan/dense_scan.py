@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import backend as _backend
-from ._threads import cpu_threads, kernel_pool
+from ._threads import cpu_threads, worker_pool
 from .scan import Element, checked_levels, depth, live_schedule, scan_outputs
 
 __all__ = ["DenseScanPlan", "Location", "auto_levels", "dense_plan", "dense_scan"]
@@ -371,8 +371,8 @@ def _run_chain(xp: Any, levels: list[list[DenseGroup]], blocks: dict[int, Any], 
 def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
               threads: int | None) -> Any:
     workers = cpu_threads() if threads is None else max(1, int(threads))
-    pool = kernel_pool() if workers > 1 else None  # shared: a pool per call costs about 0.4 ms
-    return _scan_arrays(np, plan, blocks, direct, None if pool is None else _Threads(pool, workers))
+    with worker_pool(workers) as pool:  # shared: a pool per call costs about 0.4 ms
+        return _scan_arrays(np, plan, blocks, direct, None if pool is None else _Threads(pool, workers))
 
 
 def _scan_gpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,

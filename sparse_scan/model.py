@@ -19,11 +19,10 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from . import backend as _backend
 from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
+from .layers._weighted import held_structure_keys
 from .scan import METHODS, ElementInfo, ScanCostError, ScanPlan, build_plan, depth, run_plan
 from .spgemm import ProductPlan
 
@@ -45,19 +45,6 @@ _run_plan = _backend.twin(
 # the JTs a run needs no values for: on the CPU, those only dense steps read (they multiply by the
 # layer's weights); the GPU runs dense steps as SpMVs, so it needs every JT's values
 _valueless = _backend.twin(cpu=lambda be, plan: plan.weights_only, gpu=lambda be, plan: frozenset())
-
-
-@contextlib.contextmanager
-def _structures_held(layers: Sequence[Layer]) -> Iterator[None]:
-    """The layers' pattern structure keys are computed once inside the block (its caller must not
-    change weights meanwhile)."""
-    for layer in layers:
-        layer._hold_structure(True)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer._hold_structure(False)
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -297,7 +284,7 @@ class Sequential:
             if timings is not None:
                 timings[name] = clock[-1] - clock[-2]
 
-        with _structures_held(self.layers):  # pruned layers hash their zero sets once, not twice
+        with held_structure_keys():  # pruned layers hash their zero sets once, not twice
             plan = self.plan(shapes[0], method, levels)
             lap("plan_s")
             n = len(self.layers)  # scan element j is the JT of layer n - j

@@ -330,6 +330,9 @@ def test_heavily_pruned_forward_multiplies_sparse_weights(cfg, dtype):
     conv.weight[conv.weight == 0] = 1.0  # dense now: back to the GEMM
     assert conv._sparse_weights() is None
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
+    conv.weight[conv.weight == 1.0] = 0.0
+    conv.weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error
+    assert np.isnan(conv.forward(x)).any()
 
 
 def test_pruned_pattern_follows_in_place_changes_of_the_zero_set():

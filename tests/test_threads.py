@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from sparse_scan import _threads, scan
-from sparse_scan._threads import cpu_threads, kernel_pool, step_pool
+from sparse_scan._threads import cpu_threads, kernel_pool, step_pool, worker_pool
+from sparse_scan.dense_scan import dense_scan
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
+from sparse_scan.layers._weighted import held_structure_keys
 from sparse_scan.model import Sequential
 
 
@@ -44,3 +48,33 @@ def test_forked_children_forget_both_pools(monkeypatch):
     monkeypatch.setattr(_threads, "_STEP_POOL", object())
     _threads._forget_pool()
     assert _threads._POOL is None and _threads._STEP_POOL is None
+
+
+def test_worker_pool_honours_an_explicit_thread_count_on_one_core(monkeypatch):
+    with worker_pool(1) as none:
+        assert none is None
+    monkeypatch.setattr(_threads, "cpu_threads", lambda: 1)  # no shared kernel pool on one core
+    assert kernel_pool() is None
+    with worker_pool(3) as own:
+        assert own is not None and own.submit(int, 7).result() == 7
+    with pytest.raises(RuntimeError):
+        own.submit(int, 8)  # closed on exit
+    rng = np.random.default_rng(0)
+    blocks, direct = rng.standard_normal((9, 2, 3, 3)) / 2, rng.standard_normal((9, 2, 3))
+    np.testing.assert_allclose(dense_scan(blocks, direct, threads=3), dense_scan(blocks, direct, threads=1),
+                               rtol=1e-12)
+
+
+def test_held_structure_keys_are_per_thread_and_end_with_the_block():
+    conv = Conv2d(2, 2, 3, dtype=np.float64, rng=0, prune_pattern=True)
+    before = conv._structure_key()
+    seen = []
+    with held_structure_keys():
+        assert conv._structure_key() == before
+        conv.weight[0, 0] = 0.0  # a new zero set: this thread keeps its held key until the block ends
+        worker = threading.Thread(target=lambda: seen.append(conv._structure_key()))
+        worker.start()
+        worker.join()
+        assert conv._structure_key() == before
+    assert seen[0] != before  # another thread was never held
+    assert conv._structure_key() == seen[0]  # after the block: the new zero set

@@ -125,9 +125,6 @@ class Layer:
         """Anything besides the input shape that the pattern depends on (e.g. a pruning mask)."""
         return None
 
-    def _hold_structure(self, hold: bool) -> None:
-        """While held (one backward pass, whose weights cannot change), compute the structure key at
-        most once; a layer without weights has nothing to hold."""
 
     def _build_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any

@@ -7,8 +7,10 @@ may provide a faster structured fill for their unpruned pattern.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any, Hashable
+import threading
+from typing import Any, Hashable, Iterator
 
 import numpy as np
 
@@ -17,6 +19,20 @@ from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
 
 RngLike = np.random.Generator | int | None
+
+_HELD = threading.local()  # .keys: layer id -> structure key, inside held_structure_keys() only
+
+
+@contextlib.contextmanager
+def held_structure_keys() -> Iterator[None]:
+    """Inside the block, on this thread, each layer's structure key is computed at most once (one
+    backward pass: its weights do not change meanwhile). Other threads are not affected."""
+    outer = getattr(_HELD, "keys", None)
+    _HELD.keys = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _HELD.keys = outer
 
 DENSE_MATVEC_MIN_DENSITY = 0.1
 """A JT SpMV runs as a dense GEMM over the weights when its pattern holds at least this share of the
@@ -66,8 +82,6 @@ class WeightedLayer(Layer):
         self._weight_shape = tuple(weight_shape)
         self.prune_pattern = bool(prune_pattern)
         self._last_zero_set: tuple[np.ndarray, Hashable] | None = None
-        self._held_key: tuple[Hashable] | None = None  # (key,) once computed while held
-        self._holding = False
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._weight = generator.uniform(-bound, bound, self._weight_shape).astype(self._dtype)
@@ -134,15 +148,12 @@ class WeightedLayer(Layer):
         and a weight changed in place to a non-finite value still keeps its entry)."""
         if not self.prune_pattern:
             return None
-        if self._held_key is not None:
-            return self._held_key[0]
-        key = self._zero_set_key()
-        if self._holding:
-            self._held_key = (key,)
-        return key
-
-    def _hold_structure(self, hold: bool) -> None:
-        self._holding, self._held_key = hold, None
+        held = getattr(_HELD, "keys", None)
+        if held is None:
+            return self._zero_set_key()
+        if id(self) not in held:
+            held[id(self)] = self._zero_set_key()
+        return held[id(self)]
 
     def _zero_set_key(self) -> Hashable:
         """A hash of the weights' zero set (the last one is kept, see :meth:`_structure_key`)."""

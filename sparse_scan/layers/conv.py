@@ -256,7 +256,10 @@ class Conv2d(WeightedLayer):
         zero set; the values are gathered from the current weights at every call."""
         if not self.prune_pattern:
             return None
-        key = self._structure_key()
+        try:
+            key = self._structure_key()
+        except ValueError:  # non-finite weights define no zero set: the GEMM gives NaN, like PyTorch
+            return None
         if self._sparse_structure is None or self._sparse_structure[0] != key:
             groups = self._weight.reshape(self.groups, self.out_channels // self.groups, -1)
             structure = None
