@@ -45,6 +45,12 @@ _run_plan = _backend.twin(
 # the JTs a run needs no values for: on the CPU, those only dense steps read (they multiply by the
 # layer's weights); the GPU runs dense steps as SpMVs, so it needs every JT's values
 _valueless = _backend.twin(cpu=lambda be, plan: plan.weights_only, gpu=lambda be, plan: frozenset())
+# and, on the CPU, the JTs only mv steps read whose layers multiply faster through CSR weights at this
+# batch size (heavily pruned convolutions at small batches): they get no values either
+_by_sparse_weights = _backend.twin(
+    cpu=lambda be, plan, layers, batch: frozenset(
+        j for j in plan.mv_only if layers[len(layers) - j].sparse_weights_matvec_pays(batch)),
+    gpu=lambda be, plan, layers, batch: frozenset())
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -284,20 +290,20 @@ class Sequential:
             if timings is not None:
                 timings[name] = clock[-1] - clock[-2]
 
-        with held_structure_keys():  # pruned layers hash their zero sets once, not twice
+        with held_structure_keys():  # pruned layers hash their zero sets once, not once per use
             plan = self.plan(shapes[0], method, levels)
             lap("plan_s")
             n = len(self.layers)  # scan element j is the JT of layer n - j
-            valueless = _valueless(be, plan)
+            batch = grad_out.shape[0]
+            valueless = _valueless(be, plan) | _by_sparse_weights(be, plan, self.layers, batch)
             jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                          for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
-        if timings is not None:
-            be.synchronize()  # the fills are asynchronous on a GPU
-        lap("values_s")
-        batch = grad_out.shape[0]
-        flat = _run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
-                         self._dense_matvecs(shapes)[::-1])
-        if timings is not None:
-            be.synchronize()
-        lap("scan_s")
+            if timings is not None:
+                be.synchronize()  # the fills are asynchronous on a GPU
+            lap("values_s")
+            flat = _run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
+                             self._dense_matvecs(shapes)[::-1])
+            if timings is not None:
+                be.synchronize()
+            lap("scan_s")
         return [g.reshape((batch,) + shape) for g, shape in zip(flat, shapes, strict=True)]

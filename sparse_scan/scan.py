@@ -235,6 +235,18 @@ class ScanPlan:
         return frozenset(dense - other)
 
     @functools.cached_property
+    def mv_only(self) -> frozenset[int]:
+        """Scan elements ``j`` (layer JTs) that only matrix-vector steps read (every one in
+        back-propagation's schedule): a CPU run may apply them through their layers' weights instead
+        (:attr:`weights_only` is the part the plan already marks ``dense``)."""
+        mv, other = set(), set()
+        for step in self.steps:
+            for element in (step.left, step.right):
+                if element.lo == element.hi >= 1:
+                    (mv if step.kind == "mv" else other).add(element.lo)
+        return frozenset(mv - other)
+
+    @functools.cached_property
     def levels_of_steps(self) -> list[list[int]]:
         """Indices of the steps of every level, in level order."""
         levels: dict[int, list[int]] = {}
@@ -531,13 +543,14 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
         ``g_n``, flattened per sample.
     jacobians : sequence of BatchedCSR or None
         ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``); their patterns
-        are the ones the plan was built from. None for the elements of ``plan.weights_only`` when
-        ``dense_matvecs`` is given.
+        are the ones the plan was built from. With ``dense_matvecs``, None for the elements of
+        ``plan.weights_only`` and any others of ``plan.mv_only``.
     threads : int, optional
         Worker threads per level (default: the cores this process may use).
     dense_matvecs : sequence of callable, optional
         ``dense_matvecs[j - 1](g)`` computes ``JT_j @ g`` from layer weights (``(B, cols) ->
-        (B, rows)``); the plan's ``dense`` steps use it. Without it they run as SpMVs.
+        (B, rows)``); the plan's ``dense`` steps use it, and the mv steps by a JT given as None.
+        Without it they run as SpMVs.
 
     Returns
     -------
@@ -552,7 +565,7 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
             patterns[Element(j, j)] = jt.pattern
 
     def compute(step: Step) -> Any:
-        if step.dense and dense_matvecs is not None:
+        if dense_matvecs is not None and (step.dense or step.right not in values):
             return dense_matvecs[step.right.lo - 1](values[step.left])
         right = values[step.right]
         if step.scaling:  # a diagonal JT holds its whole diagonal, in order

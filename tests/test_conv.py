@@ -314,9 +314,10 @@ def test_dense_matvec_pays_for_unpruned_weights_not_for_heavily_pruned_ones():
 
 @pytest.mark.parametrize("cfg", [cfg for cfg in CONFIGS if make_conv(cfg).weight.size >= 20])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_heavily_pruned_forward_multiplies_sparse_weights(cfg, dtype):
-    """At most SPARSE_FORWARD_MAX_DENSITY non-zeros: the CPU forward takes CSR weights (every
-    geometry), equal to the direct definition, following in-place value and zero-set changes."""
+def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
+    """At most SPARSE_FORWARD_MAX_DENSITY non-zeros: the CPU forward and the transposed convolution
+    take CSR weights (every geometry), equal to the direct definition and to JT, following in-place
+    value and zero-set changes."""
     conv, x = make_conv(cfg, dtype=dtype, prune_pattern=True), make_input(cfg, dtype=dtype)
     weight = conv.weight.copy()
     keep = max(1, int(SPARSE_FORWARD_MAX_DENSITY * weight.size))
@@ -327,8 +328,17 @@ def test_heavily_pruned_forward_multiplies_sparse_weights(cfg, dtype):
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     conv.weight *= 3  # in place, same zero set: the kept structure, the current values
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
+    # the transposed convolution through the same CSR weights is JT @ g (finite differences)
+    grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size)).astype(dtype)
+    got = conv.dense_transposed_matvec(grad, x.shape[1:])
+    assert got.dtype == dtype
+    assert conv.sparse_weights_matvec_pays(8) and not conv.sparse_weights_matvec_pays(9)
+    if dtype == np.float64:
+        fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
+        np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
+    np.testing.assert_allclose(got, grad @ conv.transposed_jacobian(x).todense().T, rtol=rtol, atol=rtol)
     conv.weight[conv.weight == 0] = 1.0  # dense now: back to the GEMM
-    assert conv._sparse_weights() is None
+    assert conv._sparse_weights() is None and not conv.sparse_weights_matvec_pays(1)
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     conv.weight[conv.weight == 1.0] = 0.0
     conv.weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error

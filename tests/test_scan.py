@@ -494,3 +494,35 @@ def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_a
     for got, want in zip(second, reference.backward(grad, "linear"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert not np.allclose(first[0], second[0])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 9])
+def test_small_batches_apply_heavily_pruned_convolutions_through_their_weights(monkeypatch, batch):
+    """Up to SPARSE_MATVEC_MAX_BATCH the mv steps by a heavily pruned conv JT (BP's schedule) use
+    its CSR weights and fill no JT values; every schedule gives the dense reference's gradients."""
+    rng = np.random.default_rng(batch)
+    convs = [Conv2d(3, 8, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True),
+             Conv2d(8, 4, 3, stride=2, dtype=np.float64, rng=1, prune_pattern=True)]
+    for conv in convs:
+        weight = conv.weight.copy()
+        weight.ravel()[rng.permutation(weight.size)[weight.size // 25:]] = 0  # 4% non-zeros
+        conv.weight = weight
+    model = Sequential(convs[0], ReLU(), convs[1], Tanh(), input_shape=(3, 8, 8))
+    dense = Sequential(*[Conv2d(3, 8, 3, padding=1, dtype=np.float64), ReLU(),
+                         Conv2d(8, 4, 3, stride=2, dtype=np.float64), Tanh()], input_shape=(3, 8, 8))
+    for target, source in ((dense.layers[0], convs[0]), (dense.layers[2], convs[1])):
+        target.weight, target.bias = source.weight.copy(), source.bias.copy()
+    x = rng.standard_normal((batch, 3, 8, 8))
+    grad = rng.standard_normal(model.forward(x).shape)
+    dense.forward(x)
+    want = dense.backward(grad, "linear")
+    filled = []
+    real = Conv2d.transposed_jacobian
+    monkeypatch.setattr(Conv2d, "transposed_jacobian", lambda layer, *args, **kwargs: (
+        filled.append(layer), real(layer, *args, **kwargs))[1])
+    for method, levels in (("linear", None), ("hybrid", 1), ("blelloch", None)):
+        filled.clear()
+        for got, expected in zip(model.backward(grad, method, levels), want, strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+        if method == "linear":
+            assert (filled == []) == (batch <= 8)  # BP reads each JT by mv steps only

@@ -149,6 +149,11 @@ class Layer:
         computed from the layer's dense weights by BLAS, without JT's values."""
         raise NotImplementedError(f"layer {self.label} has no dense transposed matvec")
 
+    def sparse_weights_matvec_pays(self, batch: int) -> bool:
+        """Whether, on the CPU, :meth:`dense_transposed_matvec` through the layer's CSR weights
+        (heavily pruned convolutions) beats JT's values fill plus its SpMV for ``batch`` samples."""
+        return False
+
 
 def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:
     """The pattern of a ``size × size`` diagonal matrix."""
