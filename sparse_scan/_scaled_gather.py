@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._threads import cpu_threads, kernel_pool
+from ._threads import cpu_threads, even_parts, kernel_pool, run_parts
 
 __all__ = ["PIECE_ENTRIES", "THREAD_MIN_VALUES", "scaled_gather"]
 
@@ -55,7 +55,6 @@ def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
     out = np.empty((batch, nnz) if batched else (nnz,), dtype=dtype)
     rows = out.reshape(batch, nnz)
     workers = cpu_threads() if out.size >= THREAD_MIN_VALUES else 1
-    bounds = np.linspace(0, nnz, workers + 1).astype(np.int64)
 
     def run(start: int, stop: int) -> None:
         for lo in range(start, stop, PIECE_ENTRIES):
@@ -74,9 +73,5 @@ def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
                 else:
                     np.multiply(scale, shared, out=result)
 
-    pool = kernel_pool() if workers > 1 else None
-    if pool is None:
-        run(0, nnz)
-    else:
-        list(pool.map(run, bounds[:-1].tolist(), bounds[1:].tolist()))
+    run_parts(kernel_pool() if workers > 1 else None, run, even_parts(nnz, workers))
     return out

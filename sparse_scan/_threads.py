@@ -14,9 +14,9 @@ import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["cpu_threads", "kernel_pool", "step_pool", "worker_pool"]
+__all__ = ["cpu_threads", "even_parts", "kernel_pool", "run_parts", "step_pool", "worker_pool"]
 
 _POOL: ThreadPoolExecutor | None = None
 _STEP_POOL: ThreadPoolExecutor | None = None
@@ -82,3 +82,21 @@ def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
         return
     with ThreadPoolExecutor(workers) as own:
         yield own
+
+
+def even_parts(count: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, count)`` cut into at most ``parts`` runs ``(first, last)`` of about equal length (no empty
+    runs)."""
+    bounds = [count * k // max(1, parts) for k in range(max(1, parts) + 1)]
+    return [(first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True) if last > first]
+
+
+def run_parts(pool: ThreadPoolExecutor | None, run: Callable[[int, int], object],
+              parts: list[tuple[int, int]]) -> None:
+    """``run(first, last)`` for every part: on ``pool``'s threads when there is more than one part,
+    else on the calling thread."""
+    if pool is None or len(parts) < 2:
+        for first, last in parts:
+            run(first, last)
+    else:
+        list(pool.map(lambda part: run(*part), parts))

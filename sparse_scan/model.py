@@ -42,13 +42,11 @@ _run_plan = _backend.twin(
     cpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan(plan, grad_out, jacobians,
                                                                       dense_matvecs=dense_matvecs),
     gpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan_gpu(plan, grad_out, jacobians))
-# the JTs a run needs no values for: on the CPU, those only dense steps read (they multiply by the
-# layer's weights); the GPU runs dense steps as SpMVs, so it needs every JT's values
-_valueless = _backend.twin(cpu=lambda be, plan: plan.weights_only, gpu=lambda be, plan: frozenset())
-# and, on the CPU, the JTs only mv steps read whose layers multiply faster through CSR weights at this
-# batch size (heavily pruned convolutions at small batches): they get no values either
-_by_sparse_weights = _backend.twin(
-    cpu=lambda be, plan, layers, batch: frozenset(
+# the JTs a run needs no values for, being applied through their layers' weights: on the CPU, those
+# only dense steps read, and those only mv steps read whose layers multiply faster through CSR weights
+# at this batch size (heavily pruned convolutions at small batches); the GPU runs every mv as an SpMV
+_valueless = _backend.twin(
+    cpu=lambda be, plan, layers, batch: plan.weights_only | frozenset(
         j for j in plan.mv_only if layers[len(layers) - j].sparse_weights_matvec_pays(batch)),
     gpu=lambda be, plan, layers, batch: frozenset())
 
@@ -222,8 +220,8 @@ class Sequential:
                           describe, vector_channels, max_step_flops, progress, dense_matvec)
 
     def _dense_matvecs(self, shapes: Sequence[Shape]) -> list[Callable[[Any], Any]]:
-        """Per layer, ``g -> JT @ g`` through its dense weights (called for the plan's dense steps
-        only: the layers whose ``dense_matvec_pays``)."""
+        """Per layer, ``g -> JT @ g`` through its weights (called for the plan's dense steps, the
+        layers whose ``dense_matvec_pays``, and on the CPU for the mv steps by JTs given no values)."""
         return [functools.partial(layer.dense_transposed_matvec, in_shape=shape)
                 for layer, shape in zip(self.layers, shapes, strict=False)]
 
@@ -295,7 +293,7 @@ class Sequential:
             lap("plan_s")
             n = len(self.layers)  # scan element j is the JT of layer n - j
             batch = grad_out.shape[0]
-            valueless = _valueless(be, plan) | _by_sparse_weights(be, plan, self.layers, batch)
+            valueless = _valueless(be, plan, self.layers, batch)
             jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                          for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
             if timings is not None:

@@ -227,24 +227,23 @@ class ScanPlan:
     def weights_only(self) -> frozenset[int]:
         """Scan elements ``j`` (layer JTs) that only ``dense`` steps read: a CPU run needs no values
         for them, only their layers' dense transposed matvecs."""
-        dense, other = set(), set()
-        for step in self.steps:
-            for element in (step.left, step.right):
-                if element.lo == element.hi >= 1:
-                    (dense if step.dense else other).add(element.lo)
-        return frozenset(dense - other)
+        return self._layer_jts_read_only_by(lambda step: step.dense)
 
     @functools.cached_property
     def mv_only(self) -> frozenset[int]:
         """Scan elements ``j`` (layer JTs) that only matrix-vector steps read (every one in
         back-propagation's schedule): a CPU run may apply them through their layers' weights instead
         (:attr:`weights_only` is the part the plan already marks ``dense``)."""
-        mv, other = set(), set()
+        return self._layer_jts_read_only_by(lambda step: step.kind == "mv")
+
+    def _layer_jts_read_only_by(self, chosen: Callable[[Step], bool]) -> frozenset[int]:
+        """Layer JTs (elements ``j``) that no step outside ``chosen`` reads."""
+        inside, outside = set(), set()
         for step in self.steps:
             for element in (step.left, step.right):
                 if element.lo == element.hi >= 1:
-                    (mv if step.kind == "mv" else other).add(element.lo)
-        return frozenset(mv - other)
+                    (inside if chosen(step) else outside).add(element.lo)
+        return frozenset(inside - outside)
 
     @functools.cached_property
     def levels_of_steps(self) -> list[list[int]]:

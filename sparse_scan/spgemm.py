@@ -41,7 +41,7 @@ import scipy.sparse
 
 from . import backend as _backend
 from ._scaled_gather import THREAD_MIN_VALUES, scaled_gather
-from ._threads import cpu_threads, kernel_pool
+from ._threads import cpu_threads, even_parts, kernel_pool, run_parts
 from .blocks import BlockProduct, block_layout, multiply_blocks, plan_block_product
 from .csr import Pattern, choose_index_dtype
 from .selection import SelectionGather, live_multiply_adds, multiply_live, plan_selection_gather
@@ -414,7 +414,7 @@ def _multiply_stored(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limi
         chunks.append((entry, stop))
         entry = stop
 
-    def run(entry: int, stop: int) -> None:
+    def run(entry: int, stop: int) -> None:  # C entries entry .. stop - 1
         first = int(starts[entry])
         last = int(starts[stop]) if stop < plan.out.nnz else total
         indptr = np.append(starts[entry:stop], starts.dtype.type(last)) - starts.dtype.type(first)
@@ -429,12 +429,7 @@ def _multiply_stored(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limi
                 matrix = _scipy_matrix(pattern, np.take(fixed[sample], positions, mode="clip"))
                 out[sample, entry:stop] = matrix @ (vectors if vectors.ndim == 1 else vectors[sample])
 
-    pool = kernel_pool() if len(chunks) > 1 else None
-    if pool is None:
-        for chunk in chunks:
-            run(*chunk)
-    else:
-        list(pool.map(lambda chunk: run(*chunk), chunks))
+    run_parts(kernel_pool(), run, chunks)
 
 
 def _multiply_rowwise(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limit: int) -> None:
@@ -485,8 +480,8 @@ def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
                            (last - first, pattern.shape[1]))
             out[:, first:last] = (_scipy_matrix(part, data[start:stop]) @ stacked).T
 
-        runs = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
-        _run_parts(pool, rows_run, runs)
+        run_parts(pool, rows_run, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                                   if b > a])
         return out
 
     def samples_run(first: int, last: int) -> None:
@@ -495,19 +490,8 @@ def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
             matrix.data = data[sample]  # a view: SciPy's constructor would copy a row of a larger array
             out[sample] = matrix @ vectors[sample]
 
-    bounds = np.linspace(0, batch, min(workers, batch) + 1).astype(np.int64)
-    _run_parts(pool, samples_run, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-                                   if b > a])
+    run_parts(pool, samples_run, even_parts(batch, workers))
     return out
-
-
-def _run_parts(pool: Any, run: Any, parts: list[tuple[int, int]]) -> None:
-    """``run(first, last)`` for every part: on the pool's threads when there is more than one."""
-    if pool is None or len(parts) < 2:
-        for first, last in parts:
-            run(first, last)
-    else:
-        list(pool.map(lambda part: run(*part), parts))
 
 
 def _scipy_matrix(pattern: Pattern, data: np.ndarray) -> scipy.sparse.csr_matrix:

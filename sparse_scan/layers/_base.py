@@ -125,7 +125,6 @@ class Layer:
         """Anything besides the input shape that the pattern depends on (e.g. a pruning mask)."""
         return None
 
-
     def _build_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
     ) -> tuple[Pattern, dict[str, Any]]:

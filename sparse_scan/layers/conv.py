@@ -246,7 +246,7 @@ class Conv2d(WeightedLayer):
         xp = _backend.of(x).xp
         columns = self._columns(x, g)
         batch = x.shape[0]
-        sparse = self._sparse_weights() if xp is np else None
+        sparse = self._sparse_weights(xp)
         if sparse is None:
             weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
             out = xp.matmul(weight, columns)
@@ -257,11 +257,12 @@ class Conv2d(WeightedLayer):
             out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
         return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
 
-    def _sparse_weights(self) -> list[scipy.sparse.csr_matrix] | None:
-        """Per group, the pruned weights ``(cout / groups, taps)`` as CSR, or None where they are not
-        pruned or too dense to pay (:data:`SPARSE_FORWARD_MAX_DENSITY`). The structure is kept per
-        zero set; the values are gathered from the current weights at every call."""
-        structure = self._sparse_layout()
+    def _sparse_weights(self, xp: Any = np) -> list[scipy.sparse.csr_matrix] | None:
+        """Per group, the pruned weights ``(cout / groups, taps)`` as CSR for work in ``xp``, or None
+        off the host (SciPy) or where they are not pruned or too dense to pay
+        (:data:`SPARSE_FORWARD_MAX_DENSITY`). The structure is kept per zero set; the values are
+        gathered from the current weights at every call."""
+        structure = self._sparse_layout() if xp is np else None
         if structure is None:
             return None
         flat = self._weight.ravel()
@@ -346,7 +347,7 @@ class Conv2d(WeightedLayer):
         (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
         grad = (xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
                 .transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels))
-        sparse = self._sparse_weights() if xp is np else None
+        sparse = self._sparse_weights(xp)
         if sparse is None:
             weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
             taps = xp.matmul(weight.transpose(0, 2, 1), grad)

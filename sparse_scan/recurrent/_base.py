@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
-from .._threads import cpu_threads, worker_pool
+from .._threads import cpu_threads, even_parts, run_parts, worker_pool
 from ..dense_scan import auto_levels, dense_scan
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ..scan import checked_levels
@@ -254,17 +254,13 @@ class Recurrent:
         spans = [slice(start, start + chunk) for start in range(0, steps, chunk)]
         workers = min(cpu_threads() if threads is None else max(1, int(threads)), len(spans))
 
-        def fill(span: slice) -> None:
-            self._blocks(xp, {key: value[span] for key, value in saved.items()}, parameters, blocks[span])
+        def fill(first: int, last: int) -> None:  # chunks first .. last - 1
+            for span in spans[first:last]:
+                self._blocks(xp, {key: value[span] for key, value in saved.items()}, parameters,
+                             blocks[span])
 
         with worker_pool(workers) as pool:  # NumPy's ufuncs release the GIL
-            if pool is None:
-                for span in spans:
-                    fill(span)
-            else:  # `workers` runs of consecutive chunks (the shared pool: one per call costs ~0.4 ms)
-                bounds = np.linspace(0, len(spans), workers + 1).astype(int)
-                list(pool.map(lambda run: [fill(span) for span in spans[run[0]:run[1]]],
-                              zip(bounds[:-1], bounds[1:], strict=True)))
+            run_parts(pool, fill, even_parts(len(spans), workers))
         return blocks
 
     def backward(self, grad_h: Any, method: str = "blelloch", levels: int | str | None = None,
