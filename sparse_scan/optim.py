@@ -1,10 +1,12 @@
 """SGD (with momentum) and Adam with PyTorch's update rules and defaults.
 
 An optimizer holds a model and its state; ``step(grads)`` takes :meth:`Sequential.parameter_gradients`'
-dict and updates the layers' ``weight``/``bias`` in place. The same hyper-parameters give PyTorch's
-trajectory (``torch.optim.SGD`` / ``torch.optim.Adam``, single-tensor implementation, same order of
-operations). Weights of layers with ``prune_pattern=True`` that are zero when the optimizer is created
-stay exactly zero: their gradients and updates are masked, so the pruned Jacobian pattern stays valid.
+dict and updates the layers' ``weight``/``bias`` in place (arrays it copied once, never one the caller
+assigned). The same hyper-parameters give PyTorch's trajectory (``torch.optim.SGD`` /
+``torch.optim.Adam``, single-tensor implementation, same order of operations and roundings). Weights of
+layers with ``prune_pattern=True`` that are zero when the optimizer is created stay exactly zero: their
+gradients count as zero (non-finite ones too), so only the live weights are updated (with state for
+those only: 3% of the work on a 97%-pruned layer) and the pruned Jacobian pattern stays valid.
 
 Examples
 --------
@@ -31,7 +33,12 @@ __all__ = ["SGD", "Adam", "Optimizer"]
 
 
 class Optimizer:
-    """Parameters by state_dict name, pruning masks, and the per-parameter update hook."""
+    """Parameters by state_dict name, pruning masks, and the per-parameter update hook.
+
+    Updates run in place, as PyTorch's do: on arrays the optimizer owns. At its first step on a
+    parameter (and whenever a new array was assigned since) the optimizer copies the parameter once and
+    gives the layer the copy, so an array the caller assigned or holds is never changed.
+    """
 
     def __init__(self, model: Any, lr: float) -> None:
         if not lr > 0:
@@ -41,26 +48,46 @@ class Optimizer:
         for layer in model.layers:
             if getattr(layer, "prune_pattern", False):
                 self.masks[f"{layer.name}.weight"] = layer.weight != 0
+        self._live = {key: np.flatnonzero(mask) for key, mask in self.masks.items()}
         self.state: dict[str, dict[str, Any]] = {}
+        self._owned: dict[str, np.ndarray] = {}
 
     def step(self, grads: dict[str, Any]) -> None:
-        """Update every parameter that has a gradient in ``grads``."""
+        """Update every parameter that has a gradient in ``grads`` (``grads`` is not changed).
+
+        Raises
+        ------
+        ValueError
+            A gradient's shape differs from its parameter's.
+        """
         layers = {layer.name: layer for layer in self.model.layers}
         for key, parameter in state_dict(self.model).items():
             if key not in grads:
                 continue
             grad = np.asarray(grads[key], dtype=parameter.dtype)
-            mask = self.masks.get(key)
-            if mask is not None:
-                grad = grad * mask
-            updated = self._update(key, parameter, grad, self.state.setdefault(key, {}))
-            if mask is not None:
-                updated = updated * mask
-            layer_name, _, name = key.rpartition(".")
-            setattr(layers[layer_name], name, updated.astype(parameter.dtype, copy=False))
+            if grad.shape != parameter.shape:
+                raise ValueError(f"{key}: gradient has shape {grad.shape}, the parameter {parameter.shape}")
+            target, state = self._own(key, parameter, layers), self.state.setdefault(key, {})
+            live = self._live.get(key)
+            if live is None:
+                self._update(target, grad, state)
+                continue
+            # a pruned weight's gradient is zero and so is its update: only the live entries move
+            # (their state is kept compressed), and a pruned weight is never written
+            values = np.take(target.reshape(-1), live)
+            self._update(values, np.take(grad.reshape(-1), live), state)
+            target.reshape(-1)[live] = values
 
-    def _update(self, key: str, parameter: np.ndarray, grad: np.ndarray,
-                state: dict[str, Any]) -> np.ndarray:
+    def _own(self, key: str, parameter: np.ndarray, layers: dict[str, Any]) -> np.ndarray:
+        """``parameter`` if this optimizer made it, else a copy that the layer now holds."""
+        if self._owned.get(key) is not parameter:
+            layer_name, _, name = key.rpartition(".")
+            setattr(layers[layer_name], name, np.array(parameter, copy=True))
+            self._owned[key] = getattr(layers[layer_name], name)
+        return self._owned[key]
+
+    def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        """Update ``parameter`` in place (``grad`` is read only)."""
         raise NotImplementedError
 
 
@@ -75,18 +102,19 @@ class SGD(Optimizer):
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
-    def _update(self, key: str, parameter: np.ndarray, grad: np.ndarray,
-                state: dict[str, Any]) -> np.ndarray:
+    def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        # the same roundings as torch's buf.mul_(momentum).add_(grad, alpha=1 - dampening), etc.
         if self.weight_decay:
             grad = grad + self.weight_decay * parameter
         if self.momentum:
-            if "momentum_buffer" not in state:
-                buffer = grad.copy()
+            buffer = state.get("momentum_buffer")
+            if buffer is None:
+                buffer = state["momentum_buffer"] = grad.copy()
             else:
-                buffer = state["momentum_buffer"] * self.momentum + (1 - self.dampening) * grad
-            state["momentum_buffer"] = buffer
+                buffer *= self.momentum
+                buffer += grad if self.dampening == 0 else (1 - self.dampening) * grad
             grad = grad + self.momentum * buffer if self.nesterov else buffer
-        return parameter - self.lr * grad
+        parameter -= self.lr * grad
 
 
 class Adam(Optimizer):
@@ -98,18 +126,27 @@ class Adam(Optimizer):
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
-    def _update(self, key: str, parameter: np.ndarray, grad: np.ndarray,
-                state: dict[str, Any]) -> np.ndarray:
+    def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
+        # the same roundings as torch's single-tensor Adam: lerp_, mul_().addcmul_(), sqrt/div/add
         beta1, beta2 = self.betas
         if self.weight_decay:
             grad = grad + self.weight_decay * parameter
-        step = state.get("step", 0) + 1
-        first = state.get("exp_avg", np.zeros_like(parameter))
-        second = state.get("exp_avg_sq", np.zeros_like(parameter))
-        first = first + (grad - first) * (1 - beta1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
-        second = second * beta2 + (1 - beta2) * grad * grad
-        state.update(step=step, exp_avg=first, exp_avg_sq=second)
+        step = state["step"] = state.get("step", 0) + 1
+        if "exp_avg" not in state:
+            state["exp_avg"], state["exp_avg_sq"] = np.zeros_like(parameter), np.zeros_like(parameter)
+        first, second = state["exp_avg"], state["exp_avg_sq"]
+        scratch = grad - first
+        scratch *= 1 - beta1
+        first += scratch
+        second *= beta2
+        np.multiply(grad, 1 - beta2, out=scratch)
+        scratch *= grad
+        second += scratch
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
-        denominator = np.sqrt(second) / math.sqrt(bias_correction2) + self.eps
-        return parameter - (self.lr / bias_correction1) * (first / denominator)
+        denominator = np.sqrt(second)
+        denominator /= math.sqrt(bias_correction2)
+        denominator += self.eps
+        np.divide(first, denominator, out=scratch)
+        scratch *= self.lr / bias_correction1
+        parameter -= scratch

@@ -84,3 +84,48 @@ def test_bad_hyper_parameters():
         SGD(small_model(), lr=0)
     with pytest.raises(ValueError, match="nesterov"):
         SGD(small_model(), lr=0.1, nesterov=True)
+
+
+@pytest.mark.parametrize("make", [lambda m: SGD(m, lr=0.1, momentum=0.9), lambda m: Adam(m, lr=0.05)])
+def test_steps_update_in_place_but_never_an_array_the_caller_holds(make):
+    model = small_model()
+    mine = model.layers[3].weight.copy()
+    model.layers[3].weight = mine  # the layer now holds the caller's array
+    kept = mine.copy()
+    optimizer = make(model)
+    our_steps(model, optimizer, 1)
+    np.testing.assert_array_equal(mine, kept)  # copied, not changed
+    owned = model.layers[3].weight
+    assert owned is not mine and not np.array_equal(owned, kept)
+    our_steps(model, optimizer, 1)
+    assert model.layers[3].weight is owned  # later steps update the optimizer's copy in place
+
+
+def test_a_step_leaves_the_gradients_alone_and_checks_their_shape():
+    model = small_model(prune=True)
+    optimizer = SGD(model, lr=0.1, momentum=0.9)
+    x, y = data(0)
+    _, grad = softmax_cross_entropy(model.forward(x), y)
+    grads = model.parameter_gradients(model.backward(grad))
+    kept = {key: value.copy() for key, value in grads.items()}
+    optimizer.step(grads)
+    for key, value in grads.items():
+        np.testing.assert_array_equal(value, kept[key])
+    with pytest.raises(ValueError, match=r"3\.bias: gradient has shape \(1,\), the parameter \(4,\)"):
+        optimizer.step({"3.bias": np.ones(1, dtype=np.float32)})
+
+
+@pytest.mark.parametrize("make", [lambda m: SGD(m, lr=0.1, momentum=0.9, weight_decay=0.1),
+                                  lambda m: Adam(m, lr=0.05)])
+def test_a_non_finite_gradient_of_a_pruned_weight_leaves_it_zero(make):
+    model = small_model(prune=True)
+    zeros = model.layers[0].weight == 0
+    optimizer = make(model)
+    x, y = data(0)
+    _, grad = softmax_cross_entropy(model.forward(x), y)
+    grads = model.parameter_gradients(model.backward(grad))
+    grads["0.weight"] = np.where(zeros, np.nan, grads["0.weight"])
+    optimizer.step(grads)
+    optimizer.step(model.parameter_gradients(model.backward(grad)))
+    weight = model.layers[0].weight
+    assert np.all(weight[zeros] == 0) and np.all(np.isfinite(weight))
