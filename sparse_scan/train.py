@@ -24,14 +24,15 @@ Examples
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from . import backend as _backend
-from .loss import softmax_cross_entropy
 from .layers._weighted import held_structure_keys
+from .loss import softmax_cross_entropy
 
 __all__ = ["DataError", "Dataset", "load_dataset", "train"]
 
@@ -54,7 +55,7 @@ class Dataset:
 
 def _digits(input_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
     try:
-        from sklearn.datasets import load_digits  # noqa: PLC0415 - optional extra
+        from sklearn.datasets import load_digits
     except ImportError:
         raise DataError("digits: the built-in dataset needs scikit-learn (pip install "
                         "'sparse-scan[digits]')") from None
