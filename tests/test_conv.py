@@ -372,3 +372,22 @@ def test_pattern_nnz_is_counted_without_building_the_pattern(cfg, prune):
     counted = conv.pattern_nnz(shape)
     assert not conv._patterns  # nothing built to count it
     assert counted == conv.pattern(shape).nnz
+
+
+def test_kept_csr_weights_follow_a_dtype_change():
+    """The CSR weights kept per zero set hold values of the weights' dtype: converting the layer
+    (same zero set) gives results in the new dtype, equal to the direct definition."""
+    cfg = CONFIGS[0]
+    conv, x = make_conv(cfg, dtype=np.float32, prune_pattern=True), make_input(cfg, dtype=np.float32)
+    weight = conv.weight.copy()
+    weight.ravel()[np.random.default_rng(4).permutation(weight.size)[1:]] = 0
+    conv.weight = weight
+    assert conv.forward(x).dtype == np.float32
+    conv.astype(np.float64)
+    conv.weight = conv.weight * (1 + 1e-10)  # same zero set; values no float32 holds
+    x64 = x.astype(np.float64)
+    out = conv.forward(x64)
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, naive_conv(conv, x64), rtol=1e-12, atol=1e-12)
+    grad = np.ones((x.shape[0], out[0].size))
+    assert conv.dense_transposed_matvec(grad, x.shape[1:]).dtype == np.float64

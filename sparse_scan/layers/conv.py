@@ -187,7 +187,7 @@ class Conv2d(WeightedLayer):
             (self.out_channels, self.in_channels // self.groups) + self.kernel_size,
             bias, fan_in, dtype, rng, prune_pattern,
         )
-        self._sparse_structure: tuple[Any, list[tuple[np.ndarray, ...]] | None] | None = None
+        self._sparse_structure: tuple[Any, Any] | None = None
 
     def _resolve_padding(self, label: str) -> tuple[int, int, int, int]:
         """(top, bottom, left, right) from an int pair, 'valid' or 'same'."""
@@ -257,38 +257,41 @@ class Conv2d(WeightedLayer):
             out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
         return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
 
-    def _sparse_weights(self, xp: Any = np) -> list[scipy.sparse.csr_matrix] | None:
-        """Per group, the pruned weights ``(cout / groups, taps)`` as CSR for work in ``xp``, or None
-        off the host (SciPy) or where they are not pruned or too dense to pay
-        (:data:`SPARSE_FORWARD_MAX_DENSITY`). The structure is kept per zero set; the values are
-        gathered from the current weights at every call."""
-        structure = self._sparse_layout() if xp is np else None
-        if structure is None:
+    def _sparse_weights(self, xp: Any = np, transposed: bool = False) -> list[scipy.sparse.csr_matrix] | None:
+        """Per group, the pruned weights ``(cout / groups, taps)`` (or, ``transposed``, their
+        transpose) as CSR for work in ``xp``, or None off the host (SciPy) or where they are not pruned
+        or too dense to pay (:data:`SPARSE_FORWARD_MAX_DENSITY`). The matrices are kept per zero set;
+        their values are gathered from the current weights at every call, into the kept arrays."""
+        layout = self._sparse_layout() if xp is np else None
+        if layout is None:
             return None
         flat = self._weight.ravel()
-        return [scipy.sparse.csr_matrix((flat[positions], indices, indptr), shape=shape)
-                for indptr, indices, positions, shape in structure]
+        matrices = []
+        for matrix, positions in layout[1 if transposed else 0]:
+            np.take(flat, positions, out=matrix.data, mode="clip")  # positions are valid by construction
+            matrices.append(matrix)
+        return matrices
 
-    def _sparse_layout(self) -> list[tuple[np.ndarray, ...]] | None:
-        """:meth:`_sparse_weights`' structure per group (CSR arrays and the weights' flat positions),
-        or None; kept per zero set."""
+    def _sparse_layout(self) -> tuple[list[tuple[scipy.sparse.csr_matrix, np.ndarray]], ...] | None:
+        """:meth:`_sparse_weights`' matrices per group with the weights' flat position of each stored
+        value (as they are, and transposed), or None; kept per zero set."""
         if not self.prune_pattern:
             return None
         try:
             key = self._structure_key()
         except ValueError:  # non-finite weights define no zero set: the GEMM gives NaN, like PyTorch
             return None
+        key = (key, self._weight.dtype)  # the kept matrices hold values of that dtype
         if self._sparse_structure is None or self._sparse_structure[0] != key:
             groups = self._weight.reshape(self.groups, self.out_channels // self.groups, -1)
-            structure = None
+            layout = None
             if np.count_nonzero(groups) <= SPARSE_FORWARD_MAX_DENSITY * groups.size:
-                structure = []
+                layout = ([], [])
                 for index, group in enumerate(groups):
-                    matrix = scipy.sparse.csr_matrix(group != 0)
-                    rows = np.repeat(np.arange(group.shape[0]), np.diff(matrix.indptr))
-                    positions = (index * group.size + rows * group.shape[1] + matrix.indices).astype(np.intp)
-                    structure.append((matrix.indptr, matrix.indices, positions, group.shape))
-            self._sparse_structure = (key, structure)
+                    offset = index * group.size
+                    layout[0].append(_weights_as_csr(group, offset, group.shape[1], 1))
+                    layout[1].append(_weights_as_csr(group.T, offset, 1, group.shape[1]))
+            self._sparse_structure = (key, layout)
         return self._sparse_structure[1]
 
     def _columns(self, x: Any, g: ConvGeometry) -> Any:
@@ -347,12 +350,12 @@ class Conv2d(WeightedLayer):
         (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
         grad = (xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
                 .transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels))
-        sparse = self._sparse_weights(xp)
+        sparse = self._sparse_weights(xp, transposed=True)
         if sparse is None:
             weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
             taps = xp.matmul(weight.transpose(0, 2, 1), grad)
         else:
-            taps = np.stack([group.T @ block for group, block in zip(sparse, grad, strict=True)])
+            taps = np.stack([group @ block for group, block in zip(sparse, grad, strict=True)])
         taps = taps.reshape(g.groups, g.cin_per_group, kh, kw, batch, g.out_height, g.out_width)
         top, bottom, left, right = self._pads
         padded = xp.zeros((batch, g.groups, g.cin_per_group, g.height + top + bottom,
@@ -604,3 +607,14 @@ _structural_pattern = _backend.twin(cpu=_structural_pattern_cpu, gpu=_structural
 _fill_values = _backend.twin(cpu=_fill_values_cpu, gpu=_fill_values_gpu)
 # The GPU kernel computes every entry from the geometry: it needs no fill plan.
 _fill_plan = _backend.twin(cpu=_fill_plan_cpu, gpu=lambda be, g, indptr: None)
+
+
+def _weights_as_csr(weights: np.ndarray, offset: int, row_stride: int,
+                    column_stride: int) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
+    """A CSR matrix of the non-zeros of ``weights`` (a 2-D view of a layer's weights; the values are
+    refilled at every use) and the flat weight position of each stored value:
+    ``offset + row * row_stride + column * column_stride``."""
+    matrix = scipy.sparse.csr_matrix(weights != 0, dtype=weights.dtype)
+    rows = np.repeat(np.arange(weights.shape[0]), np.diff(matrix.indptr))
+    positions = (offset + rows * row_stride + matrix.indices * column_stride).astype(np.intp)
+    return matrix, positions
