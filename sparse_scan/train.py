@@ -24,9 +24,8 @@ Examples
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -55,7 +54,7 @@ class Dataset:
 
 def _digits(input_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
     try:
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # noqa: PLC0415 - optional extra
     except ImportError:
         raise DataError("digits: the built-in dataset needs scikit-learn (pip install "
                         "'sparse-scan[digits]')") from None
