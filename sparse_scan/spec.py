@@ -45,6 +45,7 @@ import yaml
 
 from .layers import AvgPool2d, Conv2d, Flatten, Layer, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
 from .model import Sequential
+from .weights import read_npz
 
 __all__ = ["LAYER_TYPES", "SpecError", "load_model"]
 
@@ -75,6 +76,8 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
         raise SpecError(f"{path}: no such file") from None
     except OSError as error:
         raise SpecError(f"{path}: cannot read: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a YAML text file (not UTF-8)") from None
     try:
         spec = yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -121,7 +124,7 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
     name = str(entry.get("name", index))
     where = f"layer {name!r} (layers[{index}])"
     kind = entry.get("type")
-    if kind not in LAYER_TYPES:
+    if not isinstance(kind, str) or kind not in LAYER_TYPES:
         raise _fail(path, where, "type", f"unknown layer type {kind!r} (known: {', '.join(LAYER_TYPES)})")
     cls = LAYER_TYPES[kind]
     arguments = {k: v for k, v in entry.items() if k not in ("name", "type")}
@@ -130,6 +133,11 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
         if argument not in accepted or argument in ENGINE_ARGUMENTS:
             allowed = [p for p in accepted if p not in ENGINE_ARGUMENTS]
             raise _fail(path, where, argument, f"unknown argument of {kind} (allowed: {', '.join(allowed)})")
+    required = [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+                if name != "self" and parameter.default is inspect.Parameter.empty]
+    for argument in required:
+        if argument not in arguments and not (cls in INFERRED and INFERRED[cls][0] == argument):
+            raise _fail(path, where, argument, f"missing (required by {kind})")
     if cls is Linear and len(shape) != 1:
         raise _fail(path, where, "input", f"a linear layer needs a flat input, got shape {list(shape)}; "
                     "add a flatten layer before it")
@@ -158,7 +166,8 @@ def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
         raise _fail(path, "", "weights", f"must be a file name, got {weights!r}")
     file = path.parent / weights
     if not file.is_file():
-        raise _fail(path, "", "weights", f"no such file: {file}")
+        what = "not a regular file" if file.exists() else "no such file"
+        raise _fail(path, "", "weights", f"{what}: {file}")
     if file.suffix == ".safetensors":
         try:
             from safetensors.numpy import load_file  # noqa: PLC0415 - optional
@@ -170,8 +179,7 @@ def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
         except Exception as error:  # the package's own errors for a corrupt file
             raise _fail(path, "", "weights", f"{file} is not a readable .safetensors: {error}") from None
     try:
-        with np.load(file, allow_pickle=False) as stored:
-            return {key: stored[key] for key in stored.files}
+        return read_npz(file)
     except (OSError, ValueError) as error:
         raise _fail(path, "", "weights", f"{file} is not a readable .npz: {error}") from None
 
@@ -250,8 +258,12 @@ def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str,
             raise _fail(path, where, parameter, f"{key!r} has dtype {value.dtype}, expected floats")
         if not np.all(np.isfinite(value)):
             raise _fail(path, where, parameter, f"{key!r} holds NaN or Inf")
+        with np.errstate(over="ignore"):
+            cast = value.astype(layer.dtype)
+        if not np.all(np.isfinite(cast)):
+            raise _fail(path, where, parameter, f"{key!r} holds values too large for {layer.dtype}")
         try:
-            setattr(layer, parameter, value.astype(layer.dtype))
+            setattr(layer, parameter, cast)
         except ValueError as error:
             match = _LAYER_MESSAGE.match(str(error))
             raise _fail(path, where, parameter, match.group(2) if match else str(error)) from None

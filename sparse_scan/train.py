@@ -32,6 +32,7 @@ import numpy as np
 from . import backend as _backend
 from .layers._weighted import held_structure_keys
 from .loss import softmax_cross_entropy
+from .weights import read_npz
 
 __all__ = ["DataError", "Dataset", "load_dataset", "train"]
 
@@ -88,8 +89,7 @@ def load_dataset(name_or_path: str | pathlib.Path, input_shape: tuple[int, ...],
     else:
         source = str(name_or_path)
         try:
-            with np.load(name_or_path, allow_pickle=False) as stored:
-                arrays = {key: stored[key] for key in stored.files}
+            arrays = read_npz(name_or_path)
         except FileNotFoundError:
             raise DataError(f"{source}: no such file") from None
         except (OSError, ValueError) as error:
@@ -102,8 +102,13 @@ def load_dataset(name_or_path: str | pathlib.Path, input_shape: tuple[int, ...],
         if tuple(x.shape[1:]) != tuple(input_shape) or x.dtype.kind not in "fiu":
             raise DataError(f"{source}: x_{part} has shape {list(x.shape)} of {x.dtype}; the model "
                             f"takes numbers of shape (N, {', '.join(map(str, input_shape))})")
-        if not np.all(np.isfinite(x)):
-            raise DataError(f"{source}: x_{part} holds NaN or Inf")
+        if not len(x):
+            raise DataError(f"{source}: x_{part} holds no samples")
+        with np.errstate(over="ignore"):
+            finite = bool(np.all(np.isfinite(x)) and np.all(np.isfinite(x.astype(dtype))))
+        if not finite:
+            raise DataError(f"{source}: x_{part} holds NaN or Inf (or values too large for "
+                            f"{np.dtype(dtype).name})")
         if y.shape != (len(x),) or y.dtype.kind not in "iu":
             raise DataError(f"{source}: y_{part} must hold {len(x)} integer labels, got shape "
                             f"{list(y.shape)} of {y.dtype}")

@@ -1,4 +1,4 @@
-"""A model's parameters by state_dict name, and atomic ``.npz`` writes.
+"""A model's parameters by state_dict name, ``.npz`` reads and atomic ``.npz`` writes.
 
 Examples
 --------
@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
+import zipfile
 from typing import Any
 
 import numpy as np
 
-__all__ = ["load_state_dict", "state_dict", "write_npz_atomically"]
+__all__ = ["load_state_dict", "read_npz", "state_dict", "write_npz_atomically"]
 
 
 def state_dict(model: Any) -> dict[str, np.ndarray]:
@@ -38,6 +39,28 @@ def load_state_dict(model: Any, values: dict[str, Any]) -> None:
     for key, value in values.items():
         layer_name, _, name = key.rpartition(".")
         setattr(layers[layer_name], name, value)
+
+
+def read_npz(path: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """The arrays of a ``.npz`` file (no pickles).
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        Anything else that makes it no readable ``.npz`` (a ``.npy``, an empty or truncated file, a
+        pickle), with the reason.
+    """
+    with open(path, "rb") as handle:  # closed whatever np.load makes of it
+        try:
+            stored = np.load(handle, allow_pickle=False)
+            if not isinstance(stored, np.lib.npyio.NpzFile):
+                raise ValueError("a single array (.npy), not an archive of named arrays")
+            with stored:
+                return {key: stored[key] for key in stored.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            raise ValueError(str(error) or type(error).__name__) from None
 
 
 def _umask() -> int:

@@ -132,14 +132,51 @@ BAD = [
      {"w.npz": {"fc.weight": np.ones((2, 4)), "fc.bias": np.ones(2), "fc2.weight": np.ones(1)}},
      ["field 'weights'", "'fc2.weight'", "matches no layer"]),
     (None, {}, ["no such file"]),
+    # strings and numbers are not coerced: booleans must be booleans, ints ints
+    ("input_shape: [1, 6, 6]\ninit: {seed: 0}\nlayers: [{name: c, type: conv2d, out_channels: 2, "
+     "kernel_size: 3, bias: 'false'}]\n", {}, ["layer 'c' (layers[0])", "field 'bias'", "true or false"]),
+    ("input_shape: [1, 6, 6]\nlayers: [{name: p, type: maxpool2d, kernel_size: 3, stride: 2, "
+     "ceil_mode: 'false'}]\n", {}, ["layer 'p' (layers[0])", "field 'ceil_mode'", "true or false"]),
+    ("input_shape: [1, 6, 6]\nlayers: [{name: p, type: avgpool2d, kernel_size: 2, "
+     "count_include_pad: x}]\n", {}, ["field 'count_include_pad'"]),
+    ("input_shape: [4]\ninit: {seed: 0}\nlayers: [{name: fc, type: linear, out_features: 10.5}]\n", {},
+     ["layer 'fc' (layers[0])", "field 'out_features'", "must be an int"]),
+    ("input_shape: [1, 6, 6]\ninit: {seed: 0}\nlayers: [{name: c, type: conv2d, out_channels: true, "
+     "kernel_size: 3}]\n", {}, ["field 'out_channels'", "must be an int"]),
+    ("input_shape: [1, 6, 6]\nlayers: [{name: f, type: flatten, start_dim: 1.7}]\n", {}, ["field 'start_dim'"]),
+    ("input_shape: [1, 6, 6]\nlayers: [{name: r, type: [relu]}]\n", {}, ["field 'type'", "unknown layer"]),
+    ("input_shape: [1, 6, 6]\ninit: {seed: 0}\nlayers: [{name: c, type: conv2d, kernel_size: 3}]\n", {},
+     ["layer 'c' (layers[0])", "field 'out_channels'", "missing"]),
+    ("input_shape: [1, 6, 6]\nlayers: [{name: l, type: leaky_relu, negative_slope: foo}]\n", {},
+     ["field 'negative_slope'", "finite number"]),
+    # weights files that are no .npz, and values float32 cannot hold
+    ("input_shape: [4]\nweights: w.npz\nlayers: [{name: fc, type: linear, out_features: 2}]\n",
+     {"w.npz": b""}, ["field 'weights'", "not a readable .npz"]),
+    ("input_shape: [4]\nweights: w.npz\nlayers: [{name: fc, type: linear, out_features: 2}]\n",
+     {"w.npz": b"PK\x03\x04 truncated"}, ["field 'weights'", "not a readable .npz"]),
+    ("input_shape: [4]\nweights: w.npy\nlayers: [{name: fc, type: linear, out_features: 2}]\n",
+     {"w.npy": np.ones(3)}, ["field 'weights'", "not a readable .npz", "single array"]),
+    ("input_shape: [4]\nweights: w.npz\nlayers: [{name: fc, type: linear, out_features: 2}]\n",
+     {"w.npz": {"fc.weight": np.full((2, 4), 1e300), "fc.bias": np.ones(2)}},
+     ["layer 'fc' (layers[0])", "field 'weight'", "too large for float32"]),
+    (b"\xff\xfe\x00binary", {}, ["not a YAML text file"]),
 ]
 
 
 @pytest.mark.parametrize("text, files, fragments", BAD)
 def test_bad_specs_are_one_clear_error_naming_file_layer_and_field(tmp_path, text, files, fragments):
     for name, arrays in files.items():
-        np.savez(tmp_path / name, **arrays)
-    path = tmp_path / "model.yaml" if text is None else write(tmp_path, text)
+        if isinstance(arrays, bytes):
+            (tmp_path / name).write_bytes(arrays)
+        elif isinstance(arrays, np.ndarray):
+            np.save(tmp_path / name, arrays)
+        else:
+            np.savez(tmp_path / name, **arrays)
+    if isinstance(text, bytes):
+        path = tmp_path / "model.yaml"
+        path.write_bytes(text)
+    else:
+        path = tmp_path / "model.yaml" if text is None else write(tmp_path, text)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(SpecError) as error:
         load_model(path)

@@ -111,6 +111,9 @@ def test_digits_dataset_fits_the_bundled_lenet():
     (lambda d: d.update(y_train=np.full(40, 4)), "labels outside 0..3"),
     (lambda d: d.update(y_test=np.zeros(12)), "integer labels"),
     (lambda d: d.update(x_test=np.full((12, 1, 6, 6), np.nan)), "NaN or Inf"),
+    (lambda d: d.update(x_test=np.full((12, 1, 6, 6), 1e300)), "too large for float32"),
+    (lambda d: d.update(x_train=np.zeros((0, 1, 6, 6)), y_train=np.zeros(0, np.int64)),
+     "x_train holds no samples"),
 ])
 def test_bad_data_files_are_one_line_exit_2(tmp_path, change, fragment):
     spec, data_path = files(tmp_path)
@@ -120,6 +123,19 @@ def test_bad_data_files_are_one_line_exit_2(tmp_path, change, fragment):
     result = invoke(spec, "--data", data_path, "--out", tmp_path / "w.npz")
     assert result.exit_code == 2 and fragment in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "w.npz").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", "npy"])
+def test_data_files_that_are_no_npz_are_one_line_exit_2(tmp_path, content):
+    spec, data_path = files(tmp_path)
+    if content == "npy":
+        data_path = tmp_path / "data.npy"
+        np.save(data_path, np.ones(3))
+    else:
+        data_path.write_bytes(content)
+    result = invoke(spec, "--data", data_path)
+    assert result.exit_code == 2 and "not a readable .npz" in result.output, result.output
+    assert result.output.count("\n") == 1
 
 
 def test_existing_outputs_are_kept(tmp_path):

@@ -3,18 +3,40 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
+
+import numpy as np
 
 IntPair = tuple[int, int]
 
 
+def is_int(value: Any) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def checked_int(value: Any, field: str, label: str, minimum: int | None = None) -> int:
+    """``value`` as an int (a bool, float or string is an error naming the layer and field)."""
+    if not is_int(value):
+        raise ValueError(f"layer {label}: {field}: must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"layer {label}: {field}: must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def checked_flag(value: Any, field: str, label: str) -> bool:
+    """``value`` if it is a bool (NumPy's too): ``"false"`` or ``0`` are errors, not truth values."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"layer {label}: {field}: must be true or false, got {value!r}")
+    return bool(value)
+
+
 def pair(value: Any, field: str, label: str, minimum: int) -> IntPair:
     """Parse an int or an (h, w) pair, as PyTorch accepts, and check ``>= minimum``."""
-    if isinstance(value, (int,)) and not isinstance(value, bool):
+    if is_int(value):
         parsed = (int(value), int(value))
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value):
         parsed = (int(value[0]), int(value[1]))
     else:
         raise ValueError(f"layer {label}: {field}: expected an int or an (h, w) pair, got {value!r}")

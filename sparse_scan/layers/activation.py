@@ -7,6 +7,7 @@ The values fill is an elementwise array expression, identical on NumPy and CuPy.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -64,8 +65,9 @@ class LeakyReLU(_Elementwise):
 
     def __init__(self, negative_slope: float = 0.01) -> None:
         super().__init__()
-        if not np.isfinite(negative_slope):
-            raise self._error("negative_slope", f"must be finite, got {negative_slope}")
+        if (not isinstance(negative_slope, numbers.Real) or isinstance(negative_slope, bool)
+                or not np.isfinite(negative_slope)):
+            raise self._error("negative_slope", f"must be a finite number, got {negative_slope!r}")
         self.negative_slope = float(negative_slope)
 
     def _apply(self, x: Any) -> Any:

@@ -28,7 +28,7 @@ from .. import _kernels
 from .. import backend as _backend
 from ..csr import Pattern, choose_index_dtype
 from ._base import Shape
-from ._geometry import IntPair, output_size, pair, window_extent
+from ._geometry import IntPair, checked_flag, checked_int, output_size, pair, window_extent
 from ._weighted import RngLike, WeightedLayer
 
 __all__ = ["SPARSE_FORWARD_MAX_DENSITY", "Conv2d"]
@@ -165,8 +165,8 @@ class Conv2d(WeightedLayer):
         label = "Conv2d"
         for field, value in (("in_channels", in_channels), ("out_channels", out_channels),
                              ("groups", groups)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"layer {label}: {field}: must be a positive int, got {value!r}")
+            checked_int(value, field, label, 1)
+        bias = checked_flag(bias, "bias", label)
         if in_channels % groups or out_channels % groups:
             raise ValueError(
                 f"layer {label}: groups: {groups} must divide in_channels={in_channels} and "

@@ -9,6 +9,7 @@ import numpy as np
 from .. import backend as _backend
 from ..csr import Pattern, choose_index_dtype
 from ._base import Shape
+from ._geometry import checked_flag, checked_int
 from ._weighted import RngLike, WeightedLayer
 
 __all__ = ["Linear"]
@@ -44,13 +45,11 @@ class Linear(WeightedLayer):
         rng: RngLike = None,
         prune_pattern: bool = False,
     ) -> None:
-        for field, value in (("in_features", in_features), ("out_features", out_features)):
-            if int(value) < 1:
-                raise ValueError(f"layer Linear: {field}: must be positive, got {value}")
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = checked_int(in_features, "in_features", "Linear", 1)
+        self.out_features = checked_int(out_features, "out_features", "Linear", 1)
         super().__init__(
-            (self.out_features, self.in_features), bias, self.in_features, dtype, rng, prune_pattern
+            (self.out_features, self.in_features), checked_flag(bias, "bias", "Linear"), self.in_features,
+            dtype, rng, prune_pattern
         )
 
     def check_in_shape(self, in_shape: Shape) -> Shape:
