@@ -143,7 +143,8 @@ BAD = [
      ["layer 'fc' (layers[0])", "field 'out_features'", "must be an int"]),
     ("input_shape: [1, 6, 6]\ninit: {seed: 0}\nlayers: [{name: c, type: conv2d, out_channels: true, "
      "kernel_size: 3}]\n", {}, ["field 'out_channels'", "must be an int"]),
-    ("input_shape: [1, 6, 6]\nlayers: [{name: f, type: flatten, start_dim: 1.7}]\n", {}, ["field 'start_dim'"]),
+    ("input_shape: [1, 6, 6]\nlayers: [{name: f, type: flatten, start_dim: 1.7}]\n", {},
+     ["field 'start_dim'"]),
     ("input_shape: [1, 6, 6]\nlayers: [{name: r, type: [relu]}]\n", {}, ["field 'type'", "unknown layer"]),
     ("input_shape: [1, 6, 6]\ninit: {seed: 0}\nlayers: [{name: c, type: conv2d, kernel_size: 3}]\n", {},
      ["layer 'c' (layers[0])", "field 'out_channels'", "missing"]),
