@@ -19,7 +19,7 @@ import numpy as np
 
 from sparse_scan import distributed
 
-from .app import fail, write_gradients
+from .app import fail, write_gradients, write_or_fail
 
 __all__ = ["parse_split", "run_distributed", "world"]
 
@@ -99,7 +99,8 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
             float(abs(g - r).max()) / max(float(abs(r).max()), 1e-30)
             for g, r in zip(result.grads, reference, strict=True))
     if out is not None:
-        write_gradients(out, network.layers, result.grads, result.parameters)
+        write_or_fail("--out", out,
+                      lambda: write_gradients(out, network.layers, result.grads, result.parameters))
         report["out"] = str(out)
     if as_json:
         click.echo(json.dumps(report, indent=2))

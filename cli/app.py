@@ -15,6 +15,8 @@ True
 
 from __future__ import annotations
 
+import math
+import pathlib
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -23,17 +25,65 @@ import click
 from sparse_scan import __version__
 from sparse_scan.weights import write_npz_atomically
 
-__all__ = ["fail", "main", "max_step_flops_option", "parse_levels", "plan_progress", "scan_cost_hint"]
+__all__ = ["FiniteFloat", "check_outputs", "fail", "main", "max_step_flops_option", "parse_levels",
+           "plan_progress", "scan_cost_hint", "write_or_fail"]
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""File types ``--plot`` writes (matplotlib would append ``.png`` to a name without a suffix, past the
+check for an existing file, and fail after the work on one it does not know)."""
+
+
+class FiniteFloat(click.ParamType):
+    """A finite float (click's ``FloatRange`` lets NaN through), above ``minimum`` (or at it, when
+    ``inclusive``)."""
+
+    name = "float"
+
+    def __init__(self, minimum: float, inclusive: bool = False) -> None:
+        self.minimum, self.inclusive = minimum, inclusive
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if number < self.minimum or (number == self.minimum and not self.inclusive):
+            self.fail(f"{value!r} must be {'>=' if self.inclusive else '>'} {self.minimum:g}", param, ctx)
+        return number
+
 
 max_step_flops_option = click.option(
-    "--max-step-flops", type=float, default=1e10, show_default=True,
+    "--max-step-flops", type=FiniteFloat(0), default=1e10, show_default=True,
     help="give up before planning a costlier product (deep scans of big networks need billions)")
 """``--max-step-flops`` of every command that plans a scan (run, train, flops)."""
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+class _OneLineErrors(click.Group):
+    """A click group whose usage errors (a bad option value, an unknown command) are one line on
+    stderr and exit code 2, like every other error of the command; help and a bare invocation print
+    the usage as usual."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as error:
+            error.show()
+            sys.exit(error.exit_code)
+        except click.ClickException as error:
+            fail(error.format_message().replace("\n", " "))
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors, context_settings=CONTEXT_SETTINGS)
 @click.version_option(
     __version__, "--version", prog_name="sparse-scan", message="%(prog)s %(version)s"
 )
@@ -62,6 +112,35 @@ def parse_levels(levels: str | None) -> int | str | None:
     if value < 0:
         fail(f"--levels must be a non-negative int or 'auto', got {levels!r}")
     return value
+
+
+def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
+    """Refuse, before any work, output paths that exist (without ``force``), lie in no folder, name
+    one file twice, or (``--plot``) have no suffix matplotlib writes. Keys are option names
+    (``out``, ``log``, ``plot``)."""
+    seen: dict[pathlib.Path, str] = {}
+    for key, path in paths.items():
+        if path is None:
+            continue
+        option = f"--{key}"
+        if key == "plot" and path.suffix.lower() not in PLOT_SUFFIXES:
+            fail(f"{option} {path}: give a file name ending in {', '.join(PLOT_SUFFIXES)}")
+        if path.exists() and not force:
+            fail(f"{option} {path}: exists (use --force to overwrite)")
+        if not path.parent.is_dir():
+            fail(f"{option} {path}: no such directory {path.parent}")
+        resolved = path.resolve()
+        if resolved in seen:
+            fail(f"{option} {path}: the same file as {seen[resolved]}")
+        seen[resolved] = option
+
+
+def write_or_fail(option: str, path: pathlib.Path, write: Callable[[], object]) -> None:
+    """Run ``write`` (which writes ``path``); an OS error is one line naming the option and file."""
+    try:
+        write()
+    except OSError as error:
+        fail(f"{option} {path}: cannot write: {error.strerror or error}")
 
 
 def scan_cost_hint(error: Exception) -> str:

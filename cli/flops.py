@@ -16,7 +16,16 @@ from sparse_scan import SpecError, load_model
 from sparse_scan.flops import analyse
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
-from .app import fail, main, max_step_flops_option, parse_levels, plan_progress, scan_cost_hint
+from .app import (
+    check_outputs,
+    fail,
+    main,
+    max_step_flops_option,
+    parse_levels,
+    plan_progress,
+    scan_cost_hint,
+    write_or_fail,
+)
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -90,8 +99,7 @@ def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtyp
           max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool,
           quiet: bool) -> None:
     """Static FLOP analysis of MODEL's backward pass: per layer, per scan step, totals."""
-    if plot is not None and plot.exists() and not force:
-        fail(f"{plot}: exists (use --force to overwrite)")
+    check_outputs(force, plot=plot)
     try:
         network = load_model(model, dtype=dtype)
         report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops),
@@ -102,6 +110,8 @@ def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtyp
         fail(f"{model}: {scan_cost_hint(error)}")
     except ValueError as error:
         fail(f"{model}: {error}")
+    except MemoryError as error:
+        fail(f"{model}: out of memory for its patterns: {error}")
     if plot is not None:
-        _plot(report, plot)
+        write_or_fail("--plot", plot, lambda: _plot(report, plot))
     click.echo(json.dumps(report, indent=2) if as_json else _table(report))

@@ -22,6 +22,8 @@ from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 
 from . import _distributed
 from .app import (
+    FiniteFloat,
+    check_outputs,
     fail,
     main,
     max_step_flops_option,
@@ -29,6 +31,7 @@ from .app import (
     plan_progress,
     scan_cost_hint,
     write_gradients,
+    write_or_fail,
 )
 
 
@@ -52,9 +55,13 @@ def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, see
              f"(N, {', '.join(map(str, shape))})")
     if x.dtype.kind not in "fiu":
         fail(f"--input {input_path}: dtype {x.dtype}, expected numbers")
-    if not np.all(np.isfinite(x)):
-        fail(f"--input {input_path}: holds NaN or Inf")
-    return x.astype(dtype)
+    if not len(x):
+        fail(f"--input {input_path}: holds no samples")
+    with np.errstate(over="ignore"):
+        cast = x.astype(dtype)
+    if not np.all(np.isfinite(x)) or not np.all(np.isfinite(cast)):
+        fail(f"--input {input_path}: holds NaN or Inf (or values too large for {np.dtype(dtype).name})")
+    return cast
 
 
 def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
@@ -64,9 +71,11 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
         grad = _load_array(grad_path, "--grad")
         if grad.shape != output.shape:
             fail(f"--grad {grad_path}: shape {list(grad.shape)}, the output has {list(output.shape)}")
-        if grad.dtype.kind != "f" or not np.all(np.isfinite(grad)):
-            fail(f"--grad {grad_path}: must hold finite floats")
-        return grad.astype(output.dtype), None
+        with np.errstate(over="ignore"):
+            cast = grad.astype(output.dtype) if grad.dtype.kind == "f" else grad
+        if grad.dtype.kind != "f" or not np.all(np.isfinite(grad)) or not np.all(np.isfinite(cast)):
+            fail(f"--grad {grad_path}: must hold finite floats ({output.dtype.name})")
+        return cast, None
     if labels_path is None:
         return np.ones_like(output), None  # L = sum of the outputs
     labels = _load_array(labels_path, "--labels")
@@ -86,7 +95,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
 @click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="inputs (N, *input_shape) as .npy")
 @click.option("--random", type=click.IntRange(min=1), help="N seeded random inputs instead of --input")
-@click.option("--seed", type=int, default=0, show_default=True, help="seed of --random")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="seed of --random")
 @click.option("--grad", "grad_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="gradient w.r.t. the output as .npy (default: ones, i.e. L = sum of outputs)")
 @click.option("--labels", "labels_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
@@ -107,7 +116,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
 @click.option("--split", help="--distributed: layers per rank, e.g. 3,4,5 (default: balanced by FLOPs)")
 @click.option("--combine", type=click.Choice(COMBINES), default="chain", show_default=True,
               help="--distributed: how slices combine across ranks")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+@click.option("--timeout", type=FiniteFloat(0), default=300.0, show_default=True,
               help="--distributed: seconds to wait for another rank before giving up")
 def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None, seed: int,
         grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
@@ -128,10 +137,7 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         fail("give exactly one of --input X.npy and --random N")
     if grad_path is not None and labels_path is not None:
         fail("give at most one of --grad and --labels")
-    if out is not None and out.exists() and not force:
-        fail(f"--out {out}: exists (use --force to overwrite)")
-    if out is not None and not out.parent.is_dir():
-        fail(f"--out {out}: no such directory {out.parent}")
+    check_outputs(force, out=out)
     levels_value = parse_levels(levels)
     split_counts = _distributed.parse_split(split)
     try:
@@ -142,7 +148,10 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         network = load_model(model, dtype=dtype)
     except SpecError as error:
         fail(str(error))
-    x = _inputs(network, input_path, random, seed, np.dtype(dtype))
+    try:
+        x = _inputs(network, input_path, random, seed, np.dtype(dtype))
+    except MemoryError as error:
+        fail(f"--random {random}: out of memory for these inputs: {error}")
     if comm is not None:
         _distributed.run_distributed(comm, model, network, x,
                                      lambda output: _upstream(output, grad_path, labels_path), method,
@@ -151,9 +160,14 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
     timings: dict[str, float] = {}
     try:
         start = time.perf_counter()
-        output = network.forward(be.asarray(x))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, by layer
+            output = network.forward(be.asarray(x))
         be.synchronize()
         timings["forward_s"] = time.perf_counter() - start
+        overflowing = network.non_finite_output()
+        if overflowing is not None:
+            fail(f"{model}: layer {overflowing!r}: its output holds NaN or Inf on this input (a {dtype} "
+                 "overflow? try --dtype float64)")
         grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
         builds = network.plan_builds
         start = time.perf_counter()
@@ -169,6 +183,8 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         reference = network.backward(be.asarray(grad), "linear") if check else None
     except (ScanCostError, ScanMemoryError, ValueError) as error:
         fail(f"{model}: {scan_cost_hint(error)}")
+    except MemoryError as error:
+        fail(f"{model}: out of memory for this batch: {error}")
     report: dict[str, Any] = {"model": str(model), "method": method, "levels": levels_value,
                               "device": be.name, "dtype": dtype, "batch": int(x.shape[0]),
                               "plan_cache_hit": network.plan_builds == builds, "timings": timings}
@@ -179,7 +195,8 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
             float(be.to_host(abs(g - r).max())) / max(float(be.to_host(abs(r).max())), 1e-30)
             for g, r in zip(grads, reference, strict=True))
     if out is not None:
-        write_gradients(out, network.layers, grads, parameters, be.to_host)
+        write_or_fail("--out", out,
+                      lambda: write_gradients(out, network.layers, grads, parameters, be.to_host))
         report["out"] = str(out)
     if as_json:
         click.echo(json.dumps(report, indent=2))

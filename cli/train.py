@@ -14,17 +14,33 @@ from typing import Any
 
 import click
 
-from sparse_scan import SpecError, load_model
+from sparse_scan import SpecError, backend, load_model
 from sparse_scan.optim import SGD, Adam
 from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
 from sparse_scan.train import DataError, load_dataset, train
 from sparse_scan.weights import state_dict, write_npz_atomically
 
-from .app import fail, main, max_step_flops_option, parse_levels, scan_cost_hint
+from .app import (
+    FiniteFloat,
+    check_outputs,
+    fail,
+    main,
+    max_step_flops_option,
+    parse_levels,
+    scan_cost_hint,
+    write_or_fail,
+)
 
 
 def _optimizer(name: str, model: Any, lr: float, momentum: float) -> Any:
     return SGD(model, lr=lr, momentum=momentum) if name == "sgd" else Adam(model, lr=lr)
+
+
+def _write_log(records: list[dict[str, Any]], path: pathlib.Path) -> None:
+    with path.open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
 
 
 def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> None:
@@ -60,10 +76,11 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> Non
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--optimizer", "optimizer_name", type=click.Choice(["sgd", "adam"]), default="sgd",
               show_default=True)
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.01, show_default=True)
-@click.option("--momentum", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--lr", type=FiniteFloat(0), default=0.01, show_default=True)
+@click.option("--momentum", type=FiniteFloat(0, inclusive=True), default=0.0, show_default=True,
               help="SGD only")
-@click.option("--seed", type=int, default=0, show_default=True, help="shuffling of the batches")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="shuffling of the batches")
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True)
 @click.option("--compare-bp", is_flag=True, help="train a copy with back-propagation on the same batches")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=pathlib.Path),
@@ -79,14 +96,14 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
                   device: str, compare_bp: bool, out: pathlib.Path | None, log_path: pathlib.Path | None,
                   plot: pathlib.Path | None, force: bool, quiet: bool) -> None:
     """Train MODEL with BPPSA gradients on a dataset; report the loss per iteration."""
-    for option, path in (("--out", out), ("--log", log_path), ("--plot", plot)):
-        if path is not None and path.exists() and not force:
-            fail(f"{option} {path}: exists (use --force to overwrite)")
-        if path is not None and not path.parent.is_dir():
-            fail(f"{option} {path}: no such directory {path.parent}")
+    check_outputs(force, out=out, log=log_path, plot=plot)
     if optimizer_name == "adam" and momentum:
         fail("--momentum applies to --optimizer sgd only")
     levels_value = parse_levels(levels)
+    try:
+        backend.get(device)
+    except (backend.GPUUnavailableError, ValueError) as error:
+        fail(f"--device {device}: {error}")
     try:
         network = load_model(model)
         baseline = load_model(model) if compare_bp else None
@@ -99,6 +116,8 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
         fail(str(error))
     except (ScanCostError, ScanMemoryError, ValueError) as error:
         fail(f"{model}: {scan_cost_hint(error)}")
+    except MemoryError as error:
+        fail(f"{model}: out of memory for its patterns: {error}")
     optimizer = _optimizer(optimizer_name, network, lr, momentum)
     pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
     per_epoch = -(-len(dataset.x_train) // batch_size)
@@ -107,11 +126,14 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
         bar = click.progressbar(length=epochs * per_epoch, label="training", file=sys.stderr)
         bar.__enter__()
 
+    def save_weights() -> None:
+        write_or_fail("--out", out, lambda: write_npz_atomically(out, state_dict(network)))
+
     def on_iteration(record: dict[str, Any]) -> None:
         if bar is not None:
             bar.update(1)
         if out is not None and (record["iteration"] + 1) % per_epoch == 0:
-            write_npz_atomically(out, state_dict(network))  # a checkpoint per epoch
+            save_weights()  # a checkpoint per epoch
 
     records: list[dict[str, Any]] = []
     interrupted = False
@@ -124,18 +146,15 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
         if bar is not None:
             bar.__exit__(None, None, None)
     if out is not None:
-        write_npz_atomically(out, state_dict(network))
+        save_weights()
     if interrupted:
         click.echo(f"interrupted; weights so far {'in ' + str(out) if out else 'not saved (no --out)'}",
                    err=True)
         sys.exit(130)
     if log_path is not None:
-        with log_path.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=list(records[0]))
-            writer.writeheader()
-            writer.writerows(records)
+        write_or_fail("--log", log_path, lambda: _write_log(records, log_path))
     if plot is not None:
-        _plot(records, plot, method)
+        write_or_fail("--plot", plot, lambda: _plot(records, plot, method))
     last = records[-1]
     click.echo(f"{model}: {len(records)} iterations, {method}, {optimizer_name} lr={lr}; "
                f"last train loss {last['train_loss']:.6g}, test loss {last['test_loss']:.6g}")

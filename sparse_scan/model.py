@@ -127,6 +127,16 @@ class Sequential:
         activations = self._require_forward()
         return [layer.transposed_jacobian(x) for layer, x in zip(self.layers, activations, strict=False)]
 
+    def non_finite_output(self) -> str | None:
+        """The name of the first layer whose output at the last :meth:`forward` holds NaN or Inf (a
+        float overflow, say), or None when every output is finite."""
+        activations = self._require_forward()
+        for layer, output in zip(self.layers, activations[1:], strict=True):
+            xp = _backend.of(output).xp
+            if not bool(xp.all(xp.isfinite(output))):
+                return layer.name
+        return None
+
     def _require_forward(self) -> list[Any]:
         if self._activations is None:
             raise RuntimeError("call forward(x) before backward/transposed_jacobians")

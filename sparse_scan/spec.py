@@ -98,7 +98,7 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
 
 def _input_shape(path: pathlib.Path, value: Any) -> tuple[int, ...]:
     if (not isinstance(value, list) or not value
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in value)):
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= 2**31 - 1 for s in value)):
         raise _fail(path, "", "input_shape", f"must be a list of positive ints (one sample, no batch "
                     f"axis), got {value!r}")
     return tuple(value)
@@ -153,7 +153,7 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
         layer = cls(**arguments)
         layer.name = name
         out_shape = tuple(layer.output_shape(shape))
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         match = _LAYER_MESSAGE.match(str(error))
         field, message = match.groups() if match else ("arguments", str(error))
         raise _fail(path, where, field, message) from None

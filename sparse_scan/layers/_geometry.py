@@ -16,10 +16,16 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+MAX_SIZE = 2**31 - 1
+"""The largest size, count or offset a layer argument may hold."""
+
+
 def checked_int(value: Any, field: str, label: str, minimum: int | None = None) -> int:
     """``value`` as an int (a bool, float or string is an error naming the layer and field)."""
     if not is_int(value):
         raise ValueError(f"layer {label}: {field}: must be an int, got {value!r}")
+    if abs(value) > MAX_SIZE:
+        raise ValueError(f"layer {label}: {field}: must be at most {MAX_SIZE} in size, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"layer {label}: {field}: must be >= {minimum}, got {value!r}")
     return int(value)
@@ -40,6 +46,8 @@ def pair(value: Any, field: str, label: str, minimum: int) -> IntPair:
         parsed = (int(value[0]), int(value[1]))
     else:
         raise ValueError(f"layer {label}: {field}: expected an int or an (h, w) pair, got {value!r}")
+    if max(parsed) > MAX_SIZE:
+        raise ValueError(f"layer {label}: {field}: must be at most {MAX_SIZE}, got {value!r}")
     if min(parsed) < minimum:
         raise ValueError(f"layer {label}: {field}: must be >= {minimum}, got {value!r}")
     return parsed
