@@ -89,6 +89,12 @@ class Sequential:
                 raise TypeError(f"layer {position} is a {type(layer).__name__}, not a sparse_scan Layer")
             if layer.name is None:
                 layer.name = str(position)
+        # parameters and their gradients are keyed "<layer name>.<parameter>"
+        names = [layer.name for layer in layers if hasattr(layer, "weight")]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"layers with parameters need unique names: {repeated[0]!r} names "
+                             f"{names.count(repeated[0])} of them")
         self.layers: list[Layer] = list(layers)
         self.memory_budget = memory_budget
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)

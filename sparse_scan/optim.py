@@ -23,6 +23,8 @@ True
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,19 @@ import numpy as np
 from .weights import state_dict
 
 __all__ = ["SGD", "Adam", "Optimizer"]
+
+
+def _number(value: Any, field: str, minimum: float = -math.inf, below: float = math.inf,
+            inclusive: bool = True) -> float:
+    """``value`` as a float: a finite real number in ``[minimum, below)`` (``(minimum, below)`` when
+    not ``inclusive``), else a ValueError naming ``field`` (PyTorch's optimizers check the same)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{field}: must be a finite number, got {value!r}")
+    if value < minimum or (value == minimum and not inclusive) or value >= below:
+        low = f"{'>=' if inclusive else '>'} {minimum:g}"
+        raise ValueError(f"{field}: must be {low}{'' if below == math.inf else f' and < {below:g}'}, "
+                         f"got {value!r}")
+    return float(value)
 
 
 class Optimizer:
@@ -41,9 +56,7 @@ class Optimizer:
     """
 
     def __init__(self, model: Any, lr: float) -> None:
-        if not lr > 0:
-            raise ValueError(f"lr: must be positive, got {lr}")
-        self.model, self.lr = model, float(lr)
+        self.model, self.lr = model, _number(lr, "lr", 0, inclusive=False)
         self.masks: dict[str, np.ndarray] = {}
         for layer in model.layers:
             if getattr(layer, "prune_pattern", False):
@@ -58,15 +71,30 @@ class Optimizer:
         Raises
         ------
         ValueError
-            A gradient's shape differs from its parameter's.
+            A key names no parameter, or a gradient is not real numbers of its parameter's shape.
+            Every gradient is checked before any parameter changes.
         """
-        layers = {layer.name: layer for layer in self.model.layers}
-        for key, parameter in state_dict(self.model).items():
+        if not isinstance(grads, Mapping):
+            raise TypeError(f"grads: expected a dict of state_dict names to arrays, "
+                            f"got {type(grads).__name__}")
+        parameters = state_dict(self.model)
+        unknown = sorted(set(grads) - set(parameters))
+        if unknown:
+            raise ValueError(f"grads: {unknown[0]!r} names no parameter of the model "
+                             f"(known: {', '.join(parameters)})")
+        checked = {}
+        for key, parameter in parameters.items():
             if key not in grads:
                 continue
-            grad = np.asarray(grads[key], dtype=parameter.dtype)
+            grad = np.asarray(grads[key])
+            if grad.dtype.kind not in "fiu":
+                raise ValueError(f"{key}: gradient of dtype {grad.dtype}, expected real numbers")
             if grad.shape != parameter.shape:
                 raise ValueError(f"{key}: gradient has shape {grad.shape}, the parameter {parameter.shape}")
+            checked[key] = grad.astype(parameter.dtype, copy=False)
+        layers = {layer.name: layer for layer in self.model.layers}
+        for key, grad in checked.items():
+            parameter = parameters[key]
             target, state = self._own(key, parameter, layers), self.state.setdefault(key, {})
             live = self._live.get(key)
             if live is None:
@@ -97,10 +125,12 @@ class SGD(Optimizer):
     def __init__(self, model: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
         super().__init__(model, lr)
+        self.momentum = _number(momentum, "momentum", 0)
+        self.dampening = _number(dampening, "dampening")
+        self.weight_decay = _number(weight_decay, "weight_decay", 0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening 0")
-        self.momentum, self.dampening = float(momentum), float(dampening)
-        self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
+        self.nesterov = bool(nesterov)
 
     def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         # the same roundings as torch's buf.mul_(momentum).add_(grad, alpha=1 - dampening), etc.
@@ -123,8 +153,11 @@ class Adam(Optimizer):
     def __init__(self, model: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(model, lr)
-        self.betas = (float(betas[0]), float(betas[1]))
-        self.eps, self.weight_decay = float(eps), float(weight_decay)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas: expected a pair of numbers in [0, 1), got {betas!r}")
+        self.betas = (_number(betas[0], "betas[0]", 0, 1), _number(betas[1], "betas[1]", 0, 1))
+        self.eps = _number(eps, "eps", 0)
+        self.weight_decay = _number(weight_decay, "weight_decay", 0)
 
     def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         # the same roundings as torch's single-tensor Adam: lerp_, mul_().addcmul_(), sqrt/div/add

@@ -154,6 +154,16 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
         ``epoch, iteration, train_loss`` (the batch's loss before the step) and ``test_loss`` (after
         the step, on the whole test set), plus the ``bp_`` figures with a baseline.
     """
+    for field, value, minimum in (("epochs", epochs, 0), ("batch_size", batch_size, 1)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{field}: must be an int >= {minimum}, got {value!r}")
+    for part in ("train", "test"):
+        x, y = getattr(data, f"x_{part}"), getattr(data, f"y_{part}")
+        if len(x) != len(y) or not len(x):
+            raise ValueError(f"data: x_{part} has {len(x)} samples and y_{part} {len(y)} labels")
+    for run_model, run_optimizer in [(model, optimizer)] + ([] if baseline is None else [baseline]):
+        if getattr(run_optimizer, "model", None) is not run_model:
+            raise ValueError("optimizer: built on another model (it would update that one's weights)")
     be = _backend.get(device)
     rng = np.random.default_rng(seed)
     records, iteration = [], 0

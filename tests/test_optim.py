@@ -129,3 +129,39 @@ def test_a_non_finite_gradient_of_a_pruned_weight_leaves_it_zero(make):
     optimizer.step(model.parameter_gradients(model.backward(grad)))
     weight = model.layers[0].weight
     assert np.all(weight[zeros] == 0) and np.all(np.isfinite(weight))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda m: SGD(m, lr=float("inf")), "lr: must be a finite number"),
+    (lambda m: SGD(m, lr="0.1"), "lr: must be a finite number"),
+    (lambda m: SGD(m, lr=0), "lr: must be > 0"),
+    (lambda m: SGD(m, lr=0.1, momentum=-1), "momentum: must be >= 0"),
+    (lambda m: SGD(m, lr=0.1, momentum=float("nan")), "momentum: must be a finite number"),
+    (lambda m: SGD(m, lr=0.1, weight_decay=-1), "weight_decay: must be >= 0"),
+    (lambda m: Adam(m, betas=(1, 1)), r"betas\[0\]: must be >= 0 and < 1"),
+    (lambda m: Adam(m, betas=(0.9,)), "betas: expected a pair"),
+    (lambda m: Adam(m, eps=-1), "eps: must be >= 0"),
+    (lambda m: Adam(m, eps=float("nan")), "eps: must be a finite number"),
+])
+def test_bad_hyper_parameters_are_refused_naming_them(make, message):
+    with pytest.raises(ValueError, match=message):
+        make(small_model())
+
+
+def test_bad_gradient_dicts_change_nothing():
+    model = small_model()
+    optimizer = SGD(model, lr=0.1)
+    before = {key: value.copy() for key, value in state_dict(model).items()}
+    good = np.ones_like(model.layers[0].weight)
+    for grads, message in [
+        ({"0.wieght": good}, "'0.wieght' names no parameter"),
+        ({"0.weight": good, "3.weight": np.ones((9, 9))}, r"3\.weight: gradient has shape \(9, 9\)"),
+        ({"0.weight": good.astype(np.complex64)}, "complex64, expected real numbers"),
+        ({"0.weight": np.full(good.shape, None)}, "object, expected real numbers"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            optimizer.step(grads)
+    with pytest.raises(TypeError, match="expected a dict"):
+        optimizer.step([good])
+    for key, value in state_dict(model).items():  # checked before any update: nothing moved
+        np.testing.assert_array_equal(value, before[key])

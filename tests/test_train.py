@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from sparse_scan import load_model
 from sparse_scan.cli import app
 from sparse_scan.cli import train as train_cli
+from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.optim import SGD, Adam
-from sparse_scan.train import DataError, load_dataset, train
+from sparse_scan.train import DataError, Dataset, load_dataset, train
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 
@@ -186,3 +187,44 @@ def test_a_scan_over_the_flop_limit_is_one_line_exit_2(tmp_path):
     result = invoke(spec, "--data", data_path, "--max-step-flops", "100", "--out", tmp_path / "w.npz")
     assert result.exit_code == 2 and "raise --max-step-flops" in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "w.npz").exists()
+
+
+def test_train_refuses_bad_arguments_before_any_step(tmp_path):
+    spec, data_path = files(tmp_path)
+    model, other = load_model(spec), load_model(spec)
+    data = load_dataset(data_path, model.input_shape, 4)
+    before = model.layers[0].weight.copy()
+    for kwargs, message in [
+        ({"batch_size": 0}, "batch_size: must be an int >= 1"),
+        ({"epochs": -1}, "epochs: must be an int >= 0"),
+        ({"batch_size": 2.5}, "batch_size: must be an int"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            train(model, data, SGD(model, lr=0.1), **{"epochs": 1, "batch_size": 8, **kwargs})
+    with pytest.raises(ValueError, match="optimizer: built on another model"):
+        train(model, data, SGD(other, lr=0.1), epochs=1, batch_size=8)
+    short = Dataset(data.x_train, data.y_train[:-1], data.x_test, data.y_test)
+    with pytest.raises(ValueError, match="x_train has 40 samples and y_train 39 labels"):
+        train(model, short, SGD(model, lr=0.1), epochs=1, batch_size=8)
+    np.testing.assert_array_equal(model.layers[0].weight, before)
+
+
+@pytest.mark.parametrize("labels, message", [
+    ([0, -1], r"labels: must lie in 0\.\.3"), ([0, 4], r"labels: must lie in 0\.\.3"),
+    ([0.0, 1.0], "integer labels"), ([0], "expected 2 integer labels"),
+])
+def test_the_loss_refuses_labels_it_would_misread(labels, message):
+    with pytest.raises(ValueError, match=message):
+        softmax_cross_entropy(np.zeros((2, 4), np.float32), np.array(labels))
+
+
+def test_layers_with_parameters_need_unique_names():
+    from sparse_scan import Sequential
+    from sparse_scan.layers import Linear, ReLU
+
+    first, second = Linear(3, 3, rng=0), Linear(3, 3, rng=1)
+    first.name = second.name = "fc"
+    with pytest.raises(ValueError, match="unique names: 'fc' names 2"):
+        Sequential(first, ReLU(), second)
+    relu = ReLU()
+    Sequential(Linear(3, 3, rng=0), relu, Linear(3, 3, rng=1), relu)  # a parameterless layer may repeat

@@ -169,6 +169,9 @@ class Recurrent:
         checked = {}
         for key, value in given.items():
             array = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+            if array.dtype.kind not in "fiu":
+                raise ValueError(f"layer {type(self).__name__}: {key}: expected real numbers, "
+                                 f"got {array.dtype}")
             if array.shape != shapes[key]:
                 raise ValueError(f"layer {type(self).__name__}: {key}: expected shape {shapes[key]}, "
                                  f"got {array.shape}")
@@ -179,9 +182,14 @@ class Recurrent:
             setattr(self, key, array)
 
     def _check_inputs(self, x: Any, h0: Any) -> tuple[Any, Any]:
+        layer = f"layer {type(self).__name__}"
+        x = x if hasattr(x, "dtype") else np.asarray(x)
+        h0 = h0 if h0 is None or hasattr(h0, "dtype") else np.asarray(h0)
         be = _backend.of(x)
         xp = be.xp
-        layer = f"layer {type(self).__name__}"
+        for field, value in (("input", x), ("h0", h0)):
+            if value is not None and value.dtype.kind not in "fiu":  # complex would lose its imaginary part
+                raise ValueError(f"{layer}: {field}: expected real numbers, got {value.dtype}")
         if x.ndim != 3 or x.shape[2] != self.input_size or x.shape[1] < 1:
             raise ValueError(f"{layer}: input: expected (batch, time, {self.input_size}) with time >= 1, "
                              f"got {tuple(x.shape)}")
@@ -190,10 +198,13 @@ class Recurrent:
         x = xp.asarray(x, dtype=self.dtype)
         if h0 is None:
             return x, xp.zeros((x.shape[0], self.hidden_size), dtype=self.dtype)
+        h0 = be.asarray(h0, dtype=self.dtype)
         if tuple(h0.shape) != (x.shape[0], self.hidden_size):
             raise ValueError(f"{layer}: h0: expected ({x.shape[0]}, {self.hidden_size}), "
                              f"got {tuple(h0.shape)}")
-        return x, be.asarray(h0, dtype=self.dtype)
+        if not bool(xp.all(xp.isfinite(h0))):
+            raise ValueError(f"{layer}: h0: values must be finite")
+        return x, h0
 
     def _parameters_on(self, xp: Any) -> dict[str, Any]:
         return {key: xp.asarray(getattr(self, key)) for key in self.parameter_names}
