@@ -51,6 +51,9 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     """
     path = pathlib.Path(path)
     weights_path = path.with_suffix(".npz")
+    if weights_path == path:
+        raise ValueError(f"{path}: the spec needs a name of its own (e.g. model.yaml); its weights go to "
+                         f"{weights_path.name}")
     for target in (path, weights_path):
         if target.exists():
             raise FileExistsError(f"{target} exists; export_torch never overwrites")

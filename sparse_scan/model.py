@@ -294,6 +294,8 @@ class Sequential:
         be = _backend.of(activations[0]) if device is None else _backend.get(device)
         shapes = [tuple(a.shape[1:]) for a in activations]
         grad_out = be.asarray(grad_out)
+        if grad_out.dtype.kind not in "fiu":
+            raise ValueError(f"grad_out: expected real numbers, got {grad_out.dtype}")
         if tuple(grad_out.shape) != tuple(activations[-1].shape):
             raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}; the output has "
                              f"{tuple(activations[-1].shape)}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -357,14 +358,19 @@ def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, El
     return ops
 
 
-def checked_levels(n: int, method: str, levels: int | None) -> int | None:
-    """Validate ``method`` and, for ``hybrid``, ``levels`` (0 .. ``depth(n)``); return the levels."""
+def checked_levels(n: int, method: str, levels: int | None, unit: str = "layers") -> int | None:
+    """Validate ``method`` and, for ``hybrid``, ``levels`` (an int in 0 .. ``depth(n)``, not a float
+    or a bool; other methods take none); return the levels. ``unit`` names what ``n`` counts."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if method != "hybrid":
-        return levels
-    if levels is None or not 0 <= int(levels) <= depth(n):
-        raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} layers; got {levels!r}")
+        if levels is not None:
+            raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
+                             f"with method={method!r}")
+        return None
+    if (not isinstance(levels, numbers.Integral) or isinstance(levels, bool)
+            or not 0 <= levels <= depth(n)):
+        raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} {unit}; got {levels!r}")
     return int(levels)
 
 

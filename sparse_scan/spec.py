@@ -44,6 +44,7 @@ import numpy as np
 import yaml
 
 from .layers import AvgPool2d, Conv2d, Flatten, Layer, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
+from .layers._weighted import as_float_dtype
 from .model import Sequential
 from .weights import read_npz
 
@@ -213,6 +214,7 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential:
         Unreadable or malformed file, unknown key, layer type or argument, shapes that do not chain,
         missing, unused or misshaped weights: the message names the file, the layer and the field.
     """
+    dtype = as_float_dtype(dtype, "load_model")
     path = pathlib.Path(path)
     spec = _read_yaml(path)
     shape = _input_shape(path, spec["input_shape"])

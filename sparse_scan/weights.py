@@ -53,6 +53,12 @@ def read_npz(path: str | pathlib.Path) -> dict[str, np.ndarray]:
         pickle), with the reason.
     """
     with open(path, "rb") as handle:  # closed whatever np.load makes of it
+        magic = handle.read(6)
+        handle.seek(0)
+        if magic.startswith(b"\x93NUMPY"):
+            raise ValueError("a single array (.npy), not an archive of named arrays")
+        if not magic.startswith(b"PK"):
+            raise ValueError("not a zip archive of arrays (.npz)" if magic else "an empty file")
         try:
             stored = np.load(handle, allow_pickle=False)
             if not isinstance(stored, np.lib.npyio.NpzFile):

@@ -45,3 +45,6 @@ def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
     with pytest.raises(ValueError, match="layer '1': type: BatchNorm2d is not supported"):
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), (1, 5, 5), tmp_path / "b.yaml")
     assert not (tmp_path / "b.yaml").exists()
+    with pytest.raises(ValueError, match="needs a name of its own"):  # the weights would be overwritten
+        export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "model.npz")
+    assert not (tmp_path / "model.npz").exists()

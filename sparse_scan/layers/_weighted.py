@@ -49,9 +49,12 @@ def as_rng(rng: RngLike) -> np.random.Generator:
 
 def as_float_dtype(dtype: Any, label: str) -> np.dtype:
     """Validate a parameter dtype (float32 default, float64 allowed)."""
-    resolved = np.dtype(np.float32 if dtype is None else dtype)
-    if resolved not in FLOAT_DTYPES:
-        raise ValueError(f"layer {label}: dtype: must be float32 or float64, got {resolved}")
+    try:
+        resolved = np.dtype(np.float32 if dtype is None else dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in FLOAT_DTYPES:  # (np.dtype(None) is float64: test None first)
+        raise ValueError(f"layer {label}: dtype: must be float32 or float64, got {dtype!r}")
     return resolved
 
 
@@ -102,8 +105,11 @@ class WeightedLayer(Layer):
 
     @weight.setter
     def weight(self, value: Any) -> None:
-        self._weight = self._checked_parameter("weight", value, self._weight_shape)
-        self._dtype = self._weight.dtype
+        weight = self._checked_parameter("weight", value, self._weight_shape)
+        if self._bias is not None and weight.dtype != self._bias.dtype:
+            raise self._error("weight", f"dtype {weight.dtype} differs from the bias' {self._bias.dtype} "
+                              "(convert both with layer.astype(...))")
+        self._weight, self._dtype = weight, weight.dtype
 
     @property
     def bias(self) -> np.ndarray | None:
@@ -115,7 +121,11 @@ class WeightedLayer(Layer):
         if value is None:
             self._bias = None
             return
-        self._bias = self._checked_parameter("bias", value, (self._weight_shape[0],))
+        bias = self._checked_parameter("bias", value, (self._weight_shape[0],))
+        if bias.dtype != self._weight.dtype:
+            raise self._error("bias", f"dtype {bias.dtype} differs from the weight's {self._weight.dtype} "
+                              "(convert both with layer.astype(...))")
+        self._bias = bias
 
     def _checked_parameter(self, field: str, value: Any, shape: Shape) -> np.ndarray:
         array = _backend.of(value).to_host(value)

@@ -304,7 +304,7 @@ class Recurrent:
                              f"got {tuple(grad_h.shape)}")
         if method == "hybrid" and levels == "auto":
             levels = auto_levels(steps, batch, size, be.name, factored=be.name == "cpu")
-        levels = checked_levels(steps, method, levels)
+        levels = checked_levels(steps, method, levels, unit="time steps")
         grad_h = xp.asarray(grad_h, dtype=self.dtype)
         direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
         parameters = self._parameters_on(xp)

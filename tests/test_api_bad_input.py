@@ -1,0 +1,77 @@
+"""Library calls with bad arguments: a ValueError naming the argument, before anything changes."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from sparse_scan import Sequential, SpecError, load_model
+from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU
+from sparse_scan.recurrent import RNN
+from sparse_scan.weights import read_npz
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+
+
+def small():
+    model = Sequential(Conv2d(1, 2, 3, rng=0), ReLU(), Flatten(), Linear(2 * 4 * 4, 3, rng=1))
+    x = np.random.default_rng(0).standard_normal((2, 1, 6, 6)).astype(np.float32)
+    return model, model.forward(x)
+
+
+@pytest.mark.parametrize("method, levels, message", [
+    ("hybrid", 1.5, "hybrid needs levels in 0..3 for 4 layers; got 1.5"),
+    ("hybrid", True, "hybrid needs levels"),
+    ("hybrid", "two", "hybrid needs levels"),
+    ("linear", 1, "levels applies to method='hybrid' only"),
+])
+def test_scan_levels_are_ints_of_hybrid_only(method, levels, message):
+    model, out = small()
+    with pytest.raises(ValueError, match=message):
+        model.backward(np.ones_like(out), method=method, levels=levels)
+
+
+def test_recurrent_levels_count_time_steps_and_apply_to_hybrid_only():
+    rnn = RNN(1, 3)
+    rnn.forward(np.zeros((2, 5, 1)))
+    with pytest.raises(ValueError, match="levels applies to method='hybrid' only"):
+        rnn.backward(np.ones((2, 5, 3)), method="linear", levels=1)
+    with pytest.raises(ValueError, match="for 5 time steps"):
+        rnn.backward(np.ones((2, 5, 3)), method="hybrid", levels=9)
+
+
+def test_a_complex_gradient_is_refused():
+    model, out = small()
+    with pytest.raises(ValueError, match="grad_out: expected real numbers, got complex"):
+        model.backward(np.ones(out.shape, dtype=complex))
+
+
+def test_weight_and_bias_keep_one_dtype():
+    conv = Conv2d(1, 2, 3, rng=0)
+    with pytest.raises(ValueError, match="layer Conv2d: weight: dtype float64 differs from the bias'"):
+        conv.weight = conv.weight.astype(np.float64)
+    with pytest.raises(ValueError, match="layer Conv2d: bias: dtype float64 differs"):
+        conv.bias = conv.bias.astype(np.float64)
+    assert conv.astype(np.float64).weight.dtype == conv.bias.dtype == np.float64
+
+
+def test_load_model_names_a_bad_dtype():
+    with pytest.raises(ValueError, match="layer load_model: dtype: must be float32 or float64"):
+        load_model(DATA / "tiny.yaml", dtype="foo")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "an empty file"), (b"just some text\n", "not a zip archive"),
+    (b"\x93NUMPY\x01\x00", "single array"),
+])
+def test_read_npz_says_what_the_file_is(tmp_path, content, message):
+    path = tmp_path / "w.npz"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        read_npz(path)
+    spec = tmp_path / "m.yaml"
+    spec.write_text("input_shape: [4]\nweights: w.npz\nlayers: [{name: fc, type: linear, out_features: 2}]\n")
+    with pytest.raises(SpecError, match=f"field 'weights': .*{message}"):
+        load_model(spec)
