@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
+from .spec import SpecError, load_model
+
 __all__ = ["export_torch"]
 
 _ARGUMENTS = {
@@ -54,6 +56,8 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     if weights_path == path:
         raise ValueError(f"{path}: the spec needs a name of its own (e.g. model.yaml); its weights go to "
                          f"{weights_path.name}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory {path.parent}")
     for target in (path, weights_path):
         if target.exists():
             raise FileExistsError(f"{target} exists; export_torch never overwrites")
@@ -78,4 +82,10 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     spec = {"input_shape": [int(s) for s in input_shape], "weights": weights_path.name, "layers": layers}
     np.savez(weights_path, **weights)
     path.write_text(yaml.safe_dump(spec, sort_keys=False, default_flow_style=None))
+    try:  # what it wrote must load (an input shape the module does not take, NaN weights, no layers)
+        load_model(path)
+    except SpecError as error:
+        path.unlink()
+        weights_path.unlink()
+        raise ValueError(f"export_torch: nothing written, the spec would not load: {error}") from None
     return path

@@ -70,6 +70,19 @@ def _fail(path: pathlib.Path, where: str, field: str, message: str) -> SpecError
     return SpecError(f"{path}: {where}{', ' if where else ''}field {field!r}: {message}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that repeats a key (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        for index, key in enumerate(keys):
+            if key in keys[:index]:
+                mark = node.value[index][0].start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} repeated in one mapping", mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
     try:
         text = path.read_text()
@@ -80,7 +93,7 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise SpecError(f"{path}: not a YAML text file (not UTF-8)") from None
     try:
-        spec = yaml.safe_load(text)
+        spec = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

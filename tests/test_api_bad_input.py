@@ -75,3 +75,14 @@ def test_read_npz_says_what_the_file_is(tmp_path, content, message):
     spec.write_text("input_shape: [4]\nweights: w.npz\nlayers: [{name: fc, type: linear, out_features: 2}]\n")
     with pytest.raises(SpecError, match=f"field 'weights': .*{message}"):
         load_model(spec)
+
+
+def test_empty_batches_and_non_positive_sizes_name_the_layer():
+    from sparse_scan.layers import MaxPool2d
+
+    with pytest.raises(ValueError, match="layer ReLU: input: per-sample sizes must be positive"):
+        ReLU().pattern((3, -1, 8))
+    for layer, shape in ((ReLU(), (0, 3)), (MaxPool2d(2), (0, 1, 4, 4))):
+        message = f"layer {type(layer).__name__}: input: expected a batch of at least"
+        with pytest.raises(ValueError, match=message):
+            layer.transposed_jacobian(np.zeros(shape, np.float32))

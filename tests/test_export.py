@@ -48,3 +48,9 @@ def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
     with pytest.raises(ValueError, match="needs a name of its own"):  # the weights would be overwritten
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "model.npz")
     assert not (tmp_path / "model.npz").exists()
+
+    with pytest.raises(ValueError, match="nothing written, the spec would not load: .*field 'weight'"):
+        export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (3, 5, 5), tmp_path / "wrong.yaml")  # 1 channel
+    assert not (tmp_path / "wrong.yaml").exists() and not (tmp_path / "wrong.npz").exists()
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "no" / "m.yaml")

@@ -161,6 +161,9 @@ BAD = [
      {"w.npz": {"fc.weight": np.full((2, 4), 1e300), "fc.bias": np.ones(2)}},
      ["layer 'fc' (layers[0])", "field 'weight'", "too large for float32"]),
     (b"\xff\xfe\x00binary", {}, ["not a YAML text file"]),
+    ("input_shape: [4]\ninput_shape: [5]\nlayers: [{type: relu}]\n", {},
+     ["malformed YAML at line 2", "key 'input_shape' repeated"]),
+    ("input_shape: [4]\nlayers: [{type: relu, type: tanh}]\n", {}, ["key 'type' repeated"]),
 ]
 
 

@@ -59,15 +59,22 @@ class Layer:
         """Validate a per-sample input shape and return it as a tuple of ints."""
         return tuple(int(s) for s in in_shape)
 
+    def _sizes(self, in_shape: Shape) -> Shape:
+        """``in_shape`` as positive ints (a zero or negative size is an error naming the layer)."""
+        shape = tuple(int(s) for s in in_shape)
+        if any(s < 1 for s in shape):
+            raise self._error("input", f"per-sample sizes must be positive, got {list(shape)}")
+        return shape
+
     def _check_input(self, x: Any) -> Any:
-        """Validate a batched input: array, floating dtype, batch axis first, known shape."""
+        """Validate a batched input: array, floating dtype, a non-empty batch axis first, known shape."""
         if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
             raise self._error("input", f"expected an ndarray, got {type(x).__name__}")
         if np.dtype(x.dtype) not in FLOAT_DTYPES:
             raise self._error("input", f"dtype must be float32 or float64, got {x.dtype}")
-        if x.ndim < 1:
-            raise self._error("input", "expected a batch axis first, got a scalar")
-        self.check_in_shape(x.shape[1:])
+        if x.ndim < 1 or x.shape[0] < 1:
+            raise self._error("input", f"expected a batch of at least one sample first, got shape {x.shape}")
+        self.check_in_shape(self._sizes(x.shape[1:]))
         return x
 
     # --- the protocol --------------------------------------------------------------------------
@@ -92,7 +99,8 @@ class Layer:
         index_dtype : {None, numpy.int32, numpy.int64}
             Force the index dtype; by default int32 while it fits, int64 beyond.
         """
-        return self._pattern_entry(self.check_in_shape(in_shape), _backend.get(device), index_dtype)[0]
+        return self._pattern_entry(self.check_in_shape(self._sizes(in_shape)), _backend.get(device),
+                                   index_dtype)[0]
 
     def pattern_nnz(self, in_shape: Shape) -> int:
         """Stored entries of :meth:`pattern` for ``in_shape`` (layers that can count them without
