@@ -86,3 +86,22 @@ def test_empty_batches_and_non_positive_sizes_name_the_layer():
         message = f"layer {type(layer).__name__}: input: expected a batch of at least"
         with pytest.raises(ValueError, match=message):
             layer.transposed_jacobian(np.zeros(shape, np.float32))
+
+
+def test_recurrent_training_arguments_are_checked():
+    from sparse_scan.optim import Adam
+    from sparse_scan.recurrent import Bitstream, RecurrentClassifier, train_recurrent
+
+    for kwargs, message in [({"steps": 2.5}, "steps: must be an int >= 1"), ({"steps": 3, "classes": 11},
+                            "classes: must be an int >= 1 and <= 10")]:
+        with pytest.raises(ValueError, match=message):
+            Bitstream(**kwargs)
+    data = Bitstream(steps=4, samples=8)
+    model, other = RecurrentClassifier(RNN(1, 3, rng=0), 10, rng=1), RecurrentClassifier(RNN(1, 3), 10)
+    for kwargs, message in [({"batch_size": 0}, "batch_size: must be an int >= 1"),
+                            ({"batch_size": 9}, r"<= 8 \(the data's samples\)"),
+                            ({"iterations": -1}, "iterations: must be an int >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            train_recurrent(model, data, Adam(model), **{"iterations": 1, "batch_size": 4, **kwargs})
+    with pytest.raises(ValueError, match="optimizer: built on another model"):
+        train_recurrent(model, data, Adam(other), iterations=1, batch_size=4)

@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
 import numpy as np
@@ -41,9 +42,12 @@ class Bitstream:
 
     def __init__(self, steps: int, samples: int = 32000, seed: int = 0, classes: int = 10,
                  dtype: Any = np.float32) -> None:
-        if steps < 1 or samples < 1 or not 1 <= classes <= 10:
-            raise ValueError(f"Bitstream: need steps >= 1, samples >= 1 and 1..10 classes; got steps="
-                             f"{steps}, samples={samples}, classes={classes}")
+        for field, value, minimum, maximum in (("steps", steps, 1, None), ("samples", samples, 1, None),
+                                               ("seed", seed, 0, None), ("classes", classes, 1, 10)):
+            if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum
+                    or (maximum is not None and value > maximum)):
+                bound = f"an int >= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+                raise ValueError(f"Bitstream: {field}: must be {bound}, got {value!r}")
         self.steps, self.samples, self.seed, self.classes = int(steps), int(samples), int(seed), int(classes)
         self.dtype = np.dtype(dtype)
         self.labels = np.random.default_rng([self.seed, 0]).integers(0, classes, self.samples)

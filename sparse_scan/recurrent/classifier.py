@@ -111,6 +111,14 @@ def train_recurrent(model: RecurrentClassifier, data: Any, optimizer: Any, itera
     list of dict
         ``{"iteration", "loss"}`` per iteration (the batch's loss before the update).
     """
+    for field, value, low, high in (("iterations", iterations, 0, None),
+                                    ("batch_size", batch_size, 1, len(data))):
+        if (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low
+                or (high is not None and value > high)):
+            bound = f"an int >= {low}" + ("" if high is None else f" and <= {high} (the data's samples)")
+            raise ValueError(f"{field}: must be {bound}, got {value!r}")
+    if getattr(optimizer, "model", None) is not model:
+        raise ValueError("optimizer: built on another model (it would update that one's weights)")
     be = _backend.get(device)
     order = np.random.default_rng(seed)
     permutation, position, records = order.permutation(len(data)), 0, []
