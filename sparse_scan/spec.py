@@ -135,7 +135,9 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
                  rng: np.random.Generator, prune: bool) -> tuple[Layer, str]:
     if not isinstance(entry, dict):
         raise _fail(path, f"layers[{index}]", "type", f"each layer must be a mapping, got {entry!r}")
-    name = str(entry.get("name", index))
+    name = entry.get("name", str(index))
+    if not isinstance(name, str) or not name:
+        raise _fail(path, f"layers[{index}]", "name", f"must be a non-empty string, got {name!r}")
     where = f"layer {name!r} (layers[{index}])"
     kind = entry.get("type")
     if not isinstance(kind, str) or kind not in LAYER_TYPES:

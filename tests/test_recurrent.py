@@ -134,7 +134,9 @@ def test_bad_inputs_name_the_layer_and_the_field():
         gru.forward(np.zeros((2, 4, 2), dtype=complex))
     with pytest.raises(ValueError, match="layer GRU: weight_hh: expected real numbers"):
         gru.load_state_dict({**gru.state_dict(), "weight_hh": gru.weight_hh.astype(complex)})
-    assert GRU(2, 3).forward([[[0.0, 1.0]]]).shape == (1, 1, 3)  # nested lists are arrays
+    small = GRU(2, 3)
+    assert small.forward([[[0.0, 1.0]]]).shape == (1, 1, 3)  # nested lists are arrays
+    assert small.backward([[[0.0, 1.0, 0.0]]])["h"].shape == (1, 1, 3)
     with pytest.raises(RuntimeError, match="call forward before backward"):
         gru.backward(np.zeros((2, 3)))
     gru.forward(np.zeros((2, 4, 2)))

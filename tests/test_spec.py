@@ -164,6 +164,8 @@ BAD = [
     ("input_shape: [4]\ninput_shape: [5]\nlayers: [{type: relu}]\n", {},
      ["malformed YAML at line 2", "key 'input_shape' repeated"]),
     ("input_shape: [4]\nlayers: [{type: relu, type: tanh}]\n", {}, ["key 'type' repeated"]),
+    ("input_shape: [4]\nlayers: [{name: [a], type: relu}]\n", {}, ["layers[0]", "field 'name'", "string"]),
+    ("input_shape: [4]\nlayers: [{name: null, type: relu}]\n", {}, ["field 'name'", "got None"]),
 ]
 
 

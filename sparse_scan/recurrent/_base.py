@@ -299,6 +299,7 @@ class Recurrent:
         xp = be.xp
         steps, batch, size = saved["h"].shape
         layer = f"layer {type(self).__name__}"
+        grad_h = grad_h if hasattr(grad_h, "shape") else np.asarray(grad_h)
         if tuple(grad_h.shape) not in ((batch, steps, size), (batch, size)):
             raise ValueError(f"{layer}: grad_h: expected ({batch}, {steps}, {size}) or ({batch}, {size}), "
                              f"got {tuple(grad_h.shape)}")
