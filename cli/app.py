@@ -15,18 +15,21 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import click
 
-from sparse_scan import __version__
+from sparse_scan import SpecError, __version__, backend
+from sparse_scan.scan import ScanCostError, ScanMemoryError
+from sparse_scan.train import DataError
 from sparse_scan.weights import write_npz_atomically
 
-__all__ = ["FiniteFloat", "check_outputs", "fail", "main", "max_step_flops_option", "parse_levels",
-           "plan_progress", "scan_cost_hint", "write_or_fail"]
+__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "main", "max_step_flops_option",
+           "model_errors", "parse_levels", "plan_progress", "pyplot", "scan_cost_hint", "write_or_fail"]
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 """File types ``--plot`` writes (matplotlib would append ``.png`` to a name without a suffix, past the
@@ -143,10 +146,42 @@ def write_or_fail(option: str, path: pathlib.Path, write: Callable[[], object]) 
         fail(f"{option} {path}: cannot write: {error.strerror or error}")
 
 
+def backend_or_fail(device: str) -> backend.Backend:
+    """The backend of ``--device``; an unusable GPU is one line."""
+    try:
+        return backend.get(device)
+    except (backend.GPUUnavailableError, ValueError) as error:
+        fail(f"--device {device}: {error}")
+
+
+@contextlib.contextmanager
+def model_errors(model: pathlib.Path) -> Iterator[None]:
+    """Errors of loading, planning and running MODEL, one line each: a spec or data error names its
+    own file, a product over the FLOP limit says what to try, running out of memory says so."""
+    try:
+        yield
+    except (SpecError, DataError) as error:
+        fail(str(error))
+    except (ScanCostError, ScanMemoryError, ValueError) as error:
+        fail(f"{model}: {scan_cost_hint(error)}")
+    except MemoryError as error:
+        fail(f"{model}: out of memory: {error}")
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files (Agg), or a one-line error naming the extra to install."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        fail("--plot needs matplotlib: pip install 'sparse-scan[plot]'")
+    return plt
+
+
 def scan_cost_hint(error: Exception) -> str:
     """The message of a planning error, with what to try for a product over the FLOP limit."""
-    from sparse_scan.scan import ScanCostError  # noqa: PLC0415 - the CLI imports the engine lazily
-
     if isinstance(error, ScanCostError):
         return f"{error} (raise --max-step-flops, or use --method linear or --method hybrid --levels auto)"
     return str(error)

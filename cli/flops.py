@@ -12,18 +12,18 @@ from typing import Any
 
 import click
 
-from sparse_scan import SpecError, load_model
+from sparse_scan import load_model
 from sparse_scan.flops import analyse
-from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
+from sparse_scan.scan import METHODS
 
 from .app import (
     check_outputs,
-    fail,
     main,
     max_step_flops_option,
+    model_errors,
     parse_levels,
     plan_progress,
-    scan_cost_hint,
+    pyplot,
     write_or_fail,
 )
 
@@ -56,13 +56,7 @@ def _table(report: dict[str, Any]) -> str:
 
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     """The paper's Fig. 10: FLOPs per step against m·n·k, BP's gradient operators beside."""
-    try:
-        import matplotlib  # noqa: PLC0415 - optional extra
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        fail("--plot needs matplotlib: pip install 'sparse-scan[plot]'")
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.8))
     bp = [(layer["shape"][0] * layer["shape"][1], 2 * layer["nnz"]) for layer in report["layers"]]
     axes.scatter(*zip(*bp, strict=True), marker="s", facecolors="none", edgecolors="grey",
@@ -100,18 +94,10 @@ def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtyp
           quiet: bool) -> None:
     """Static FLOP analysis of MODEL's backward pass: per layer, per scan step, totals."""
     check_outputs(force, plot=plot)
-    try:
+    with model_errors(model):
         network = load_model(model, dtype=dtype)
         report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops),
                          progress=plan_progress(quiet))
-    except SpecError as error:
-        fail(str(error))
-    except (ScanCostError, ScanMemoryError) as error:
-        fail(f"{model}: {scan_cost_hint(error)}")
-    except ValueError as error:
-        fail(f"{model}: {error}")
-    except MemoryError as error:
-        fail(f"{model}: out of memory for its patterns: {error}")
     if plot is not None:
         write_or_fail("--plot", plot, lambda: _plot(report, plot))
     click.echo(json.dumps(report, indent=2) if as_json else _table(report))

@@ -15,21 +15,22 @@ from typing import Any
 import click
 import numpy as np
 
-from sparse_scan import SpecError, backend, load_model
+from sparse_scan import load_model
 from sparse_scan.distributed import COMBINES
 from sparse_scan.loss import softmax_cross_entropy
-from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
+from sparse_scan.scan import METHODS
 
 from . import _distributed
 from .app import (
     FiniteFloat,
+    backend_or_fail,
     check_outputs,
     fail,
     main,
     max_step_flops_option,
+    model_errors,
     parse_levels,
     plan_progress,
-    scan_cost_hint,
     write_gradients,
     write_or_fail,
 )
@@ -140,14 +141,9 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
     check_outputs(force, out=out)
     levels_value = parse_levels(levels)
     split_counts = _distributed.parse_split(split)
-    try:
-        be = backend.get("cpu" if comm is not None else device)
-    except (backend.GPUUnavailableError, ValueError) as error:
-        fail(f"--device {device}: {error}")
-    try:
+    be = backend_or_fail("cpu" if comm is not None else device)
+    with model_errors(model):
         network = load_model(model, dtype=dtype)
-    except SpecError as error:
-        fail(str(error))
     try:
         x = _inputs(network, input_path, random, seed, np.dtype(dtype))
     except MemoryError as error:
@@ -158,7 +154,7 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
                                      levels_value, dtype, split_counts, combine, timeout, check, out, as_json)
         return
     timings: dict[str, float] = {}
-    try:
+    with model_errors(model):
         start = time.perf_counter()
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, by layer
             output = network.forward(be.asarray(x))
@@ -181,10 +177,6 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         be.synchronize()
         timings["parameter_grads_s"] = time.perf_counter() - start
         reference = network.backward(be.asarray(grad), "linear") if check else None
-    except (ScanCostError, ScanMemoryError, ValueError) as error:
-        fail(f"{model}: {scan_cost_hint(error)}")
-    except MemoryError as error:
-        fail(f"{model}: out of memory for this batch: {error}")
     report: dict[str, Any] = {"model": str(model), "method": method, "levels": levels_value,
                               "device": be.name, "dtype": dtype, "batch": int(x.shape[0]),
                               "plan_cache_hit": network.plan_builds == builds, "timings": timings}

@@ -14,20 +14,22 @@ from typing import Any
 
 import click
 
-from sparse_scan import SpecError, backend, load_model
+from sparse_scan import load_model
 from sparse_scan.optim import SGD, Adam
-from sparse_scan.scan import METHODS, ScanCostError, ScanMemoryError
-from sparse_scan.train import DataError, load_dataset, train
+from sparse_scan.scan import METHODS
+from sparse_scan.train import load_dataset, train
 from sparse_scan.weights import state_dict, write_npz_atomically
 
 from .app import (
     FiniteFloat,
+    backend_or_fail,
     check_outputs,
     fail,
     main,
     max_step_flops_option,
+    model_errors,
     parse_levels,
-    scan_cost_hint,
+    pyplot,
     write_or_fail,
 )
 
@@ -44,13 +46,7 @@ def _write_log(records: list[dict[str, Any]], path: pathlib.Path) -> None:
 
 
 def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415 - optional extra
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        fail("--plot needs matplotlib: pip install 'sparse-scan[plot]'")
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.8))
     iterations = [r["iteration"] for r in records]
     axes.plot(iterations, [r["train_loss"] for r in records], label=f"BPPSA ({method}) train")
@@ -100,11 +96,8 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
     if optimizer_name == "adam" and momentum:
         fail("--momentum applies to --optimizer sgd only")
     levels_value = parse_levels(levels)
-    try:
-        backend.get(device)
-    except (backend.GPUUnavailableError, ValueError) as error:
-        fail(f"--device {device}: {error}")
-    try:
+    backend_or_fail(device)
+    with model_errors(model):
         network = load_model(model)
         baseline = load_model(model) if compare_bp else None
         classes = network.shapes(network.input_shape)[-1]
@@ -112,12 +105,6 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
             fail(f"{model}: training needs a flat (classes,) output, the model gives {list(classes)}")
         dataset = load_dataset(data, network.input_shape, classes[0])
         network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
-    except (SpecError, DataError) as error:
-        fail(str(error))
-    except (ScanCostError, ScanMemoryError, ValueError) as error:
-        fail(f"{model}: {scan_cost_hint(error)}")
-    except MemoryError as error:
-        fail(f"{model}: out of memory for its patterns: {error}")
     optimizer = _optimizer(optimizer_name, network, lr, momentum)
     pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
     per_epoch = -(-len(dataset.x_train) // batch_size)
