@@ -23,28 +23,15 @@ True
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from ._checks import number
 from .weights import state_dict
 
 __all__ = ["SGD", "Adam", "Optimizer"]
-
-
-def _number(value: Any, field: str, minimum: float = -math.inf, below: float = math.inf,
-            inclusive: bool = True) -> float:
-    """``value`` as a float: a finite real number in ``[minimum, below)`` (``(minimum, below)`` when
-    not ``inclusive``), else a ValueError naming ``field`` (PyTorch's optimizers check the same)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{field}: must be a finite number, got {value!r}")
-    if value < minimum or (value == minimum and not inclusive) or value >= below:
-        low = f"{'>=' if inclusive else '>'} {minimum:g}"
-        raise ValueError(f"{field}: must be {low}{'' if below == math.inf else f' and < {below:g}'}, "
-                         f"got {value!r}")
-    return float(value)
 
 
 class Optimizer:
@@ -56,7 +43,7 @@ class Optimizer:
     """
 
     def __init__(self, model: Any, lr: float) -> None:
-        self.model, self.lr = model, _number(lr, "lr", 0, inclusive=False)
+        self.model, self.lr = model, number(lr, "lr", 0, inclusive=False)
         self.masks: dict[str, np.ndarray] = {}
         for layer in model.layers:
             if getattr(layer, "prune_pattern", False):
@@ -125,9 +112,9 @@ class SGD(Optimizer):
     def __init__(self, model: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
         super().__init__(model, lr)
-        self.momentum = _number(momentum, "momentum", 0)
-        self.dampening = _number(dampening, "dampening")
-        self.weight_decay = _number(weight_decay, "weight_decay", 0)
+        self.momentum = number(momentum, "momentum", 0)
+        self.dampening = number(dampening, "dampening")
+        self.weight_decay = number(weight_decay, "weight_decay", 0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening 0")
         self.nesterov = bool(nesterov)
@@ -155,9 +142,9 @@ class Adam(Optimizer):
         super().__init__(model, lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas: expected a pair of numbers in [0, 1), got {betas!r}")
-        self.betas = (_number(betas[0], "betas[0]", 0, 1), _number(betas[1], "betas[1]", 0, 1))
-        self.eps = _number(eps, "eps", 0)
-        self.weight_decay = _number(weight_decay, "weight_decay", 0)
+        self.betas = (number(betas[0], "betas[0]", 0, 1), number(betas[1], "betas[1]", 0, 1))
+        self.eps = number(eps, "eps", 0)
+        self.weight_decay = number(weight_decay, "weight_decay", 0)
 
     def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         # the same roundings as torch's single-tensor Adam: lerp_, mul_().addcmul_(), sqrt/div/add

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ._checks import MAX_SIZE, is_int
 from .layers import AvgPool2d, Conv2d, Flatten, Layer, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
 from .layers._weighted import as_float_dtype
 from .model import Sequential
@@ -112,7 +113,7 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
 
 def _input_shape(path: pathlib.Path, value: Any) -> tuple[int, ...]:
     if (not isinstance(value, list) or not value
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= 2**31 - 1 for s in value)):
+            or not all(is_int(s) and 0 < s <= MAX_SIZE for s in value)):
         raise _fail(path, "", "input_shape", f"must be a list of positive ints (one sample, no batch "
                     f"axis), got {value!r}")
     return tuple(value)

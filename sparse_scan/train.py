@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import backend as _backend
+from ._checks import integer
 from .layers._weighted import held_structure_keys
 from .loss import softmax_cross_entropy
 from .weights import read_npz
@@ -154,9 +155,8 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
         ``epoch, iteration, train_loss`` (the batch's loss before the step) and ``test_loss`` (after
         the step, on the whole test set), plus the ``bp_`` figures with a baseline.
     """
-    for field, value, minimum in (("epochs", epochs, 0), ("batch_size", batch_size, 1)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{field}: must be an int >= {minimum}, got {value!r}")
+    integer(epochs, "epochs", 0)
+    integer(batch_size, "batch_size", 1)
     for part in ("train", "test"):
         x, y = getattr(data, f"x_{part}"), getattr(data, f"y_{part}")
         if len(x) != len(y) or not len(x):

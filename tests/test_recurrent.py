@@ -144,7 +144,7 @@ def test_bad_inputs_name_the_layer_and_the_field():
         gru.backward(np.zeros((2, 5, 3)))
     with pytest.raises(ValueError, match="nonlinearity"):
         RNN(1, 2, nonlinearity="gelu")
-    with pytest.raises(ValueError, match="hidden_size: must be >= 1"):
+    with pytest.raises(ValueError, match="hidden_size: must be an int >= 1"):
         RNN(1, 0)
 
 

@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
-import numpy as np
+from .._checks import MAX_SIZE, is_int
 
 IntPair = tuple[int, int]
-
-
-def is_int(value: Any) -> bool:
-    """An integer (Python's or NumPy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-MAX_SIZE = 2**31 - 1
-"""The largest size, count or offset a layer argument may hold."""
-
-
-def checked_int(value: Any, field: str, label: str, minimum: int | None = None) -> int:
-    """``value`` as an int (a bool, float or string is an error naming the layer and field)."""
-    if not is_int(value):
-        raise ValueError(f"layer {label}: {field}: must be an int, got {value!r}")
-    if abs(value) > MAX_SIZE:
-        raise ValueError(f"layer {label}: {field}: must be at most {MAX_SIZE} in size, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"layer {label}: {field}: must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def checked_flag(value: Any, field: str, label: str) -> bool:
-    """``value`` if it is a bool (NumPy's too): ``"false"`` or ``0`` are errors, not truth values."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"layer {label}: {field}: must be true or false, got {value!r}")
-    return bool(value)
 
 
 def pair(value: Any, field: str, label: str, minimum: int) -> IntPair:

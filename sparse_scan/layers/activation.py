@@ -7,12 +7,12 @@ The values fill is an elementwise array expression, identical on NumPy and CuPy.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import number
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
 
@@ -65,10 +65,7 @@ class LeakyReLU(_Elementwise):
 
     def __init__(self, negative_slope: float = 0.01) -> None:
         super().__init__()
-        if (not isinstance(negative_slope, numbers.Real) or isinstance(negative_slope, bool)
-                or not np.isfinite(negative_slope)):
-            raise self._error("negative_slope", f"must be a finite number, got {negative_slope!r}")
-        self.negative_slope = float(negative_slope)
+        self.negative_slope = number(negative_slope, f"layer {self.label}: negative_slope")
 
     def _apply(self, x: Any) -> Any:
         return x * self._derivative(x)

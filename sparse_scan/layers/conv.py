@@ -26,9 +26,10 @@ import scipy.sparse
 
 from .. import _kernels
 from .. import backend as _backend
+from .._checks import flag, integer
 from ..csr import Pattern, choose_index_dtype
 from ._base import Shape
-from ._geometry import IntPair, checked_flag, checked_int, output_size, pair, window_extent
+from ._geometry import IntPair, output_size, pair, window_extent
 from ._weighted import RngLike, WeightedLayer
 
 __all__ = ["SPARSE_FORWARD_MAX_DENSITY", "Conv2d"]
@@ -165,8 +166,8 @@ class Conv2d(WeightedLayer):
         label = "Conv2d"
         for field, value in (("in_channels", in_channels), ("out_channels", out_channels),
                              ("groups", groups)):
-            checked_int(value, field, label, 1)
-        bias = checked_flag(bias, "bias", label)
+            integer(value, f"layer {label}: {field}", 1)
+        bias = flag(bias, f"layer {label}: bias")
         if in_channels % groups or out_channels % groups:
             raise ValueError(
                 f"layer {label}: groups: {groups} must divide in_channels={in_channels} and "

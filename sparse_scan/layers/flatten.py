@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import integer
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
-from ._geometry import checked_int
 
 __all__ = ["Flatten"]
 
@@ -28,8 +28,8 @@ class Flatten(Layer):
 
     def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
         super().__init__()
-        self.start_dim = checked_int(start_dim, "start_dim", self.label)
-        self.end_dim = checked_int(end_dim, "end_dim", self.label)
+        self.start_dim = integer(start_dim, f"layer {self.label}: start_dim")
+        self.end_dim = integer(end_dim, f"layer {self.label}: end_dim")
 
     def _axes(self, ndim: int) -> tuple[int, int]:
         start = self.start_dim + ndim if self.start_dim < 0 else self.start_dim

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import flag, integer
 from ..csr import Pattern, choose_index_dtype
 from ._base import Shape
-from ._geometry import checked_flag, checked_int
 from ._weighted import RngLike, WeightedLayer
 
 __all__ = ["Linear"]
@@ -45,10 +45,10 @@ class Linear(WeightedLayer):
         rng: RngLike = None,
         prune_pattern: bool = False,
     ) -> None:
-        self.in_features = checked_int(in_features, "in_features", "Linear", 1)
-        self.out_features = checked_int(out_features, "out_features", "Linear", 1)
+        self.in_features = integer(in_features, "layer Linear: in_features", 1)
+        self.out_features = integer(out_features, "layer Linear: out_features", 1)
         super().__init__(
-            (self.out_features, self.in_features), checked_flag(bias, "bias", "Linear"), self.in_features,
+            (self.out_features, self.in_features), flag(bias, "layer Linear: bias"), self.in_features,
             dtype, rng, prune_pattern
         )
 

@@ -38,9 +38,10 @@ import numpy as np
 
 from .. import _kernels
 from .. import backend as _backend
+from .._checks import flag
 from ..csr import Pattern, choose_index_dtype
 from ._base import Layer, Shape
-from ._geometry import IntPair, checked_flag, output_size, pair
+from ._geometry import IntPair, output_size, pair
 
 __all__ = ["AvgPool2d", "MaxPool2d"]
 
@@ -296,7 +297,7 @@ class _Pool2d(Layer):
     ) -> None:
         super().__init__()
         self.kernel_size, self.padding = kernel_size, padding
-        self.ceil_mode = checked_flag(ceil_mode, "ceil_mode", self.label)
+        self.ceil_mode = flag(ceil_mode, f"layer {self.label}: ceil_mode")
         self.stride = kernel_size if stride is None else stride
         self._kernel = pair(kernel_size, "kernel_size", self.label, 1)
         self._stride = pair(self.stride, "stride", self.label, 1)
@@ -440,7 +441,7 @@ class AvgPool2d(_Pool2d):
         count_include_pad: bool = True,
     ) -> None:
         super().__init__(kernel_size, stride, padding, 1, ceil_mode)
-        self.count_include_pad = checked_flag(count_include_pad, "count_include_pad", self.label)
+        self.count_include_pad = flag(count_include_pad, f"layer {self.label}: count_include_pad")
 
     def _divisor(self, g: PoolGeometry) -> np.ndarray:
         """PyTorch's divisor per output position, float64, shape ``(Ho, Wo)``."""

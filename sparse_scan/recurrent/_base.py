@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import integer
 from .._threads import cpu_threads, even_parts, run_parts, worker_pool
 from ..dense_scan import auto_levels, dense_scan
-from ..layers._geometry import checked_int
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ..scan import checked_levels
 
@@ -132,8 +132,8 @@ class Recurrent:
 
     def __init__(self, input_size: int, hidden_size: int, *, dtype: Any = None, rng: RngLike = None,
                  name: str | None = None) -> None:
-        self.input_size = checked_int(input_size, "input_size", type(self).__name__, 1)
-        self.hidden_size = checked_int(hidden_size, "hidden_size", type(self).__name__, 1)
+        self.input_size = integer(input_size, f"layer {type(self).__name__}: input_size", 1)
+        self.hidden_size = integer(hidden_size, f"layer {type(self).__name__}: hidden_size", 1)
         self.dtype = as_float_dtype(dtype, type(self).__name__)
         self.name = name
         generator, bound = as_rng(rng), 1.0 / math.sqrt(self.hidden_size)  # PyTorch's initialisation

@@ -15,10 +15,11 @@ True
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Sequence
 
 import numpy as np
+
+from .._checks import integer
 
 __all__ = ["Bitstream"]
 
@@ -42,12 +43,10 @@ class Bitstream:
 
     def __init__(self, steps: int, samples: int = 32000, seed: int = 0, classes: int = 10,
                  dtype: Any = np.float32) -> None:
-        for field, value, minimum, maximum in (("steps", steps, 1, None), ("samples", samples, 1, None),
-                                               ("seed", seed, 0, None), ("classes", classes, 1, 10)):
-            if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum
-                    or (maximum is not None and value > maximum)):
-                bound = f"an int >= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
-                raise ValueError(f"Bitstream: {field}: must be {bound}, got {value!r}")
+        for field, value, maximum in (("steps", steps, None), ("samples", samples, None),
+                                      ("classes", classes, 10)):
+            integer(value, f"Bitstream: {field}", 1, maximum)
+        integer(seed, "Bitstream: seed", 0)
         self.steps, self.samples, self.seed, self.classes = int(steps), int(samples), int(seed), int(classes)
         self.dtype = np.dtype(dtype)
         self.labels = np.random.default_rng([self.seed, 0]).integers(0, classes, self.samples)

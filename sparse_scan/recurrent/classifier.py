@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import integer
 from ..layers import Linear
 from ..loss import softmax_cross_entropy
 from ._base import Recurrent
@@ -111,12 +112,8 @@ def train_recurrent(model: RecurrentClassifier, data: Any, optimizer: Any, itera
     list of dict
         ``{"iteration", "loss"}`` per iteration (the batch's loss before the update).
     """
-    for field, value, low, high in (("iterations", iterations, 0, None),
-                                    ("batch_size", batch_size, 1, len(data))):
-        if (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low
-                or (high is not None and value > high)):
-            bound = f"an int >= {low}" + ("" if high is None else f" and <= {high} (the data's samples)")
-            raise ValueError(f"{field}: must be {bound}, got {value!r}")
+    integer(iterations, "iterations", 0)
+    integer(batch_size, "batch_size", 1, len(data), note=" (the data's samples)")
     if getattr(optimizer, "model", None) is not model:
         raise ValueError("optimizer: built on another model (it would update that one's weights)")
     be = _backend.get(device)

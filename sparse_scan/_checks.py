@@ -1,0 +1,58 @@
+"""Argument checks shared by the public entry points: exact types, no silent coercion.
+
+A bool is not an int here, a string is not a number, and ``"false"`` is not a truth value; each
+failure is a ValueError that starts with the argument's name (for layers, ``layer <label>: <field>``,
+which the spec loader turns into the file, layer and field).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MAX_SIZE", "flag", "integer", "is_int", "number"]
+
+MAX_SIZE = 2**31 - 1
+"""The largest size, count or offset an argument may hold (larger ones overflow index arithmetic)."""
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def integer(value: Any, name: str, minimum: int | None = None, maximum: int | None = None,
+            note: str = "") -> int:
+    """``value`` as an int within ``[minimum, maximum]`` (either may be None) and ``±MAX_SIZE``;
+    ``note`` explains the maximum in the message."""
+    if (not is_int(value) or abs(value) > MAX_SIZE or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
+        bounds = [f">= {minimum}"] if minimum is not None else []
+        bounds += [f"<= {maximum}{note}"] if maximum is not None else []
+        size = f" of at most {MAX_SIZE} in size" if is_int(value) and abs(value) > MAX_SIZE else ""
+        raise ValueError(f"{name}: must be an int{size}{' ' if bounds else ''}{' and '.join(bounds)}, "
+                         f"got {value!r}")
+    return int(value)
+
+
+def number(value: Any, name: str, minimum: float = -math.inf, below: float = math.inf,
+           inclusive: bool = True) -> float:
+    """``value`` as a float: a finite real number in ``[minimum, below)`` (``(minimum, below)`` when
+    not ``inclusive``)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if value < minimum or (value == minimum and not inclusive) or value >= below:
+        low = f"{'>=' if inclusive else '>'} {minimum:g}"
+        raise ValueError(f"{name}: must be {low}{'' if below == math.inf else f' and < {below:g}'}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` if it is a bool (NumPy's too): ``"false"`` or ``0`` are errors, not truth values."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: must be true or false, got {value!r}")
+    return bool(value)
