@@ -30,7 +30,7 @@ from . import backend as _backend
 from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
-from .layers._weighted import held_structure_keys
+from .layers._weighted import held_structure_keys, sharing_held_keys
 from .scan import METHODS, ElementInfo, ScanCostError, ScanPlan, build_plan, depth, run_plan
 from .spgemm import ProductPlan
 
@@ -237,8 +237,9 @@ class Sequential:
 
     def _dense_matvecs(self, shapes: Sequence[Shape]) -> list[Callable[[Any], Any]]:
         """Per layer, ``g -> JT @ g`` through its weights (called for the plan's dense steps, the
-        layers whose ``dense_matvec_pays``, and on the CPU for the mv steps by JTs given no values)."""
-        return [functools.partial(layer.dense_transposed_matvec, in_shape=shape)
+        layers whose ``dense_matvec_pays``, and on the CPU for the mv steps by JTs given no values).
+        They share the caller's held structure keys on the scan's step threads."""
+        return [sharing_held_keys(functools.partial(layer.dense_transposed_matvec, in_shape=shape))
                 for layer, shape in zip(self.layers, shapes, strict=False)]
 
     # --- parameter gradients ---------------------------------------------------------------------

@@ -468,8 +468,14 @@ def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threa
         np.testing.assert_allclose(got[sample], want, rtol=1e-12, atol=1e-12)
 
 
-def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_after(monkeypatch):
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_after(monkeypatch, method):
+    """Once per pruned layer and backward, on the scan's step threads too (blelloch runs steps
+    concurrently: two threads forced)."""
+    from sparse_scan import scan
     from sparse_scan.layers import _weighted
+
+    monkeypatch.setattr(scan, "cpu_threads", lambda: 2)
 
     calls = []
     real = _weighted.WeightedLayer._zero_set_key
@@ -477,19 +483,19 @@ def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_a
                         lambda layer: (calls.append(layer.name), real(layer))[1])
     convs = [Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True),
              Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1, prune_pattern=True)]
-    model = Sequential(convs[0], ReLU(), convs[1], input_shape=(2, 5, 5))
+    model = Sequential(ReLU(), convs[0], ReLU(), convs[1], ReLU(), input_shape=(2, 5, 5))
     x = np.random.default_rng(0).standard_normal((2, 2, 5, 5))
     grad = np.random.default_rng(1).standard_normal((2, 2, 5, 5))
     model.forward(x)
     calls.clear()
-    first = model.backward(grad, "linear")
+    first = model.backward(grad, method)
     assert sorted(calls) == sorted(conv.name for conv in convs)  # once per pruned layer, not per use
     convs[0].weight[0] = 0.0  # in place, between two backward passes: a new zero set and pattern
     model.forward(x)
-    second = model.backward(grad, "linear")
-    reference = Sequential(*[Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
-                             Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1)], input_shape=(2, 5, 5))
-    reference.layers[0].weight = convs[0].weight.copy()
+    second = model.backward(grad, method)
+    reference = Sequential(ReLU(), Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
+                           Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1), ReLU(), input_shape=(2, 5, 5))
+    reference.layers[1].weight = convs[0].weight.copy()
     reference.forward(x)
     for got, want in zip(second, reference.backward(grad, "linear"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -33,6 +33,26 @@ def held_structure_keys() -> Iterator[None]:
         yield
     finally:
         _HELD.keys = outer
+
+
+def sharing_held_keys(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, to run on any thread inside the calling thread's :func:`held_structure_keys`
+    block (when there is one): the steps of one backward that run on pool threads then reuse its
+    keys instead of hashing the zero sets again."""
+    keys = getattr(_HELD, "keys", None)
+    if keys is None:
+        return function
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_HELD, "keys", None)
+        _HELD.keys = keys
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _HELD.keys = outer
+
+    return run
+
 
 DENSE_MATVEC_MIN_DENSITY = 0.1
 """A JT SpMV runs as a dense GEMM over the weights when its pattern holds at least this share of the
