@@ -475,6 +475,9 @@ def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
         bounds = np.concatenate(([0], cuts, [rows])).astype(np.int64)
 
         def rows_run(first: int, last: int) -> None:
+            if (first, last) == (0, rows):  # the whole matrix: no re-based copy of indptr
+                out[:] = (_scipy_matrix(pattern, data) @ stacked).T
+                return
             start, stop = int(indptr[first]), int(indptr[last])
             part = Pattern(indptr[first:last + 1] - indptr[first], pattern.indices[start:stop],
                            (last - first, pattern.shape[1]))
