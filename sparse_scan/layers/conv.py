@@ -252,7 +252,7 @@ class Conv2d(WeightedLayer):
             weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
             out = xp.matmul(weight, columns)
         else:
-            out = np.stack([group @ block for group, block in zip(sparse, columns, strict=True)])
+            out = _grouped_product(sparse, columns)
         out = out.reshape(g.out_channels, batch, g.out_height, g.out_width)
         if self.bias is not None:
             out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
@@ -356,7 +356,7 @@ class Conv2d(WeightedLayer):
             weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
             taps = xp.matmul(weight.transpose(0, 2, 1), grad)
         else:
-            taps = np.stack([group @ block for group, block in zip(sparse, grad, strict=True)])
+            taps = _grouped_product(sparse, grad)
         taps = taps.reshape(g.groups, g.cin_per_group, kh, kw, batch, g.out_height, g.out_width)
         top, bottom, left, right = self._pads
         padded = xp.zeros((batch, g.groups, g.cin_per_group, g.height + top + bottom,
@@ -619,3 +619,10 @@ def _weights_as_csr(weights: np.ndarray, offset: int, row_stride: int,
     rows = np.repeat(np.arange(weights.shape[0]), np.diff(matrix.indptr))
     positions = (offset + rows * row_stride + matrix.indices * column_stride).astype(np.intp)
     return matrix, positions
+
+
+def _grouped_product(matrices: list[scipy.sparse.csr_matrix], blocks: np.ndarray) -> np.ndarray:
+    """``matrices[g] @ blocks[g]`` stacked over the groups (one group: no stacking copy)."""
+    if len(matrices) == 1:
+        return np.asarray(matrices[0] @ blocks[0])[None]
+    return np.stack([matrix @ block for matrix, block in zip(matrices, blocks, strict=True)])
