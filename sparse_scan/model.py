@@ -31,7 +31,7 @@ from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
 from .layers._weighted import held_structure_keys, sharing_held_keys
-from .scan import METHODS, ElementInfo, ScanCostError, ScanPlan, build_plan, depth, run_plan
+from .scan import ElementInfo, ScanCostError, ScanPlan, build_plan, checked_levels, depth, run_plan
 from .spgemm import ProductPlan
 
 __all__ = ["Sequential", "default_memory_budget"]
@@ -166,13 +166,10 @@ class Sequential:
         (:func:`~sparse_scan.scan.build_plan`).
         """
         shape = tuple(int(s) for s in in_shape)
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-        if method != "hybrid" and levels is not None:
-            raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
-                             f"with method={method!r}")
-        structure = tuple(layer._structure_key() for layer in self.layers)
         auto = method == "hybrid" and levels == "auto"
+        if not auto:
+            checked_levels(len(self.layers), method, levels)
+        structure = tuple(layer._structure_key() for layer in self.layers)
         # the auto choice depends on the limit (abandoned depths are not cached plans)
         key = (shape, method, levels, self.memory_budget, structure) + ((max_step_flops,) if auto else ())
         plan = self._plans.get(key)

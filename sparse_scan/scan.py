@@ -24,10 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ._checks import is_int
 from ._threads import cpu_threads, step_pool
 from .csr import Pattern
 from .spgemm import (
@@ -368,8 +368,7 @@ def checked_levels(n: int, method: str, levels: int | None, unit: str = "layers"
             raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
                              f"with method={method!r}")
         return None
-    if (not isinstance(levels, numbers.Integral) or isinstance(levels, bool)
-            or not 0 <= levels <= depth(n)):
+    if not is_int(levels) or not 0 <= levels <= depth(n):
         raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} {unit}; got {levels!r}")
     return int(levels)
 
