@@ -70,9 +70,10 @@ def step_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
 
 @contextlib.contextmanager
 def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
-    """Threads for work cut into ``workers`` parts by its caller: None for one part, the shared
-    kernel pool, or (a single core, where there is none) a pool of ``workers`` threads closed on exit,
-    so that an explicit thread count is honoured everywhere."""
+    """Threads for work cut into ``workers`` parts by its caller: None for one part, else the shared
+    kernel pool (the parts then run at most one per core), or, on a single core where there is no
+    shared pool, a pool of ``workers`` threads closed on exit (an explicit count above 1 still runs
+    its parts concurrently)."""
     if workers <= 1:
         yield None
         return

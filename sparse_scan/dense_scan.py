@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import backend as _backend
-from ._threads import cpu_threads, even_parts, worker_pool
+from ._threads import cpu_threads, even_parts, run_parts, worker_pool
 from .scan import Element, checked_levels, depth, live_schedule, scan_outputs
 
 __all__ = ["DenseScanPlan", "Location", "auto_levels", "dense_plan", "dense_scan"]
@@ -304,8 +304,12 @@ def _matmul(xp: Any, right: Any, left: Any, pool: _Threads | None) -> Any:
         return xp.matmul(right, left)
     out = xp.empty(right.shape[:-1] + left.shape[-1:], dtype=right.dtype)
     axis = 0 if right.shape[0] >= right.shape[1] else 1
-    parts = [(slice(None),) * axis + (slice(a, b),) for a, b in even_parts(right.shape[axis], pool.count)]
-    list(pool.pool.map(lambda part: xp.matmul(right[part], left[part], out=out[part]), parts))
+
+    def run(first: int, last: int) -> None:
+        part = (slice(None),) * axis + (slice(first, last),)
+        xp.matmul(right[part], left[part], out=out[part])
+
+    run_parts(pool.pool, run, even_parts(right.shape[axis], pool.count))
     return out
 
 

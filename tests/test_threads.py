@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+import sparse_scan.dense_scan as dense_scan_module
 from sparse_scan import _threads, scan
 from sparse_scan._threads import cpu_threads, kernel_pool, step_pool, worker_pool
 from sparse_scan.dense_scan import dense_scan
@@ -61,8 +62,14 @@ def test_worker_pool_honours_an_explicit_thread_count_on_one_core(monkeypatch):
         own.submit(int, 8)  # closed on exit
     rng = np.random.default_rng(0)
     blocks, direct = rng.standard_normal((9, 2, 3, 3)) / 2, rng.standard_normal((9, 2, 3))
-    np.testing.assert_allclose(dense_scan(blocks, direct, threads=3), dense_scan(blocks, direct, threads=1),
-                               rtol=1e-12)
+    serial = dense_scan(blocks, direct, method="blelloch", threads=1)
+    monkeypatch.setattr(dense_scan_module, "SPLIT_MIN_VALUES", 1)  # split even these small products
+    cuts = []
+    real = dense_scan_module.run_parts
+    monkeypatch.setattr(dense_scan_module, "run_parts",
+                        lambda pool, run, parts: (cuts.append((pool, len(parts))), real(pool, run, parts))[1])
+    np.testing.assert_allclose(dense_scan(blocks, direct, method="blelloch", threads=3), serial, rtol=1e-12)
+    assert cuts and all(pool is not None and count > 1 for pool, count in cuts)
 
 
 def test_held_structure_keys_are_per_thread_and_end_with_the_block():
