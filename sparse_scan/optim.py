@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import number
+from ._checks import flag, number
 from .weights import state_dict
 
-__all__ = ["SGD", "Adam", "Optimizer"]
+__all__ = ["SGD", "Adam", "Optimizer", "check_built_on"]
 
 
 class Optimizer:
@@ -44,11 +44,8 @@ class Optimizer:
 
     def __init__(self, model: Any, lr: float) -> None:
         self.model, self.lr = model, number(lr, "lr", 0, inclusive=False)
-        self.masks: dict[str, np.ndarray] = {}
-        for layer in model.layers:
-            if getattr(layer, "prune_pattern", False):
-                self.masks[f"{layer.name}.weight"] = layer.weight != 0
-        self._live = {key: np.flatnonzero(mask) for key, mask in self.masks.items()}
+        self._live = {f"{layer.name}.weight": np.flatnonzero(layer.weight)  # the pruned layers' live weights
+                      for layer in model.layers if getattr(layer, "prune_pattern", False)}
         self.state: dict[str, dict[str, Any]] = {}
         self._owned: dict[str, np.ndarray] = {}
 
@@ -106,6 +103,13 @@ class Optimizer:
         raise NotImplementedError
 
 
+def check_built_on(optimizer: Any, model: Any) -> None:
+    """Raise ValueError unless ``optimizer`` updates ``model`` (one built on another model would
+    silently train that one)."""
+    if getattr(optimizer, "model", None) is not model:
+        raise ValueError("optimizer: built on another model (it would update that one's weights)")
+
+
 class SGD(Optimizer):
     """``torch.optim.SGD(lr, momentum=0, dampening=0, weight_decay=0, nesterov=False)``."""
 
@@ -117,7 +121,7 @@ class SGD(Optimizer):
         self.weight_decay = number(weight_decay, "weight_decay", 0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening 0")
-        self.nesterov = bool(nesterov)
+        self.nesterov = flag(nesterov, "nesterov")
 
     def _update(self, parameter: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> None:
         # the same roundings as torch's buf.mul_(momentum).add_(grad, alpha=1 - dampening), etc.

@@ -33,6 +33,7 @@ from . import backend as _backend
 from ._checks import integer
 from .layers._weighted import held_structure_keys
 from .loss import softmax_cross_entropy
+from .optim import check_built_on
 from .weights import read_npz
 
 __all__ = ["DataError", "Dataset", "load_dataset", "train"]
@@ -52,6 +53,12 @@ class Dataset:
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+
+    def __post_init__(self) -> None:
+        for part in ("train", "test"):
+            x, y = getattr(self, f"x_{part}"), getattr(self, f"y_{part}")
+            if len(x) != len(y) or not len(x):
+                raise ValueError(f"Dataset: x_{part} has {len(x)} samples and y_{part} {len(y)} labels")
 
 
 def _digits(input_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
@@ -105,19 +112,18 @@ def load_dataset(name_or_path: str | pathlib.Path, input_shape: tuple[int, ...],
                             f"takes numbers of shape (N, {', '.join(map(str, input_shape))})")
         if not len(x):
             raise DataError(f"{source}: x_{part} holds no samples")
-        with np.errstate(over="ignore"):
-            finite = bool(np.all(np.isfinite(x)) and np.all(np.isfinite(x.astype(dtype))))
-        if not finite:
+        with np.errstate(over="ignore"):  # an overflow becomes Inf, refused just below
+            x = arrays[f"x_{part}"] = x.astype(dtype)
+        if not np.all(np.isfinite(x)):
             raise DataError(f"{source}: x_{part} holds NaN or Inf (or values too large for "
                             f"{np.dtype(dtype).name})")
         if y.shape != (len(x),) or y.dtype.kind not in "iu":
             raise DataError(f"{source}: y_{part} must hold {len(x)} integer labels, got shape "
                             f"{list(y.shape)} of {y.dtype}")
-        if len(y) and (y.min() < 0 or y.max() >= classes):
+        if y.min() < 0 or y.max() >= classes:
             raise DataError(f"{source}: y_{part} has labels outside 0..{classes - 1} "
                             f"(the model has {classes} outputs)")
-    return Dataset(*(arrays[k].astype(dtype) if k.startswith("x") else arrays[k].astype(np.int64)
-                     for k in KEYS))
+    return Dataset(*(arrays[k] if k.startswith("x") else arrays[k].astype(np.int64) for k in KEYS))
 
 
 def _loss(model: Any, be: _backend.Backend, x: np.ndarray, y: np.ndarray) -> float:
@@ -157,13 +163,8 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
     """
     integer(epochs, "epochs", 0)
     integer(batch_size, "batch_size", 1)
-    for part in ("train", "test"):
-        x, y = getattr(data, f"x_{part}"), getattr(data, f"y_{part}")
-        if len(x) != len(y) or not len(x):
-            raise ValueError(f"data: x_{part} has {len(x)} samples and y_{part} {len(y)} labels")
     for run_model, run_optimizer in [(model, optimizer)] + ([] if baseline is None else [baseline]):
-        if getattr(run_optimizer, "model", None) is not run_model:
-            raise ValueError("optimizer: built on another model (it would update that one's weights)")
+        check_built_on(run_optimizer, run_model)
     be = _backend.get(device)
     rng = np.random.default_rng(seed)
     records, iteration = [], 0

@@ -138,6 +138,7 @@ def test_a_non_finite_gradient_of_a_pruned_weight_leaves_it_zero(make):
     (lambda m: SGD(m, lr=0.1, momentum=-1), "momentum: must be >= 0"),
     (lambda m: SGD(m, lr=0.1, momentum=float("nan")), "momentum: must be a finite number"),
     (lambda m: SGD(m, lr=0.1, weight_decay=-1), "weight_decay: must be >= 0"),
+    (lambda m: SGD(m, lr=0.1, momentum=0.9, nesterov="false"), "nesterov: must be true or false"),
     (lambda m: Adam(m, betas=(1, 1)), r"betas\[0\]: must be >= 0 and < 1"),
     (lambda m: Adam(m, betas=(0.9,)), "betas: expected a pair"),
     (lambda m: Adam(m, eps=-1), "eps: must be >= 0"),

@@ -203,9 +203,9 @@ def test_train_refuses_bad_arguments_before_any_step(tmp_path):
             train(model, data, SGD(model, lr=0.1), **{"epochs": 1, "batch_size": 8, **kwargs})
     with pytest.raises(ValueError, match="optimizer: built on another model"):
         train(model, data, SGD(other, lr=0.1), epochs=1, batch_size=8)
-    short = Dataset(data.x_train, data.y_train[:-1], data.x_test, data.y_test)
     with pytest.raises(ValueError, match="x_train has 40 samples and y_train 39 labels"):
-        train(model, short, SGD(model, lr=0.1), epochs=1, batch_size=8)
+        train(model, Dataset(data.x_train, data.y_train[:-1], data.x_test, data.y_test), SGD(model, lr=0.1),
+              epochs=1, batch_size=8)
     np.testing.assert_array_equal(model.layers[0].weight, before)
 
 

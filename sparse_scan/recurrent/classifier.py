@@ -25,6 +25,7 @@ from .. import backend as _backend
 from .._checks import integer
 from ..layers import Linear
 from ..loss import softmax_cross_entropy
+from ..optim import check_built_on
 from ._base import Recurrent
 
 __all__ = ["RecurrentClassifier", "train_recurrent"]
@@ -114,8 +115,7 @@ def train_recurrent(model: RecurrentClassifier, data: Any, optimizer: Any, itera
     """
     integer(iterations, "iterations", 0)
     integer(batch_size, "batch_size", 1, len(data), note=" (the data's samples)")
-    if getattr(optimizer, "model", None) is not model:
-        raise ValueError("optimizer: built on another model (it would update that one's weights)")
+    check_built_on(optimizer, model)
     be = _backend.get(device)
     order = np.random.default_rng(seed)
     permutation, position, records = order.permutation(len(data)), 0, []
