@@ -569,7 +569,7 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
             patterns[Element(j, j)] = jt.pattern
 
     def compute(step: Step) -> Any:
-        if dense_matvecs is not None and (step.dense or step.right not in values):
+        if dense_matvecs is not None and (step.dense or (step.kind == "mv" and step.right not in values)):
             return dense_matvecs[step.right.lo - 1](values[step.left])
         right = values[step.right]
         if step.scaling:  # a diagonal JT holds its whole diagonal, in order

@@ -166,3 +166,28 @@ def test_bad_gradient_dicts_change_nothing():
         optimizer.step([good])
     for key, value in state_dict(model).items():  # checked before any update: nothing moved
         np.testing.assert_array_equal(value, before[key])
+
+
+@pytest.mark.parametrize("name, kwargs", [("sgd", dict(lr=0.05, momentum=0.9, weight_decay=1e-2)),
+                                          ("adam", dict(lr=1e-2))])
+def test_pruned_steps_follow_pytorch_with_masked_gradients(name, kwargs):
+    """Only the live entries of a pruned weight move: the same trajectory as PyTorch's with the pruned
+    gradients masked."""
+    torch = pytest.importorskip("torch")
+    model = small_model(prune=True)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(48, 4))
+    net.load_state_dict({key: torch.from_numpy(value.copy()) for key, value in state_dict(model).items()})
+    mask = torch.from_numpy(model.layers[0].weight != 0)
+    ours = (SGD if name == "sgd" else Adam)(model, **kwargs)
+    theirs = (torch.optim.SGD if name == "sgd" else torch.optim.Adam)(net.parameters(), **kwargs)
+    our_steps(model, ours, 4)
+    for step in range(4):
+        x, y = data(step)
+        theirs.zero_grad()
+        torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        net[0].weight.grad.mul_(mask)
+        theirs.step()
+    for key, value in state_dict(model).items():
+        np.testing.assert_allclose(value, dict(net.named_parameters())[key].detach().numpy(),
+                                   rtol=1e-5, atol=1e-6)
