@@ -1,4 +1,5 @@
-"""GPU numeric phase of a :class:`~sparse_scan.dense_scan.DenseScanPlan`: one RawKernel launch per level.
+"""GPU numeric phase of a :class:`~sparse_scan.dense_scan.DenseScanPlan`: a RawKernel launch per level
+(one per chain of matrix-vector levels).
 
 The steps of a level are independent. Each becomes a descriptor (a row of ``FIELDS`` int64s: kind,
 first work item, samples, items per sample, ``H``, the affine flag, device pointers of its operand

@@ -379,7 +379,8 @@ def _scan_cpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: An
 
 def _scan_gpu(be: _backend.Backend, plan: DenseScanPlan, blocks: Any, direct: Any,
               threads: int | None) -> Any:
-    # one RawKernel launch per level (rawkernels/dense_scan.cu); imported here: it imports this module
+    # a RawKernel launch per level or chain of levels (rawkernels/dense_scan.cu); imported here: it
+    # imports this module
     from ._dense_scan_gpu import run_dense_plan_gpu  # noqa: PLC0415
 
     return run_dense_plan_gpu(plan, blocks, direct)

@@ -24,6 +24,7 @@ RAWKERNELS = pathlib.Path(__file__).resolve().parents[1] / "rawkernels"
 
 SHIM = r"""
 #include <barrier>
+#include <cassert>
 #include <thread>
 #include <vector>
 struct dim3 { unsigned int x, y, z; };
@@ -37,7 +38,10 @@ static std::barrier<>* shim_block_barrier = nullptr;
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-static inline void __syncthreads() { shim_block_barrier->arrive_and_wait(); }
+static inline void __syncthreads() {
+  assert(shim_block_barrier && "__syncthreads outside a SHIM_LAUNCH_THREADS launch");
+  shim_block_barrier->arrive_and_wait();
+}
 #define SHIM_LAUNCH_THREADS(grid, block, ...)                                           \
   do {                                                                                  \
     gridDim = {(unsigned)(grid), 1u, 1u};                                               \

@@ -202,7 +202,7 @@ class Recurrent:
         if tuple(h0.shape) != (x.shape[0], self.hidden_size):
             raise ValueError(f"{layer}: h0: expected ({x.shape[0]}, {self.hidden_size}), "
                              f"got {tuple(h0.shape)}")
-        if not bool(xp.all(xp.isfinite(h0))):
+        if not bool(xp.all(xp.isfinite(h0))):  # sync: the check must raise before h0 is used
             raise ValueError(f"{layer}: h0: values must be finite")
         return x, h0
 
