@@ -1,18 +1,61 @@
-"""Shared fixtures: the ``gpu`` marker skips where no GPU is usable, and the backends to parametrise.
+"""Shared fixtures: where ``gpu`` tests run, and the backends to parametrise.
 
-``SPARSE_SCAN_REQUIRE_GPU=1`` (a GPU machine's run, ``tools/gpu_run.sh``) makes a missing GPU an error
-instead of skips; ``SPARSE_SCAN_NO_MEMPOOL=1`` turns CuPy's memory pool off, so that
-``compute-sanitizer`` sees every array as its own allocation (the pool sub-allocates large blocks,
-which hides out-of-bounds accesses into neighbouring arrays).
+``gpu`` tests run on a real GPU where CuPy sees one. Elsewhere they run through the CuPy stand-in
+(``tests/cupy_standin``: NumPy arrays that the code sees as CuPy arrays, the CUDA sources built by g++
+and launched with CuPy's calling convention), which needs g++ and the real CuPy package (for its API);
+without those they are skipped. The stand-in's device is switched on only while a ``gpu`` test runs,
+so ``device="auto"`` everywhere else behaves as on a machine without a GPU.
+
+Environment:
+
+- ``SPARSE_SCAN_CUPY_STANDIN=1``: run the ``gpu`` tests through the stand-in, even on a GPU machine,
+  and fail (not skip) if it cannot run; ``=0``: never use it.
+- ``SPARSE_SCAN_REQUIRE_GPU=1`` (``tools/gpu_run.sh``): a real GPU must run the ``gpu`` tests (no
+  stand-in, no skips).
+- ``SPARSE_SCAN_NO_MEMPOOL=1``: CuPy's memory pool off, so that ``compute-sanitizer`` sees every array
+  as its own allocation (the pool sub-allocates large blocks, which hides out-of-bounds accesses into
+  neighbouring arrays).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import cupy_standin
 import pytest
 
 from sparse_scan import backend, spgemm
+
+_PROBE = "import cupy, sys; sys.exit(0 if cupy.cuda.is_available() else 1)"
+
+
+def _real_gpu_usable() -> bool:
+    """Whether the real CuPy sees a GPU, asked in a child process (this one may get the stand-in)."""
+    try:
+        return subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _choose_standin() -> bool:
+    """Install the CuPy stand-in for this session, or not (see the module docstring)."""
+    setting = os.environ.get("SPARSE_SCAN_CUPY_STANDIN", "")
+    if setting == "0" or os.environ.get("SPARSE_SCAN_REQUIRE_GPU"):
+        return False
+    if setting != "1" and _real_gpu_usable():
+        return False
+    reason = cupy_standin.available()
+    if reason is not None:
+        if setting == "1":
+            raise pytest.UsageError(f"SPARSE_SCAN_CUPY_STANDIN=1 but the CuPy stand-in cannot run: {reason}")
+        return False
+    cupy_standin.install()
+    return True
+
+
+STANDIN = _choose_standin()
 
 
 def pytest_configure(config):
@@ -20,16 +63,51 @@ def pytest_configure(config):
         backend.get("gpu").xp.cuda.set_allocator(None)
 
 
+def pytest_report_header(config):
+    if STANDIN:
+        return "gpu tests: the CuPy stand-in on the CPU (tests/cupy_standin)"
+    return f"gpu tests: {'a real GPU' if backend.gpu_usable() else 'skipped (no GPU, no stand-in)'}"
+
+
 def pytest_collection_modifyitems(config, items):
-    if backend.gpu_usable():
+    if STANDIN or backend.gpu_usable():
         return
     if os.environ.get("SPARSE_SCAN_REQUIRE_GPU"):
         raise pytest.UsageError("SPARSE_SCAN_REQUIRE_GPU is set but no GPU is usable (CuPy missing, "
                                 "failing to import, or cupy.cuda.is_available() is False)")
-    skip = pytest.mark.skip(reason="no usable GPU (cupy.cuda.is_available() is False or no CuPy)")
+    reason = cupy_standin.available() or "SPARSE_SCAN_CUPY_STANDIN=0"
+    skip = pytest.mark.skip(reason=f"no usable GPU, and the CuPy stand-in cannot run: {reason}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _set_standin_device(on: bool) -> None:
+    cupy_standin.AVAILABLE["value"] = on
+    backend.gpu_usable.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _standin_device(request):
+    """Switch the stand-in's device on for the duration of a ``gpu`` test."""
+    if not (STANDIN and "gpu" in request.node.keywords):
+        yield
+        return
+    _set_standin_device(True)
+    try:
+        yield
+    finally:
+        _set_standin_device(False)
+
+
+@pytest.fixture
+def device_stats():
+    """The stand-in's record of kernel launches and host synchronisations, emptied first (``gpu``
+    tests on the stand-in only)."""
+    if not STANDIN:
+        pytest.skip("counts launches and synchronisations of the CuPy stand-in")
+    cupy_standin.STATS.clear()
+    return cupy_standin.STATS
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

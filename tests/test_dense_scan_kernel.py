@@ -46,10 +46,10 @@ def kernels():
         f" {{ SHIM_LAUNCH(grid, block, (dense_scan_level<{value}>(table, steps, items))); }}\n"
         f'extern "C" void dense_scan_chain_{value}(int grid, int block, const long long* table,'
         f" long long steps)"
-        f" {{ SHIM_LAUNCH_THREADS(grid, block, (dense_scan_chain<{value}>(table, steps))); }}\n"
+        f" {{ SHIM_LAUNCH(grid, block, (dense_scan_chain<{value}>(table, steps))); }}\n"
         f'extern "C" void dense_scan_tiled_{value}(int grid, int block, const long long* table,'
         f" long long steps, long long units)"
-        f" {{ SHIM_LAUNCH_THREADS(grid, block, (dense_scan_tiled<{value}>(table, steps, units))); }}\n"
+        f" {{ SHIM_LAUNCH(grid, block, (dense_scan_tiled<{value}>(table, steps, units))); }}\n"
         for value in VALUE_TYPES.values())
     return compile_for_cpu("dense_scan.cu", wrappers)
 

@@ -427,7 +427,7 @@ def test_gpu_multiply_equals_cpu(value_dtype):
         assert backend.of(got).name == "gpu"
         np.testing.assert_allclose(gpu.to_host(got), multiply(plan, a, b),
                                    rtol=TOLERANCE[np.dtype(value_dtype)], atol=1e-6)
-    with pytest.raises(ValueError, match="both NumPy or both CuPy"):
+    with pytest.raises(ValueError, match="must both be NumPy or both CuPy arrays"):
         multiply(plan, gpu.asarray(a), b)
 
 
