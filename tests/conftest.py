@@ -34,7 +34,8 @@ _PROBE = "import cupy, sys; sys.exit(0 if cupy.cuda.is_available() else 1)"
 def _real_gpu_usable() -> bool:
     """Whether the real CuPy sees a GPU, asked in a child process (this one may get the stand-in)."""
     try:
-        return subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=120).returncode == 0
+        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=120)
+        return probe.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 

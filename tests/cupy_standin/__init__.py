@@ -78,8 +78,8 @@ def _cupy_module(cuda: types.ModuleType) -> types.ModuleType:
         if entry["kind"] in ("type", "dtype", "float", "int", "bool", "_DTypeMeta") or name in (
                 "newaxis", "inf", "nan", "pi", "e", "euler_gamma"):
             return getattr(np, name)  # CuPy re-exports NumPy's scalar types, dtypes and constants
-        if entry["kind"] in ("function", "ufunc", "_GUFunc", "builtin_function_or_method", "cython_function_or_method",
-                             "fused_cython_function", "_wrapped_function"):
+        if entry["kind"] in ("function", "ufunc", "_GUFunc", "builtin_function_or_method",
+                             "cython_function_or_method", "fused_cython_function", "_wrapped_function"):
             return _array.function(name)
         raise AttributeError(f"the CuPy stand-in does not provide cupy.{name} ({entry['kind']})")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import pathlib
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class Stats:
 
     def sync(self, reason: str) -> None:
         """Record a synchronising call, with the code line that made it."""
-        frames = [f for f in traceback.extract_stack()[:-2] if "cupy_standin" not in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(_PACKAGE)]
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         self.syncs.append(f"{reason} at {where}")
 
@@ -50,6 +51,7 @@ class Stats:
         self.uploads = 0
 
 
+_PACKAGE = str(pathlib.Path(__file__).resolve().parent)
 STATS = Stats()
 REFERENCE: Reference | None = None
 _PINNED: dict[int, tuple[int, np.ndarray]] = {}  # start address -> (end address, buffer) of pinned memory
@@ -317,7 +319,9 @@ class ndarray:
         if name not in reference().cupy or reference().cupy[name]["kind"] != "ufunc":
             return NotImplemented
         target = function(name)
-        return target(*inputs, **kwargs) if method == "__call__" else getattr(target, method)(*inputs, **kwargs)
+        if method != "__call__":
+            target = getattr(target, method)
+        return target(*inputs, **kwargs)
 
     def __array_function__(self, numpy_function: Any, types: Any, args: Any, kwargs: Any) -> Any:
         name = numpy_function.__name__

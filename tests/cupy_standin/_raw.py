@@ -133,7 +133,7 @@ class RawModule:
 
 
 class RawKernel:
-    """A kernel of a :class:`RawModule`, called as ``kernel(grid, block, args, shared_mem=0, stream=None)``."""
+    """A kernel of a :class:`RawModule`: ``kernel(grid, block, args, shared_mem=0, stream=None)``."""
 
     def __init__(self, code: str, name: str, options: tuple = (), **kwargs: Any) -> None:
         module = RawModule(code=code, options=options, name_expressions=[name])
