@@ -1,0 +1,114 @@
+"""GPU paths that the other ``gpu`` tests never launch, each against its NumPy twin: the int64-index
+instantiations of ``scan_level`` and of the convolution JT kernels, the block-product fallback of the
+GPU scan, grids above the ``MAX_BLOCKS`` cap (every kernel's grid-stride loop wraps), and the
+1024-thread chain launch of the dense scan. On the CuPy stand-in the launches themselves are checked
+too (grid and block sizes); on a GPU the results are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import STANDIN
+from test_dense_scan_kernel import chain
+from test_scan import random_chain, schedules
+from test_scan_gpu import assert_close
+
+from sparse_scan import _dense_scan_gpu, _kernels, _scan_gpu, backend, spgemm
+from sparse_scan.dense_scan import dense_scan
+from sparse_scan.layers import Conv2d, MaxPool2d
+
+pytestmark = pytest.mark.gpu
+
+
+def _backward_on_both(model, in_shape, method, levels, dtype=np.float64, batch=3, seed=0):
+    gpu = backend.get("gpu")
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch,) + in_shape).astype(dtype)
+    grad_out = rng.standard_normal(model.forward(x).shape).astype(dtype)
+    want = model.backward(grad_out, method=method, levels=levels, device="cpu")
+    model.forward(gpu.asarray(x))
+    got = model.backward(gpu.asarray(grad_out), method=method, levels=levels, device="gpu")
+    return [gpu.to_host(g) for g in got], want
+
+
+def test_scan_level_with_int64_indices_equals_the_cpu(monkeypatch):
+    monkeypatch.setattr(_scan_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
+    monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
+    model, in_shape = random_chain(8, seed=13, dtype=np.float64)
+    for method, levels in schedules(8):
+        got, want = _backward_on_both(model, in_shape, method, levels)
+        assert_close(got, want, 1e-10)
+        plan = model.plan(in_shape, method, levels)
+        assert {w.index_dtype for w in _scan_gpu._workspaces(plan).values()} == {np.dtype(np.int64)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv_jt_kernels_with_int64_indices_equal_the_cpu(dtype):
+    gpu = backend.get("gpu")
+    conv = Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, groups=2, dtype=dtype, rng=1)
+    x = np.random.default_rng(2).standard_normal((2, 4, 9, 7)).astype(dtype)
+    want = conv.transposed_jacobian(x, index_dtype=np.int64)
+    got = conv.transposed_jacobian(gpu.asarray(x), index_dtype=np.int64)
+    assert got.pattern.index_dtype == want.pattern.index_dtype == np.int64
+    assert got.pattern.same_as(want.pattern)
+    np.testing.assert_array_equal(gpu.to_host(got.data), want.data)
+
+
+def test_the_block_product_fallback_of_the_gpu_scan(monkeypatch):
+    monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
+    monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
+    model, in_shape = random_chain(13, seed=33, dtype=np.float64)
+    plan = model.plan(in_shape, "blelloch")
+    assert "block" in {step.method for step in plan.steps}
+    got, want = _backward_on_both(model, in_shape, "blelloch", None)
+    assert_close(got, want, 1e-10)
+    gpu = backend.get("gpu")
+    for step in (s for s in plan.steps if s.method == "block"):  # spgemm.multiply's GPU twin too
+        rng = np.random.default_rng(step.level)
+        a = rng.standard_normal((2, step.product.blocks.a.gather.size))
+        b = rng.standard_normal(step.product.blocks.b.gather.size)
+        np.testing.assert_allclose(gpu.to_host(spgemm.multiply(step.product, gpu.asarray(a), gpu.asarray(b))),
+                                   spgemm.multiply(step.product, a, b), rtol=1e-12)
+
+
+def test_grids_above_the_block_cap_wrap_in_every_kernel(monkeypatch, request):
+    """With ``MAX_BLOCKS = 2`` every launch covers its work with a grid-stride loop that wraps."""
+    monkeypatch.setattr(_kernels, "MAX_BLOCKS", 2)
+    monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
+    stats = request.getfixturevalue("device_stats") if STANDIN else None
+    model, in_shape = random_chain(6, seed=3, dtype=np.float64)
+    got, want = _backward_on_both(model, in_shape, "blelloch", None, batch=5)
+    assert_close(got, want, 1e-10)
+    gpu = backend.get("gpu")
+    pool, conv = MaxPool2d(3, stride=2, padding=1), Conv2d(3, 5, 3, padding=1, dtype=np.float64, rng=4)
+    x = np.random.default_rng(5).standard_normal((4, 3, 11, 10))
+    for layer in (pool, conv):
+        got_jt, want_jt = layer.transposed_jacobian(gpu.asarray(x)), layer.transposed_jacobian(x)
+        assert got_jt.pattern.same_as(want_jt.pattern)
+        np.testing.assert_array_equal(gpu.to_host(got_jt.data), want_jt.data)
+    blocks, direct = chain(np.random.default_rng(6), 7, 5, 9, np.float64, True)
+    for method, levels in schedules(7):
+        assert_close(gpu.to_host(dense_scan(gpu.asarray(blocks), gpu.asarray(direct), method, levels)),
+                     dense_scan(blocks, direct, method, levels), 1e-10)
+    if stats is not None:
+        assert stats.launches and max(grid[0] for _, grid, _ in stats.launches) == 2
+        assert {name.split("<")[0] for name, _, _ in stats.launches} >= {
+            "scan_level", "pool_row_counts", "pool_fill", "maxpool_values", "conv_jt_fill_pattern",
+            "conv_jt_fill_values", "dense_scan_level", "dense_scan_chain"}
+
+
+def test_the_1024_thread_chain_launch(request):
+    size = 1000  # chain_threads rounds 1000 entries up to 1024 threads
+    assert _dense_scan_gpu.chain_threads(size) == _dense_scan_gpu.MAX_THREADS == 1024
+    stats = request.getfixturevalue("device_stats") if STANDIN else None
+    gpu = backend.get("gpu")
+    rng = np.random.default_rng(7)
+    blocks = (rng.standard_normal((4, 2, size, size)) / np.sqrt(size)).astype(np.float32)  # a chain of 4
+    last = rng.standard_normal((2, size)).astype(np.float32)
+    got = dense_scan(gpu.asarray(blocks), gpu.asarray(last), "linear")
+    assert_close(gpu.to_host(got), dense_scan(blocks, last, "linear"), 1e-4)
+    if stats is not None:
+        chains = [launch for launch in stats.launches if launch[0].startswith("dense_scan_chain")]
+        assert chains and all(block == (1024, 1, 1) for _, _, block in chains)
