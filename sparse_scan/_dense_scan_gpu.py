@@ -19,8 +19,9 @@ What depends only on the plan, the batch size, ``H``, the value dtype and whethe
 built once and cached in a :class:`_Workspace`: the descriptor table (uploaded once), the vector input
 (``d_0 = 0`` and the direct gradients), every group's result buffer (a buffer's memory is reused from
 the level after its last read) and the gathered outputs. Per call only the pointer of the caller's
-blocks changes: it is patched into the host table, which goes to the device in one stream-ordered copy
-before the level loop, and only when that pointer moved. The level loop only launches kernels; it never
+blocks changes: it is patched into the host table (pinned memory), which goes to the device in one copy
+queued on the current stream before the level loop, and only when that pointer moved
+(:class:`~sparse_scan._staging.StagedTable`). The level loop only launches kernels: a warm call never
 synchronises the host. The caller gets a copy of the gathered outputs, so results of earlier calls stay
 valid. A workspace serves one stream: calls that share one are ordered by the current stream.
 
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels
+from ._staging import StagedTable
 from .dense_scan import INPUT, DenseGroup, DenseScanPlan, Location
 
 __all__ = ["TILED_MIN_SIZE", "chain_threads", "launch_count", "run_dense_plan_gpu"]
@@ -55,9 +57,7 @@ VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 
 
-# array-module hooks (CuPy; tests stand NumPy in for them by patching these module names)
-_xp, _pointer, _upload = _kernels.cupy_module, _kernels.device_pointer, _kernels.upload_stream_ordered
-_device = _kernels.current_device
+_xp, _pointer, _device = _kernels.cupy_module, _kernels.device_pointer, _kernels.current_device
 
 
 # --- the workspace ----------------------------------------------------------------------------------
@@ -120,9 +120,10 @@ class _Workspace:
         Every group's results (``(rows, B, H, H)`` and ``(rows, B, H)``) by buffer id.
     result : array, shape (n + 1, B, H)
         The outputs, gathered by the last launch.
-    host_table, device_table : arrays of int64
-        Descriptors of every level and of the gather; ``patch_positions`` of the host table receive
-        the pointer of the caller's blocks plus ``patch_offsets`` (bytes: the operand's row).
+    table : StagedTable
+        Descriptors of every level and of the gather (pinned host memory and its device copy);
+        ``patch_positions`` receive the pointer of the caller's blocks plus ``patch_offsets`` (bytes:
+        the operand's row).
     bound : int or None
         The blocks pointer the device table holds now.
     levels : list of _Level
@@ -134,8 +135,7 @@ class _Workspace:
     blocks: dict[int, Any]
     vectors: dict[int, Any]
     result: Any
-    host_table: np.ndarray
-    device_table: Any
+    table: StagedTable
     patch_positions: np.ndarray
     patch_offsets: np.ndarray
     bound: int | None
@@ -149,8 +149,7 @@ class _Workspace:
             self.inputs[-1] = direct
         address = _pointer(blocks)
         if address != self.bound and self.patch_positions.size:
-            self.host_table[self.patch_positions] = address + self.patch_offsets
-            _upload(self.device_table, self.host_table)
+            self.table.patch(self.patch_positions, address + self.patch_offsets)
             self.bound = address
 
     def outputs(self) -> Any:
@@ -277,14 +276,12 @@ def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
             bounds.append((first, steps, items, "level"))
     first = len(builder.rows)
     bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result), "level"))
-    host_table = np.array(builder.rows, dtype=np.int64).reshape(-1)
-    device_table = xp.asarray(host_table)
-    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items, kernel)
+    table = StagedTable(np.array(builder.rows, dtype=np.int64).reshape(-1))
+    levels = [_Level(table.device[first * FIELDS:(first + steps) * FIELDS], steps, items, kernel)
               for first, steps, items, kernel in bounds]
     positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
     offsets = np.array([o for _, o in builder.patches], dtype=np.int64)
-    return _Workspace(shape, inputs, blocks, vectors, result, host_table, device_table, positions, offsets,
-                      None, levels)
+    return _Workspace(shape, inputs, blocks, vectors, result, table, positions, offsets, None, levels)
 
 
 def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:

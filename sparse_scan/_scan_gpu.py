@@ -11,8 +11,9 @@ What depends only on the plan, the batch size and the value dtype is built once 
 :class:`_Workspace`: the descriptor table, every intermediate buffer, and the plan's index arrays on the
 device (one index dtype per plan: int32 while everything fits, int64 beyond). Per batch only the
 pointers of the inputs (``g_n`` and the JT values) and of the returned gradients change: they are
-patched into the host table, which goes to the device in one copy before the level loop. The level loop
-itself only launches kernels; it never synchronises the host.
+patched into the host table, which lives in pinned memory and goes to the device in one copy queued on
+the current stream before the level loop (:class:`~sparse_scan._staging.StagedTable`). The level loop
+itself only launches kernels: a warm call never synchronises the host.
 
 Products whose method the kernels do not know are computed by a hook of :data:`PRODUCT_FALLBACKS` and
 written into their (fixed) workspace buffer, so later levels' descriptors stay valid.
@@ -30,6 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _kernels
+from ._staging import StagedTable
 from .blocks import BlockProduct, multiply_blocks
 from .csr import Pattern, choose_index_dtype
 from .scan import Element, ScanPlan, Step
@@ -54,9 +56,7 @@ _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 _DEVICE_INDEX: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-# array-module hooks (CuPy; tests stand NumPy in for them by patching these module names)
-_xp, _pointer, _upload = _kernels.cupy_module, _kernels.device_pointer, _kernels.upload_stream_ordered
-_device = _kernels.current_device
+_xp, _pointer, _device = _kernels.cupy_module, _kernels.device_pointer, _kernels.current_device
 
 
 # --- device index arrays, cached per pattern / product plan ---------------------------------------
@@ -243,9 +243,10 @@ class _Workspace:
         lifetimes do not overlap share memory.
     fresh : list of Element
         Returned gradients computed by a step: allocated per call, so results of earlier calls stay.
-    host_table, device_table : arrays of int64
-        Descriptors of every level; ``patch_positions`` of the host table receive the pointers of the
-        per-call arrays ``patch_slots`` (0: ``g_n``, ``j``: JT ``j``, then ``fresh``).
+    table : StagedTable
+        Descriptors of every level (pinned host memory and its device copy); ``patch_positions``
+        receive the pointers of the per-call arrays ``patch_slots`` (0: ``g_n``, ``j``: JT ``j``, then
+        ``fresh``).
     levels : list of _Level
     keep : list
         Device index arrays the table points at.
@@ -256,20 +257,18 @@ class _Workspace:
     layout: _Layout
     buffers: dict[Element, Any]
     fresh: list[Element]
-    host_table: np.ndarray
-    device_table: Any
+    table: StagedTable
     patch_positions: np.ndarray
     patch_slots: np.ndarray
     levels: list[_Level]
     keep: list[Any]
 
     def bind(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> dict[Element, Any]:
-        """Patch the per-call pointers into the table, upload it (one copy); return every value."""
+        """Patch the per-call pointers into the table and queue its upload; return every value."""
         arrays = [*inputs, *outputs]
         if self.patch_positions.size:
             pointers = np.array([_pointer(a) for a in arrays], dtype=np.int64)
-            self.host_table[self.patch_positions] = pointers[self.patch_slots]
-            _upload(self.device_table, self.host_table)
+            self.table.patch(self.patch_positions, pointers[self.patch_slots])
         values = dict(self.buffers)
         values.update({Element(j, j): a for j, a in enumerate(inputs)})
         values.update(zip(self.fresh, outputs, strict=True))
@@ -305,7 +304,6 @@ def _allocate(plan: ScanPlan, layout: _Layout, batch: int, dtype: np.dtype,
 def _build_workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vector_size: int,
                      dtype: np.dtype) -> _Workspace:
     """Allocate the intermediates and build the descriptor tables of every level."""
-    xp = _xp()
     layout = _Layout.of(plan, vector_size, jacobians)
     index_dtype = _index_dtype(plan, layout)
     kept = set(plan.outputs)
@@ -326,14 +324,13 @@ def _build_workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vecto
             items += fields[2] * fields[3]
             builder.add(fields)
         bounds.append((first, len(builder.rows) - first, items, fallbacks))
-    host_table = np.array(builder.rows, dtype=np.int64).reshape(-1)
-    device_table = xp.asarray(host_table)
-    levels = [_Level(device_table[first * FIELDS:(first + steps) * FIELDS], steps, items, fallbacks)
+    table = StagedTable(np.array(builder.rows, dtype=np.int64).reshape(-1))
+    levels = [_Level(table.device[first * FIELDS:(first + steps) * FIELDS], steps, items, fallbacks)
               for first, steps, items, fallbacks in bounds]
     positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
     patch_slots = np.array([s for _, s in builder.patches], dtype=np.int64)
-    return _Workspace(index_dtype, dtype, layout, buffers, fresh, host_table, device_table, positions,
-                      patch_slots, levels, builder.keep)
+    return _Workspace(index_dtype, dtype, layout, buffers, fresh, table, positions, patch_slots, levels,
+                      builder.keep)
 
 
 def _workspaces(plan: ScanPlan) -> dict[Any, _Workspace]:

@@ -112,3 +112,81 @@ def test_the_1024_thread_chain_launch(request):
     if stats is not None:
         chains = [launch for launch in stats.launches if launch[0].startswith("dense_scan_chain")]
         assert chains and all(block == (1024, 1, 1) for _, _, block in chains)
+
+
+# --- host synchronisations -----------------------------------------------------------------------------
+PARAMETER_UPLOADS = ("sparse_scan/backend.py", "in asarray"), ("sparse_scan/recurrent/_base.py",
+                                                              "in _parameters_on")
+"""Where a warm backward may wait for the host: parameters live on the host as NumPy arrays, and each
+GPU backward uploads the ones it uses (README, GPU section)."""
+MAX_POOL_NAN_CHECK = ("sparse_scan/layers/pooling.py", "in _max_selection_gpu")
+"""... and each max-pool checks its input for NaN (one flag read per layer, before its JT is used)."""
+
+
+def _unexpected(syncs, allowed):
+    return [s for s in syncs if not any(path in s and where in s for path, where in allowed)]
+
+
+def test_a_warm_backward_waits_for_the_host_only_where_documented(device_stats):
+    from sparse_scan import Sequential
+    from sparse_scan.layers import Flatten, Linear, ReLU, Tanh
+
+    gpu = backend.get("gpu")
+    model = Sequential(Conv2d(2, 4, 3, padding=1, rng=0), ReLU(), MaxPool2d(2), Conv2d(4, 4, 3, rng=1),
+                       Tanh(), Flatten(), Linear(16, 5, rng=2), ReLU(), Linear(5, 3, rng=3))
+    rng = np.random.default_rng(0)
+    for method, levels in (("linear", None), ("blelloch", None), ("hybrid", 1)):
+        for call in range(2):
+            x = gpu.asarray(rng.standard_normal((4, 2, 8, 8)).astype(np.float32))
+            grad_out = gpu.asarray(rng.standard_normal((4, 3)).astype(np.float32))
+            model.forward(x)
+            device_stats.clear()
+            model.backward(grad_out, method=method, levels=levels)
+            if call:  # warm: plan, patterns and workspaces built by the first call
+                allowed = PARAMETER_UPLOADS + (MAX_POOL_NAN_CHECK,)
+                assert _unexpected(device_stats.syncs, allowed) == [], method
+                assert sum("_max_selection_gpu" in s for s in device_stats.syncs) == 1
+
+
+def test_a_warm_numeric_scan_never_waits_for_the_host(device_stats):
+    """The executors themselves: the descriptor table goes up from pinned memory, nothing comes back."""
+    gpu = backend.get("gpu")
+    model, in_shape = random_chain(8, seed=4, dtype=np.float32)
+    rng = np.random.default_rng(1)
+    x = gpu.asarray(rng.standard_normal((3,) + in_shape).astype(np.float32))
+    grad_out = gpu.asarray(rng.standard_normal(model.forward(x).shape).astype(np.float32)).reshape(3, -1)
+    jts = model.transposed_jacobians()[::-1]
+    for method, levels in schedules(8):
+        plan = model.plan(in_shape, method, levels)
+        _scan_gpu.run_plan_gpu(plan, grad_out, jts)
+        device_stats.clear()
+        _scan_gpu.run_plan_gpu(plan, grad_out, jts)
+        assert device_stats.syncs == [] and device_stats.uploads <= 1, (method, levels)
+    blocks, direct = chain(np.random.default_rng(2), 9, 3, 12, np.float32, True)
+    blocks, direct = gpu.asarray(blocks), gpu.asarray(direct)
+    for method, levels in schedules(9):
+        dense_scan(blocks, direct, method, levels)
+        device_stats.clear()
+        dense_scan(blocks, direct, method, levels)
+        assert device_stats.syncs == [], (method, levels)
+
+
+def test_a_queued_upload_is_waited_for_before_its_pinned_table_changes(monkeypatch, device_stats):
+    """``StagedTable.patch`` waits (the one synchronisation it may make) only while the previous
+    upload from its pinned buffer has not been reached by the GPU."""
+    import cupy
+
+    from sparse_scan._staging import StagedTable
+
+    table = StagedTable(np.arange(6, dtype=np.int64))  # (built with one synchronous copy)
+    device_stats.clear()
+    table.patch(np.array([1]), np.array([10]))
+    table.patch(np.array([2]), np.array([20]))
+    assert device_stats.syncs == [] and device_stats.uploads == 2
+    np.testing.assert_array_equal(gpu_table := table.device.get(), [0, 10, 20, 3, 4, 5])
+    assert gpu_table.dtype == np.int64
+    device_stats.clear()
+    if STANDIN:  # the stand-in's events have always passed: make the last one pending
+        monkeypatch.setattr(cupy.cuda.Event, "done", property(lambda self: False))
+    table.patch(np.array([3]), np.array([30]))
+    assert [s.split(" at ")[0] for s in device_stats.syncs] == ["Event.synchronize"]

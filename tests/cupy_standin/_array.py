@@ -42,7 +42,7 @@ class Stats:
     def sync(self, reason: str) -> None:
         """Record a synchronising call, with the code line that made it."""
         frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(_PACKAGE)]
-        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
         self.syncs.append(f"{reason} at {where}")
 
     def clear(self) -> None:
