@@ -97,6 +97,8 @@ def torch_worker(kind: str, steps: int, batch: int, size: int, hidden: int, devi
 
     cell, x, grad_last = problem(kind, steps, batch, size, hidden)
     dev = "cuda" if device == "gpu" else "cpu"
+    if dev == "cuda" and not torch.cuda.is_available():
+        return {"unavailable": "PyTorch has no CUDA device here"}
     module = (torch.nn.RNN if kind == "rnn" else torch.nn.GRU)(size, hidden, batch_first=True).to(dev)
     with torch.no_grad():
         for key, value in module.named_parameters():
@@ -145,7 +147,8 @@ def jax_worker(kind: str, steps: int, batch: int, size: int, hidden: int, repeat
 def in_fresh_process(worker: str, kind: str, steps: int, batch: int, size: int, device: str,
                      repeats: int, out: pathlib.Path | None = None) -> dict[str, Any] | None:
     """Run a baseline worker in its own process (PyTorch's OpenMP threads and XLA's thread pool spin
-    between operations and slow NumPy work sharing the process); None when its package is missing."""
+    between operations and slow NumPy work sharing the process); None when its package is missing, or
+    (PyTorch) has no CUDA for a GPU run."""
     command = [sys.executable, __file__, "--worker", worker, "--kind", kind, "--steps", str(steps),
                "--batches", str(batch), "--size", str(size), "--device", device, "--repeats", str(repeats)]
     if out is not None:
@@ -155,7 +158,8 @@ def in_fresh_process(worker: str, kind: str, steps: int, batch: int, size: int, 
         if "ModuleNotFoundError" in result.stderr:
             return None
         raise RuntimeError(f"{worker} baseline failed:\n{result.stderr}")
-    return json.loads(result.stdout)
+    measured = json.loads(result.stdout)
+    return None if "unavailable" in measured else measured
 
 
 def relative_error(got: dict[str, Any], expected: dict[str, np.ndarray]) -> float:
