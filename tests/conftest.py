@@ -12,6 +12,7 @@ Environment:
   and fail (not skip) if it cannot run; ``=0``: never use it.
 - ``SPARSE_SCAN_REQUIRE_GPU=1`` (``tools/gpu_run.sh``): a real GPU must run the ``gpu`` tests (no
   stand-in, no skips).
+- ``SPARSE_SCAN_NO_GPU_SKIPS=1`` (CI's ``make test-gpu-standin``): a skipped ``gpu`` test fails the run.
 - ``SPARSE_SCAN_NO_MEMPOOL=1``: CuPy's memory pool off, so that ``compute-sanitizer`` sees every array
   as its own allocation (the pool sub-allocates large blocks, which hides out-of-bounds accesses into
   neighbouring arrays).
@@ -81,6 +82,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_SKIPPED_GPU_TESTS: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "gpu" in report.keywords:
+        _SKIPPED_GPU_TESTS.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("SPARSE_SCAN_NO_GPU_SKIPS") and _SKIPPED_GPU_TESTS and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("SPARSE_SCAN_NO_GPU_SKIPS") and _SKIPPED_GPU_TESTS:
+        terminalreporter.write_line(f"SPARSE_SCAN_NO_GPU_SKIPS: {len(_SKIPPED_GPU_TESTS)} gpu tests were "
+                                    f"skipped: {', '.join(_SKIPPED_GPU_TESTS[:5])}", red=True)
 
 
 def _set_standin_device(on: bool) -> None:
