@@ -54,14 +54,31 @@ def test_an_unknown_part_is_a_usage_error():
     assert result.returncode == 2 and "usage" in result.stderr
 
 
-@pytest.mark.skipif(not STANDIN, reason="runs the benchmark through the CuPy stand-in")
-def test_the_rnn_benchmark_runs_its_gpu_path(tmp_path):
+def run_on_standin(script: str, *args: str, cwd: pathlib.Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    result = subprocess.run([sys.executable, "-m", "cupy_standin", str(ROOT / "bench" / "rnn.py"), "--device",
-                             "gpu", "--steps", "12", "--batches", "--gru", "--no-jax", "--json"],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "cupy_standin", str(ROOT / "bench" / script), "--device",
+                             "gpu", *args, "--json"], capture_output=True, text=True, env=env, cwd=cwd,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["machine"]["backend"] == "gpu" and report["machine"]["gpu"] == "CuPy stand-in (CPU)"
+    return report
+
+
+@pytest.mark.skipif(not STANDIN, reason="runs the benchmark through the CuPy stand-in")
+def test_the_rnn_benchmark_runs_its_gpu_path(tmp_path):
+    report = run_on_standin("rnn.py", "--steps", "12", "--batches", "--gru", "--no-jax", cwd=tmp_path)
     (row,) = report["rows"]
     assert (row["T"], row["B"]) == (12, 16) and row["linear"]["backward_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not STANDIN, reason="runs the benchmark through the CuPy stand-in")
+def test_the_scan_benchmark_runs_its_gpu_path(tmp_path):
+    """The pruned VGG-11 backward on the device for the schedules whose products stay small (about 12 s
+    here; bench/spgemm.py's GPU path was run the same way, in 4 minutes: too long for CI)."""
+    report = run_on_standin("scan.py", "--repeats", "1", "--no-dense", "--batch", "1", "--max-step-flops",
+                            "1e7", cwd=tmp_path)
+    ran = {(row["method"], row["levels"]) for row in report["rows"] if "backward_s" in row}
+    assert {("linear", None), ("hybrid", 1)} <= ran
+    assert all(row["max_rel_error_vs_linear"] < 1e-4 for row in report["rows"] if "backward_s" in row)
