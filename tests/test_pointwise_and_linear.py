@@ -5,9 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from oracles import finite_difference_jt, torch_jt
+from scipy.special import erf
 
 from sparse_scan import backend
-from sparse_scan.layers import Flatten, LeakyReLU, Linear, ReLU, Sigmoid, Tanh
+from sparse_scan.layers import (
+    ELU,
+    GELU,
+    Flatten,
+    Hardtanh,
+    Identity,
+    LeakyReLU,
+    Linear,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softplus,
+    Tanh,
+)
 
 ACTIVATIONS = [
     (ReLU(), lambda x: np.maximum(x, 0), "ReLU", {}),
@@ -15,8 +29,21 @@ ACTIVATIONS = [
     (LeakyReLU(), lambda x: np.where(x > 0, x, 0.01 * x), "LeakyReLU", {}),
     (Tanh(), np.tanh, "Tanh", {}),
     (Sigmoid(), lambda x: 1 / (1 + np.exp(-x)), "Sigmoid", {}),
+    (GELU(), lambda x: x * (1 + erf(x / np.sqrt(2))) / 2, "GELU", {}),
+    (GELU("tanh"), lambda x: x / 2 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))), "GELU",
+     {"approximate": "tanh"}),
+    (SiLU(), lambda x: x / (1 + np.exp(-x)), "SiLU", {}),
+    (ELU(), lambda x: np.where(x > 0, x, np.exp(x) - 1), "ELU", {}),
+    (ELU(0.7), lambda x: np.where(x > 0, x, 0.7 * (np.exp(x) - 1)), "ELU", {"alpha": 0.7}),
+    (Hardtanh(), lambda x: np.clip(x, -1, 1), "Hardtanh", {}),
+    (Hardtanh(-0.5, 0.8), lambda x: np.clip(x, -0.5, 0.8), "Hardtanh", {"min_val": -0.5, "max_val": 0.8}),
+    (Softplus(), lambda x: np.log1p(np.exp(x)), "Softplus", {}),
+    (Softplus(2.0, 3.0), lambda x: np.where(2 * x > 3, x, np.log1p(np.exp(2 * x)) / 2), "Softplus",
+     {"beta": 2.0, "threshold": 3.0}),
+    (Identity(), lambda x: x, "Identity", {}),
 ]
-IDS = ["relu", "leaky0.2", "leaky", "tanh", "sigmoid"]
+IDS = ["relu", "leaky0.2", "leaky", "tanh", "sigmoid", "gelu", "gelu-tanh", "silu", "elu", "elu0.7",
+       "hardtanh", "hardtanh-0.5-0.8", "softplus", "softplus2-3", "identity"]
 
 
 def sample(shape, dtype=np.float64, seed=0):
@@ -48,6 +75,33 @@ def test_activation_matches_torch(layer, definition, name, kwargs):
                                    rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(layer.transposed_jacobian(x).todense()[1], torch_jt(module, x[1]),
                                rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind, point, slope", [
+    (ELU(0.5), 0.0, 0.5), (Hardtanh(-0.5, 0.8), -0.5, 0.0), (Hardtanh(-0.5, 0.8), 0.8, 0.0),
+    (Softplus(2.0, 3.0), 1.5, 1 / (1 + np.exp(-3.0))), (ReLU(), 0.0, 0.0),
+])
+def test_derivatives_at_kinks_follow_pytorch(kind, point, slope):
+    """Where the derivative jumps, the JT takes PyTorch's side (checked against autograd when present)."""
+    x = np.full((1, 1), point)
+    assert float(kind.transposed_jacobian(x).data[0, 0]) == pytest.approx(slope, rel=1e-12)
+    torch = pytest.importorskip("torch")
+    name = {"ELU": "ELU", "Hardtanh": "Hardtanh", "Softplus": "Softplus", "ReLU": "ReLU"}[type(kind).__name__]
+    kwargs = {"ELU": {"alpha": 0.5}, "Hardtanh": {"min_val": -0.5, "max_val": 0.8},
+              "Softplus": {"beta": 2.0, "threshold": 3.0}, "ReLU": {}}[name]
+    np.testing.assert_allclose(torch_jt(getattr(torch.nn, name)(**kwargs), x[0]), [[slope]], rtol=1e-12)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: GELU("erf"), "approximate: must be 'none' or 'tanh'"),
+    (lambda: ELU("1"), "alpha: must be a finite number"),
+    (lambda: Hardtanh(1.0, -1.0), "min_val .* must be below max_val"),
+    (lambda: Softplus(beta=0.0), "beta: must be > 0"),
+    (lambda: Softplus(threshold=float("nan")), "threshold: must be a finite number"),
+])
+def test_bad_activation_arguments_name_the_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
 
 
 def test_relu_keeps_input_dependent_zeros_and_vgg_sparsity():

@@ -6,7 +6,7 @@ BatchedCSR`: the cached pattern plus this batch's values).
 """
 
 from ._base import Layer
-from .activation import LeakyReLU, ReLU, Sigmoid, Tanh
+from .activation import ELU, GELU, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from .conv import Conv2d
 from .flatten import Flatten
 from .linear import Linear
@@ -15,12 +15,18 @@ from .pooling import AvgPool2d, MaxPool2d
 __all__ = [
     "AvgPool2d",
     "Conv2d",
+    "ELU",
     "Flatten",
+    "GELU",
+    "Hardtanh",
+    "Identity",
     "Layer",
     "LeakyReLU",
     "Linear",
     "MaxPool2d",
     "ReLU",
+    "SiLU",
     "Sigmoid",
+    "Softplus",
     "Tanh",
 ]

@@ -1,8 +1,11 @@
-"""Elementwise activations: ReLU, LeakyReLU, Tanh, Sigmoid.
+"""Elementwise activations: ReLU, LeakyReLU, Tanh, Sigmoid, GELU, SiLU, ELU, Hardtanh, Softplus, Identity.
 
 Their transposed Jacobian is diagonal (``jacobian_kind = "diagonal"``): the pattern is the identity's,
 and the values are the elementwise derivative, input-dependent zeros (ReLU's off units) kept explicit.
-The values fill is an elementwise array expression, identical on NumPy and CuPy.
+The values fill is an elementwise array expression, identical on NumPy and CuPy (GELU's ``erf`` comes
+from SciPy or CuPy's ``cupyx.scipy.special``, dispatched by :func:`~sparse_scan.backend.twin`).
+Derivatives at kinks follow PyTorch's backward (ELU takes its ``x <= 0`` branch at 0, Hardtanh's
+gradient is 0 at its bounds, Softplus is linear above its threshold).
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from .._checks import number
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
 
-__all__ = ["LeakyReLU", "ReLU", "Sigmoid", "Tanh"]
+__all__ = ["ELU", "GELU", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"]
+
+
+def _sigmoid(x: Any) -> Any:
+    """The logistic function without overflow warnings (exp of a non-positive argument only)."""
+    xp = _backend.of(x).xp
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
 
 
 class _Elementwise(Layer):
@@ -93,11 +103,172 @@ class Sigmoid(_Elementwise):
     """``1 / (1 + exp(-x))``; derivative ``s (1 - s)``."""
 
     def _apply(self, x: Any) -> Any:
-        xp = _backend.of(x).xp
-        # exp of a non-positive argument only: no overflow warnings for large |x|.
-        e = xp.exp(-xp.abs(x))
-        return xp.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+        return _sigmoid(x)
 
     def _derivative(self, x: Any) -> Any:
         s = self._apply(x)
         return s * (1 - s)
+
+
+def _erf_cpu(be: _backend.Backend, x: Any) -> Any:
+    import scipy.special  # noqa: PLC0415 - SciPy is imported only where it is needed
+
+    return scipy.special.erf(x)
+
+
+def _erf_gpu(be: _backend.Backend, x: Any) -> Any:
+    import cupyx.scipy.special  # noqa: PLC0415 - GPU code only
+
+    return cupyx.scipy.special.erf(x)
+
+
+_erf = _backend.twin(cpu=_erf_cpu, gpu=_erf_gpu)
+
+
+class Identity(_Elementwise):
+    """``x``; its transposed Jacobian is the identity (PyTorch's ``nn.Identity``)."""
+
+    def _apply(self, x: Any) -> Any:
+        return x
+
+    def _derivative(self, x: Any) -> Any:
+        return _backend.of(x).xp.ones_like(x)
+
+
+class SiLU(_Elementwise):
+    """``x * sigmoid(x)``; derivative ``s (1 + x (1 - s))``."""
+
+    def _apply(self, x: Any) -> Any:
+        return x * _sigmoid(x)
+
+    def _derivative(self, x: Any) -> Any:
+        s = _sigmoid(x)
+        return s * (1 + x * (1 - s))
+
+
+class GELU(_Elementwise):
+    """``x * Phi(x)`` with the normal CDF ``Phi`` (``approximate="none"``), or PyTorch's tanh
+    approximation ``x / 2 * (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (``approximate="tanh"``).
+
+    Parameters
+    ----------
+    approximate : {"none", "tanh"}
+    """
+
+    _K = float(np.sqrt(2.0 / np.pi))
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"layer {self.label}: approximate: must be 'none' or 'tanh', "
+                             f"got {approximate!r}")
+        self.approximate = approximate
+
+    def _apply(self, x: Any) -> Any:
+        if self.approximate == "tanh":
+            xp = _backend.of(x).xp
+            return x * (1 + xp.tanh(self._K * (x + 0.044715 * x * x * x))) / 2
+        return x * self._cdf(x)
+
+    def _cdf(self, x: Any) -> Any:
+        return ((1 + _erf(_backend.of(x), x / np.sqrt(2.0))) / 2).astype(x.dtype, copy=False)
+
+    def _derivative(self, x: Any) -> Any:
+        xp = _backend.of(x).xp
+        if self.approximate == "tanh":
+            inner = self._K * (x + 0.044715 * x * x * x)
+            t = xp.tanh(inner)
+            return ((1 + t) / 2 + x * (1 - t * t) * self._K * (1 + 3 * 0.044715 * x * x) / 2).astype(
+                x.dtype, copy=False)
+        density = xp.exp(-x * x / 2) / np.sqrt(2 * np.pi)
+        return (self._cdf(x) + x * density).astype(x.dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"GELU(approximate={self.approximate!r})"
+
+
+class ELU(_Elementwise):
+    """``x`` where ``x > 0``, ``alpha (exp(x) - 1)`` elsewhere; derivative 1, or ``alpha exp(x)`` for
+    ``x <= 0``.
+
+    Parameters
+    ----------
+    alpha : float
+        PyTorch's default 1.0.
+    """
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        super().__init__()
+        self.alpha = number(alpha, f"layer {self.label}: alpha")
+
+    def _apply(self, x: Any) -> Any:
+        xp = _backend.of(x).xp
+        return xp.where(x > 0, x, self.alpha * xp.expm1(xp.minimum(x, 0))).astype(x.dtype, copy=False)
+
+    def _derivative(self, x: Any) -> Any:
+        xp = _backend.of(x).xp
+        return xp.where(x > 0, x.dtype.type(1), self.alpha * xp.exp(xp.minimum(x, 0))).astype(
+            x.dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"ELU(alpha={self.alpha})"
+
+
+class Hardtanh(_Elementwise):
+    """``x`` clipped to ``[min_val, max_val]``; derivative 1 strictly inside, 0 elsewhere.
+
+    Parameters
+    ----------
+    min_val, max_val : float
+        PyTorch's defaults -1 and 1; ``min_val < max_val``.
+    """
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0) -> None:
+        super().__init__()
+        self.min_val = number(min_val, f"layer {self.label}: min_val")
+        self.max_val = number(max_val, f"layer {self.label}: max_val")
+        if not self.min_val < self.max_val:
+            raise ValueError(f"layer {self.label}: min_val ({self.min_val}) must be below max_val "
+                             f"({self.max_val})")
+
+    def _apply(self, x: Any) -> Any:
+        return _backend.of(x).xp.clip(x, self.min_val, self.max_val).astype(x.dtype, copy=False)
+
+    def _derivative(self, x: Any) -> Any:
+        return ((x > self.min_val) & (x < self.max_val)).astype(x.dtype)
+
+    def __repr__(self) -> str:
+        return f"Hardtanh(min_val={self.min_val}, max_val={self.max_val})"
+
+
+class Softplus(_Elementwise):
+    """``log(1 + exp(beta x)) / beta``, and ``x`` where ``beta x > threshold``; derivative
+    ``sigmoid(beta x)``, or 1 above the threshold.
+
+    Parameters
+    ----------
+    beta : float
+        PyTorch's default 1.0 (positive).
+    threshold : float
+        PyTorch's default 20.0.
+    """
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0) -> None:
+        super().__init__()
+        self.beta = number(beta, f"layer {self.label}: beta", minimum=0.0, inclusive=False)
+        self.threshold = number(threshold, f"layer {self.label}: threshold")
+
+    def _apply(self, x: Any) -> Any:
+        xp = _backend.of(x).xp
+        scaled = self.beta * x
+        soft = xp.logaddexp(0, scaled) / self.beta
+        return xp.where(scaled > self.threshold, x, soft).astype(x.dtype, copy=False)
+
+    def _derivative(self, x: Any) -> Any:
+        xp = _backend.of(x).xp
+        scaled = self.beta * x
+        slope = xp.where(scaled > self.threshold, x.dtype.type(1), _sigmoid(scaled))
+        return slope.astype(x.dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"Softplus(beta={self.beta}, threshold={self.threshold})"

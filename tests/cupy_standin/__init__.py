@@ -1,10 +1,11 @@
 """A strict, test-only stand-in for CuPy: the GPU path's Python glue and CUDA sources run on the CPU.
 
 :func:`install` puts modules named ``cupy``, ``cupy.cuda``, ``cupy.cuda.runtime``, ``cupyx``,
-``cupyx.scipy`` and ``cupyx.scipy.sparse`` into ``sys.modules``. The code under test then imports them
-as it imports CuPy on a GPU machine: its arrays are :class:`~._array.ndarray` (NumPy underneath,
-recognised as CuPy arrays), its ``RawModule``/``RawKernel`` build the ``rawkernels/*.cu`` sources with
-g++ and launch them with CuPy's calling convention (:mod:`._raw`), and ``cupy.cuda`` has one device.
+``cupyx.scipy``, ``cupyx.scipy.sparse`` and ``cupyx.scipy.special`` into ``sys.modules``. The code under
+test then imports them as it imports CuPy on a GPU machine: its arrays are :class:`~._array.ndarray`
+(NumPy underneath, recognised as CuPy arrays), its ``RawModule``/``RawKernel`` build the
+``rawkernels/*.cu`` sources with g++ and launch them with CuPy's calling convention (:mod:`._raw`),
+and ``cupy.cuda`` has one device.
 
 It is at least as strict as CuPy where a test could otherwise pass here and fail on a GPU: host arrays
 in device calls, functions, methods and keywords the installed CuPy lacks (its API is read from the
@@ -25,6 +26,7 @@ import types
 from typing import Any
 
 import numpy as np
+import scipy.special as scipy_special
 
 from . import _array, _cuda, _raw, _reference
 from ._array import STATS, ndarray
@@ -33,7 +35,8 @@ from ._reference import ReferenceUnavailable
 
 __all__ = ["AVAILABLE", "STATS", "ReferenceUnavailable", "available", "install", "ndarray"]
 
-_MODULE_NAMES = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "cupyx", "cupyx.scipy", "cupyx.scipy.sparse")
+_MODULE_NAMES = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "cupyx", "cupyx.scipy", "cupyx.scipy.sparse",
+                 "cupyx.scipy.special")
 
 
 def _memoize(for_each_device: bool = False) -> Any:
@@ -96,7 +99,7 @@ def _sparse_module() -> types.ModuleType:
     return sparse
 
 
-def _cupyx_module() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+def _cupyx_module() -> tuple[types.ModuleType, ...]:
     cupyx = types.ModuleType("cupyx")
     scipy = types.ModuleType("cupyx.scipy")
     sparse = _sparse_module()
@@ -110,7 +113,10 @@ def _cupyx_module() -> tuple[types.ModuleType, types.ModuleType, types.ModuleTyp
         return _array.pin(np.zeros(shape, dtype=dtype, order=order))
 
     cupyx.empty_pinned, cupyx.zeros_pinned = empty_pinned, zeros_pinned
-    return cupyx, scipy, sparse
+    special = types.ModuleType("cupyx.scipy.special")
+    special.erf = _array.host_ufunc("erf", scipy_special.erf)
+    scipy.special = special
+    return cupyx, scipy, sparse, special
 
 
 def available() -> str | None:
@@ -135,6 +141,5 @@ def install() -> None:
     _array.REFERENCE = _reference.load()
     cuda = _cuda.module()
     cupy = _cupy_module(cuda)
-    cupyx, scipy, sparse = _cupyx_module()
-    modules = dict(zip(_MODULE_NAMES, (cupy, cuda, cuda.runtime, cupyx, scipy, sparse), strict=True))
+    modules = dict(zip(_MODULE_NAMES, (cupy, cuda, cuda.runtime, *_cupyx_module()), strict=True))
     sys.modules.update(modules)

@@ -233,6 +233,20 @@ class ufunc:
         return f"<ufunc 'cupy.{self.__name__}' (stand-in)>"
 
 
+def host_ufunc(name: str, implementation: Callable[..., Any]) -> Callable[..., Any]:
+    """A ufunc of ``cupyx`` (``cupyx.scipy.special.erf``): device arrays in and out, like :class:`ufunc`."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        check_keywords("cupyx.scipy.special", name, {"names": ["out", "dtype", "casting"], "varkw": False},
+                       kwargs)
+        out = _out_argument(kwargs)
+        result = implementation(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
+        return out if out is not None else wrap(result)
+
+    call.__name__ = name
+    return call
+
+
 class MemoryPointer:
     """``ndarray.data``: the device address (here the host address) of the first element."""
 
