@@ -57,8 +57,6 @@ VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 
 
-_xp, _pointer, _device = _kernels.cupy_module, _kernels.device_pointer, _kernels.current_device
-
 
 # --- the workspace ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -147,7 +145,7 @@ class _Workspace:
             self.inputs[1:] = direct
         else:
             self.inputs[-1] = direct
-        address = _pointer(blocks)
+        address = _kernels.device_pointer(blocks)
         if address != self.bound and self.patch_positions.size:
             self.table.patch(self.patch_positions, address + self.patch_offsets)
             self.bound = address
@@ -162,7 +160,7 @@ def _allocate(plan: DenseScanPlan, shape: _Shape) -> tuple[dict[int, Any], dict[
 
     Groups of one level run concurrently, so a level's results never take memory released in it.
     """
-    xp = _xp()
+    xp = _kernels.cupy_module()
     blocks: dict[int, Any] = {}
     vectors: dict[int, Any] = {}
     owners: dict[tuple[int, str], Any] = {}
@@ -203,12 +201,12 @@ class _TableBuilder:
         if location.buffer == INPUT:
             self.patches.append((len(self.rows) * FIELDS + column, offset))
             return 0
-        return _pointer(self.blocks[location.buffer]) + offset
+        return _kernels.device_pointer(self.blocks[location.buffer]) + offset
 
     def vector(self, location: Location) -> int:
         """The address of a vector row."""
         array = self.inputs if location.buffer == INPUT else self.vectors[location.buffer]
-        return _pointer(array) + location.row * self.shape.vector * self.itemsize
+        return _kernels.device_pointer(array) + location.row * self.shape.vector * self.itemsize
 
     def add_group(self, group: DenseGroup, first: int, first_unit: int) -> tuple[int, int]:
         """Append one descriptor per step of ``group``, work items from ``first`` and tiled units from
@@ -223,7 +221,8 @@ class _TableBuilder:
                 units = (-(-size // TILE)) ** 2 + chunks * affine
                 left = [self.block(op.left, 10), block_stride,
                         self.vector(op.left) if affine else 0, vector_stride * affine]
-                out = [_pointer(self.blocks[group.buffer]) + row * shape.block * self.itemsize,
+                out = [_kernels.device_pointer(self.blocks[group.buffer])
+                       + row * shape.block * self.itemsize,
                        self.vector(Location(group.buffer, row)) if affine else 0]
             else:
                 per, units = size, chunks
@@ -242,7 +241,7 @@ class _TableBuilder:
         """Append one copy per source vector row into the rows of ``result``; return the work items."""
         shape, first = self.shape, 0
         for position, source in enumerate(sources):
-            out = _pointer(result) + position * shape.vector * self.itemsize
+            out = _kernels.device_pointer(result) + position * shape.vector * self.itemsize
             self.rows.append([COPY, first, shape.batch, shape.size, shape.size, 0, 0, 0, 0, 0, 0, 0,
                               self.vector(source), shape.size, 0, out, 0, 0])
             first += shape.vector
@@ -251,7 +250,7 @@ class _TableBuilder:
 
 def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     """Allocate the buffers and build the descriptor tables of every level."""
-    xp = _xp()
+    xp = _kernels.cupy_module()
     inputs = xp.zeros((plan.n + 1, shape.batch, shape.size), dtype=shape.dtype)
     result = xp.empty_like(inputs)
     blocks, vectors = _allocate(plan, shape)
@@ -291,7 +290,7 @@ def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:
 
 def _workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     cache = _workspaces(plan)
-    key = (shape, _device())
+    key = (shape, _kernels.current_device())
     if key not in cache:
         cache[key] = _build_workspace(plan, shape)
     return cache[key]
@@ -319,7 +318,7 @@ def run_dense_plan_gpu(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
         raise TypeError(f"the GPU dense scan runs in float32 or float64; the blocks are {dtype}")
     if blocks.ndim != 4 or blocks.shape[0] != plan.n:
         raise ValueError(f"the plan needs blocks of shape ({plan.n}, B, H, H); got {tuple(blocks.shape)}")
-    blocks = _xp().ascontiguousarray(blocks)
+    blocks = _kernels.cupy_module().ascontiguousarray(blocks)
     shape = _Shape(int(blocks.shape[1]), int(blocks.shape[2]), dtype, direct.ndim == 3)
     workspace = _workspace(plan, shape)
     workspace.bind(blocks, direct)

@@ -56,16 +56,14 @@ _WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 _DEVICE_INDEX: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-_xp, _pointer, _device = _kernels.cupy_module, _kernels.device_pointer, _kernels.current_device
-
 
 # --- device index arrays, cached per pattern / product plan ---------------------------------------
 def _device_index(owner: Any, name: str, host: Any, dtype: np.dtype) -> Any:
     """``host`` as a device array of ``dtype``, uploaded once per (``owner``, ``name``, ``dtype``)."""
     arrays = _DEVICE_INDEX.setdefault(owner, {})
-    key = (name, dtype, _device())
+    key = (name, dtype, _kernels.current_device())
     if key not in arrays:
-        arrays[key] = _xp().asarray(host, dtype=dtype)
+        arrays[key] = _kernels.cupy_module().asarray(host, dtype=dtype)
     return arrays[key]
 
 
@@ -151,7 +149,7 @@ class _TableBuilder:
                     value = 0
             if not isinstance(value, (int, np.integer)):
                 self.keep.append(value)
-                value = _pointer(value)
+                value = _kernels.device_pointer(value)
             row.append(int(value))
         self.rows.append(row + [0] * (FIELDS - len(row)))
 
@@ -267,7 +265,7 @@ class _Workspace:
         """Patch the per-call pointers into the table and queue its upload; return every value."""
         arrays = [*inputs, *outputs]
         if self.patch_positions.size:
-            pointers = np.array([_pointer(a) for a in arrays], dtype=np.int64)
+            pointers = np.array([_kernels.device_pointer(a) for a in arrays], dtype=np.int64)
             self.table.patch(self.patch_positions, pointers[self.patch_slots])
         values = dict(self.buffers)
         values.update({Element(j, j): a for j, a in enumerate(inputs)})
@@ -281,7 +279,7 @@ def _allocate(plan: ScanPlan, layout: _Layout, batch: int, dtype: np.dtype,
 
     Steps of one level run concurrently, so a level's results never take memory released in it.
     """
-    xp = _xp()
+    xp = _kernels.cupy_module()
     levels: dict[int, list[tuple[Step, list[Element]]]] = {}
     for step, released in zip(plan.steps, plan.releases, strict=True):
         levels.setdefault(step.level, []).append((step, released))
@@ -341,7 +339,8 @@ def _workspaces(plan: ScanPlan) -> dict[Any, _Workspace]:
 def _workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vector_size: int,
                dtype: np.dtype) -> _Workspace:
     cache = _workspaces(plan)
-    key = (batch, vector_size, dtype, tuple(jt.data.ndim == 1 for jt in jacobians), _device())
+    key = (batch, vector_size, dtype, tuple(jt.data.ndim == 1 for jt in jacobians),
+           _kernels.current_device())
     if key not in cache:
         cache[key] = _build_workspace(plan, jacobians, batch, vector_size, dtype)
     return cache[key]
@@ -367,9 +366,9 @@ def _run_fallback(step: Step, values: dict[Element, Any]) -> None:
 def _device_blocks(product: ProductPlan) -> BlockProduct:
     """``product``'s block structure with its index arrays on the device (uploaded once)."""
     arrays = _DEVICE_INDEX.setdefault(product, {})
-    key = ("blocks", _device())
+    key = ("blocks", _kernels.current_device())
     if key not in arrays:
-        blocks, xp = product.blocks, _xp()
+        blocks, xp = product.blocks, _kernels.cupy_module()
         arrays[key] = dataclasses.replace(
             blocks,
             a=dataclasses.replace(blocks.a, gather=xp.asarray(blocks.a.gather)),
@@ -381,7 +380,7 @@ def _device_blocks(product: ProductPlan) -> BlockProduct:
 
 def _multiply_blocks_on_device(product: ProductPlan, a_data: Any, b_data: Any) -> Any:
     """``block`` products: one batched GEMM per slot (cuBLAS through CuPy's ``matmul``)."""
-    return multiply_blocks(_device_blocks(product), a_data, b_data, xp=_xp())
+    return multiply_blocks(_device_blocks(product), a_data, b_data, xp=_kernels.cupy_module())
 
 
 PRODUCT_FALLBACKS["block"] = _multiply_blocks_on_device
@@ -413,7 +412,7 @@ def run_plan_gpu(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> lis
     if len(jacobians) != plan.n or grad_out.ndim != 2:
         raise ValueError(f"the plan needs grad_out of shape (B, size) and {plan.n} JTs; got shape "
                          f"{tuple(grad_out.shape)} and {len(jacobians)} JTs")
-    xp = _xp()
+    xp = _kernels.cupy_module()
     dtype = _value_dtype(grad_out, jacobians)
     inputs = [xp.ascontiguousarray(grad_out, dtype=dtype)]
     inputs += [xp.ascontiguousarray(jt.data, dtype=dtype) for jt in jacobians]
@@ -450,7 +449,7 @@ def multiply_gpu(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
     cupy.ndarray, shape (nnz_C,) or (B, nnz_C)
         Values of ``C`` in ``plan.out``'s entry order, in the promoted dtype (float32 or float64).
     """
-    xp = _xp()
+    xp = _kernels.cupy_module()
     dtype = np.result_type(a_data.dtype, b_data.dtype)
     if dtype not in VALUE_DTYPES:
         raise TypeError(f"the GPU product runs in float32 or float64; the operands promote to {dtype}")
