@@ -1,9 +1,10 @@
 """The GPU numeric phase of a scan plan: ``rawkernels/scan.cu`` and ``sparse_scan._scan_gpu``.
 
 Three layers of evidence (GPU.md): the kernel source compiled for the CPU against the NumPy twins
-``spgemm.multiply`` / ``spgemm.matvec``; the whole GPU orchestration (descriptor tables, pointer
-patching, workspaces, fallbacks) run on the CPU with NumPy standing in for CuPy and the CPU build of the
-kernel standing in for the RawKernel; and ``gpu``-marked parity tests of ``Sequential.backward``.
+``spgemm.multiply`` / ``spgemm.matvec``, with odd grid and block sizes; the whole GPU orchestration
+(descriptor tables, pointer patching, workspaces, fallbacks, the arguments of every launch) against the
+host's numeric phase; and parity tests of ``Sequential.backward``. The last two are ``gpu`` tests: they
+run on a GPU, or through the CuPy stand-in (``tests/cupy_standin``) where there is none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import scipy.sparse as sp
 from cuda_on_cpu import compile_for_cpu, pointer
 from test_scan import random_chain, schedules
 
-from sparse_scan import _scan_gpu, backend, spgemm
+from sparse_scan import _kernels, _scan_gpu, backend, spgemm
 from sparse_scan._scan_gpu import FIELDS, PRODUCT, ROWWISE, SPMV, run_plan_gpu
 from sparse_scan.csr import Pattern
 from sparse_scan.scan import ScanPlan, run_plan
@@ -216,49 +217,77 @@ def test_a_zero_factor_skips_the_other_operand(kernels):
     assert np.all(table.keep[-1] == 0.0)
 
 
-# --- the GPU orchestration on the CPU: NumPy for CuPy, the CPU build for the RawKernel ----------------
+# --- the GPU orchestration: descriptor tables, pointer patching, workspaces, fallbacks ----------------
+# On the CuPy stand-in here (tests/cupy_standin: the kernel built by g++, launched with CuPy's calling
+# convention) and unchanged on a GPU.
 @pytest.fixture
-def scan_on_cpu(kernels, monkeypatch):
-    """Run ``run_plan_gpu`` on the host: NumPy arrays, host pointers, the kernel compiled by g++."""
-    launches = []
+def scan_launches(monkeypatch):
+    """Steps per launch of ``scan_level`` (each launch's arguments checked), with empty device caches.
 
-    def function(filename, name, index_dtype, value_dtype):
-        assert (filename, name) == ("scan.cu", "scan_level")
-        return kernel(kernels, index_dtype, value_dtype)
+    Other kernels (a forward pass's JT kernels) pass through unrecorded."""
+    gpu = backend.get("gpu")
+    launches, names = [], {}
+    function, launch = _kernels.function, _kernels.launch
 
-    def launch(compiled, work_items, args):
-        table, steps, items = args
-        assert isinstance(steps, np.int64) and isinstance(items, np.int64), "explicit int64 scalars"
-        assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
-        launches.append(int(steps))
-        compiled(3, 7, pointer(table), ctypes.c_longlong(steps), ctypes.c_longlong(items))
+    def named(filename, kernel, *dtypes):
+        compiled = function(filename, kernel, *dtypes)
+        names[id(compiled)] = (filename, kernel)
+        return compiled
 
-    monkeypatch.setattr(_scan_gpu, "_xp", lambda: np)
-    monkeypatch.setattr(_scan_gpu, "_pointer", lambda array: array.ctypes.data)
-    monkeypatch.setattr(_scan_gpu, "_device", lambda: 0)
-    monkeypatch.setattr(_scan_gpu, "_upload", lambda device, host: np.copyto(device, host))
+    def checked(compiled, work_items, args):
+        if names.get(id(compiled)) == ("scan.cu", "scan_level"):
+            table, steps, items = args
+            assert isinstance(steps, np.int64) and isinstance(items, np.int64), "explicit int64 scalars"
+            assert isinstance(table, gpu.xp.ndarray), "the descriptor table is on the device"
+            assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
+            assert work_items == items
+            launches.append(int(steps))
+        launch(compiled, work_items, args)
+
     monkeypatch.setattr(_scan_gpu, "_DEVICE_INDEX", weakref.WeakKeyDictionary())
     monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
-    monkeypatch.setattr(_scan_gpu._kernels, "function", function)
-    monkeypatch.setattr(_scan_gpu._kernels, "launch", launch)
+    monkeypatch.setattr(_kernels, "function", named)
+    monkeypatch.setattr(_kernels, "launch", checked)
     return launches
 
 
+def on_device(jts):
+    """The JTs with their values and patterns on the GPU."""
+    gpu = backend.get("gpu")
+    return [dataclasses.replace(jt, data=gpu.asarray(jt.data), pattern=jt.pattern.to("gpu")) for jt in jts]
+
+
+def to_host(arrays):
+    gpu = backend.get("gpu")
+    assert all(backend.of(a).name == "gpu" for a in arrays)
+    return [gpu.to_host(a) for a in arrays]
+
+
+def overlap(a, b) -> bool:
+    """Whether two device arrays' memory ranges intersect."""
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("value_dtype", [np.float32, np.float64])
-def test_multiply_gpu_on_cpu_standin_equals_multiply(scan_on_cpu, index_dtype, value_dtype):
+def test_gpu_multiply_is_one_launch_per_product(scan_launches, index_dtype, value_dtype):
     """``spgemm.multiply``'s GPU twin: one launch of a one-row table per product, every method and
     sharing of the operands, equal to the host's numeric phase."""
+    gpu = backend.get("gpu")
     rng = np.random.default_rng(11)
-    for plan, a, b in random_products(rng, index_dtype, value_dtype, batch=3):
-        got = _scan_gpu.multiply_gpu(plan, a, b)
+    products = random_products(rng, index_dtype, value_dtype, batch=3)
+    for plan, a, b in products:
+        got = _scan_gpu.multiply_gpu(plan, gpu.asarray(a), gpu.asarray(b))
         want = multiply(plan, a, b)
         assert got.shape == want.shape and got.dtype == want.dtype
-        np.testing.assert_allclose(got, want, rtol=TOLERANCE[np.dtype(value_dtype)], atol=1e-6)
-    assert scan_on_cpu == [1] * len(random_products(rng, index_dtype, value_dtype, batch=3))
+        np.testing.assert_allclose(to_host([got])[0], want, rtol=TOLERANCE[np.dtype(value_dtype)], atol=1e-6)
+    assert scan_launches == [1] * len(products)
 
 
-def test_multiply_gpu_block_products_and_bad_dtypes_on_cpu_standin(scan_on_cpu, monkeypatch):
+@pytest.mark.gpu
+def test_gpu_multiply_block_products_and_bad_dtypes(scan_launches, monkeypatch):
+    gpu = backend.get("gpu")
     monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
     monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
     model, in_shape, _, _ = chain_inputs(13, seed=33, batch=2, dtype=np.float64)
@@ -266,12 +295,12 @@ def test_multiply_gpu_block_products_and_bad_dtypes_on_cpu_standin(scan_on_cpu, 
     assert products
     for product in products:  # block products go to batched GEMMs, no launch of the scan kernel
         a, b = rng_values(product.blocks.a.gather.size, 2), rng_values(product.blocks.b.gather.size, 3)
-        np.testing.assert_allclose(_scan_gpu.multiply_gpu(product, a, b[:2]), multiply(product, a, b[:2]),
-                                   rtol=1e-12)
-    assert scan_on_cpu == []
+        got = _scan_gpu.multiply_gpu(product, gpu.asarray(a), gpu.asarray(b[:2]))
+        np.testing.assert_allclose(to_host([got])[0], multiply(product, a, b[:2]), rtol=1e-12)
+    assert scan_launches == []
     plan, a, b = random_products(np.random.default_rng(1), np.int32, np.float64, batch=2)[0]
     with pytest.raises(TypeError, match="float32 or float64"):
-        _scan_gpu.multiply_gpu(plan, a.astype(np.float16), b.astype(np.float16))
+        _scan_gpu.multiply_gpu(plan, gpu.asarray(a.astype(np.float16)), gpu.asarray(b.astype(np.float16)))
 
 
 def rng_values(nnz, batch):
@@ -295,73 +324,95 @@ def assert_close(got, want, rtol):
         assert float(np.abs(g - w).max(initial=0.0)) <= rtol * scale
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 3, 6, 13])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_every_schedule_on_cpu_standin_equals_run_plan(scan_on_cpu, block_products, n, dtype):
+def test_gpu_run_plan_equals_run_plan_for_every_schedule(scan_launches, block_products, n, dtype):
+    gpu = backend.get("gpu")
     model, in_shape, grad_out, jts = chain_inputs(n, seed=20 + n, batch=3, dtype=dtype)
+    device_grad, device_jts = gpu.asarray(grad_out), on_device(jts)
     methods = set()
     for method, levels in schedules(n):
         plan = model.plan(in_shape, method, levels)
-        got = run_plan_gpu(plan, grad_out, jts)
-        assert_close(got, run_plan(plan, grad_out, jts), TOLERANCE[np.dtype(dtype)])
-        assert len(scan_on_cpu) <= plan.critical_steps  # one launch per level or fewer
-        scan_on_cpu.clear()
+        got = run_plan_gpu(plan, device_grad, device_jts)
+        assert_close(to_host(got), run_plan(plan, grad_out, jts), TOLERANCE[np.dtype(dtype)])
+        assert len(scan_launches) <= plan.critical_steps  # one launch per level or fewer
+        scan_launches.clear()
         methods.update(step.method for step in plan.steps)
     if n == 13:
         assert {"general", "scale_columns"} <= methods
         assert ("block" in methods) == (block_products == "all"), methods
 
 
-def test_int64_indices_and_lean_products_on_cpu_standin(scan_on_cpu, monkeypatch):
+@pytest.mark.gpu
+def test_gpu_int64_indices_and_lean_products(scan_launches, monkeypatch):
+    gpu = backend.get("gpu")
     model, in_shape, grad_out, jts = chain_inputs(8, seed=13, batch=2, dtype=np.float64)
     general = [s for s in model.plan(in_shape, "blelloch").steps if s.method == "general"]
     model.memory_budget = max(s.product.multiply_adds for s in general) * 12 - 1
     plan = model.plan(in_shape, "blelloch")
     assert {"rowwise", "general", "scale_rows"} <= {step.method for step in plan.steps}
     want = run_plan(plan, grad_out, jts)
-    assert_close(run_plan_gpu(plan, grad_out, jts), want, 1e-10)
+    device_grad, device_jts = gpu.asarray(grad_out), on_device(jts)
+    assert_close(to_host(run_plan_gpu(plan, device_grad, device_jts)), want, 1e-10)
+    assert next(iter(_scan_gpu._workspaces(plan).values())).index_dtype == np.int32
     monkeypatch.setattr(_scan_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
     monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
-    assert_close(run_plan_gpu(plan, grad_out, jts), want, 1e-10)
+    assert_close(to_host(run_plan_gpu(plan, device_grad, device_jts)), want, 1e-10)
     assert next(iter(_scan_gpu._workspaces(plan).values())).index_dtype == np.int64
 
 
-def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu, monkeypatch):
-    model, in_shape, grad_out, jts = chain_inputs(6, seed=3, batch=4, dtype=np.float64)
-    plan = model.plan(in_shape, "hybrid", 1)
-    first = run_plan_gpu(plan, grad_out, jts)
-    kept = [g.copy() for g in first]
-    workspace = next(iter(_scan_gpu._workspaces(plan).values()))
+@pytest.mark.gpu
+def test_gpu_workspace_is_built_once_and_results_stay(scan_launches, monkeypatch):
+    """One workspace per batch size and per device, reused by later calls; the returned gradients are
+    not workspace memory. The JTs come from forward passes on the GPU."""
+    gpu = backend.get("gpu")
+    model, in_shape = random_chain(6, seed=3, dtype=np.float64)
     rng = np.random.default_rng(9)
-    model.forward(rng.standard_normal((4,) + in_shape))
-    new_jts, new_grad = model.transposed_jacobians()[::-1], rng.standard_normal(grad_out.shape)
-    second = run_plan_gpu(plan, new_grad, new_jts)
+    plan = model.plan(in_shape, "hybrid", 1)
+    calls = []
+    for _ in range(2):
+        x = rng.standard_normal((4,) + in_shape)
+        grad_out = rng.standard_normal((4, int(np.prod(model.forward(gpu.asarray(x)).shape[1:]))))
+        device_jts = model.transposed_jacobians()[::-1]
+        assert all(backend.of(jt.data).name == "gpu" for jt in device_jts)
+        model.forward(x)
+        calls.append((grad_out, model.transposed_jacobians()[::-1], gpu.asarray(grad_out), device_jts))
+    (_, _, grad_0, jts_0), (grad_out, jts, device_grad, device_jts) = calls
+    first = run_plan_gpu(plan, grad_0, jts_0)
+    kept = to_host(first)
+    workspace = next(iter(_scan_gpu._workspaces(plan).values()))
+    second = run_plan_gpu(plan, device_grad, device_jts)
     assert list(_scan_gpu._workspaces(plan).values()) == [workspace]
-    assert_close(second, run_plan(plan, new_grad, new_jts), 1e-10)
-    assert_close(first, kept, 0.0)  # returned gradients are not workspace buffers
-    run_plan_gpu(plan, grad_out[:2], [jt if jt.shared else dataclasses.replace(jt, data=jt.data[:2])
-                                      for jt in jts])
+    assert_close(to_host(second), run_plan(plan, grad_out, jts), 1e-10)
+    assert_close(to_host(first), kept, 0.0)  # returned gradients are not workspace buffers
+    assert not any(overlap(g, buffer) for g in first + second for buffer in workspace.buffers.values())
+    run_plan_gpu(plan, device_grad[:2], [jt if jt.shared else dataclasses.replace(jt, data=jt.data[:2])
+                                         for jt in device_jts])
     assert len(_scan_gpu._workspaces(plan)) == 2  # one per batch size
     indices = len(_scan_gpu._DEVICE_INDEX)
-    monkeypatch.setattr(_scan_gpu, "_device", lambda: 1)  # another current GPU: its own memory
-    assert_close(run_plan_gpu(plan, new_grad, new_jts), second, 0.0)
+    monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU: its own memory
+    assert_close(to_host(run_plan_gpu(plan, device_grad, device_jts)), to_host(second), 0.0)
     assert len(_scan_gpu._workspaces(plan)) == 3
     assert all(any(key[-1] == 1 for key in arrays) for arrays in _scan_gpu._DEVICE_INDEX.values())
     assert len(_scan_gpu._DEVICE_INDEX) == indices
 
 
-def test_intermediates_share_memory_across_levels_on_cpu_standin(scan_on_cpu):
+@pytest.mark.gpu
+def test_gpu_intermediates_share_memory_across_levels(scan_launches):
+    gpu = backend.get("gpu")
     model, in_shape, grad_out, jts = chain_inputs(21, seed=2, batch=2, dtype=np.float64)
     plan = model.plan(in_shape, "blelloch")
-    assert_close(run_plan_gpu(plan, grad_out, jts), run_plan(plan, grad_out, jts), 1e-10)
+    got = run_plan_gpu(plan, gpu.asarray(grad_out), on_device(jts))
+    assert_close(to_host(got), run_plan(plan, grad_out, jts), 1e-10)
     buffers = next(iter(_scan_gpu._workspaces(plan).values())).buffers
-    starts = {buffer.ctypes.data for buffer in buffers.values()}
+    starts = {buffer.data.ptr for buffer in buffers.values()}
     assert len(starts) < len(buffers)
     level = {step.out: step.level for step in plan.steps}
     for element, buffer in buffers.items():  # a level's results never alias each other
         for other, other_buffer in buffers.items():
             if other != element and level[other] == level[element]:
-                assert not np.shares_memory(buffer, other_buffer)
+                assert not overlap(buffer, other_buffer)
 
 
 def with_method(plan: ScanPlan, method: str) -> ScanPlan:
@@ -371,21 +422,25 @@ def with_method(plan: ScanPlan, method: str) -> ScanPlan:
     return ScanPlan(plan.method, plan.levels, plan.n, steps, plan.outputs, plan.element_bytes)
 
 
-def test_unknown_product_methods_go_to_the_fallbacks_on_cpu_standin(scan_on_cpu, monkeypatch):
+@pytest.mark.gpu
+def test_gpu_unknown_product_methods_go_to_the_fallbacks(scan_launches, monkeypatch):
+    gpu = backend.get("gpu")
     model, in_shape, grad_out, jts = chain_inputs(8, seed=5, batch=2, dtype=np.float64)
+    device_grad, device_jts = gpu.asarray(grad_out), on_device(jts)
     plan = model.plan(in_shape, "blelloch")
     custom = with_method(plan, "custom")
     assert "custom" in {step.method for step in custom.steps}
     with pytest.raises(NotImplementedError, match="'custom'"):
-        run_plan_gpu(custom, grad_out, jts)
+        run_plan_gpu(custom, device_grad, device_jts)
     calls = []
 
     def fallback(product, a_data, b_data):
         calls.append(product.method)
+        assert backend.of(a_data).name == backend.of(b_data).name == "gpu"
         return multiply(dataclasses.replace(product, method="general"), a_data, b_data)
 
     monkeypatch.setitem(_scan_gpu.PRODUCT_FALLBACKS, "custom", fallback)
-    assert_close(run_plan_gpu(custom, grad_out, jts), run_plan(plan, grad_out, jts), 1e-10)
+    assert_close(to_host(run_plan_gpu(custom, device_grad, device_jts)), run_plan(plan, grad_out, jts), 1e-10)
     assert calls and set(calls) == {"custom"}
 
 
