@@ -1,10 +1,11 @@
 """The GPU dense-block scan: ``rawkernels/dense_scan.cu`` and ``sparse_scan._dense_scan_gpu``.
 
 Three layers of evidence (GPU.md): the kernel source compiled for the CPU on hand-built descriptor
-tables against NumPy's batched matmul; the whole GPU orchestration (descriptor tables, pointer
-patching, workspaces, output gather) run level by level on the CPU, NumPy standing in for CuPy and the
-CPU build of the kernel for the RawKernel, against ``dense_scan`` on NumPy for every schedule; and
-``gpu``-marked parity tests of ``dense_scan`` and of the RNN/GRU backward with CuPy inputs.
+tables against NumPy's batched matmul, with odd grid and block sizes; the whole GPU orchestration
+(descriptor tables, pointer patching, workspaces, output gather, the kernel and arguments of every
+launch) against ``dense_scan`` on NumPy for every schedule; and parity tests of ``dense_scan`` and of
+the RNN/GRU backward with CuPy inputs. The last two are ``gpu`` tests: they run on a GPU, or through the
+CuPy stand-in (``tests/cupy_standin``) where there is none.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from cuda_on_cpu import compile_for_cpu, pointer
 
-from sparse_scan import _dense_scan_gpu, backend
+from sparse_scan import _dense_scan_gpu, _kernels, _staging, backend
 from sparse_scan import dense_scan as dense_scan_module
 from sparse_scan._dense_scan_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS, run_dense_plan_gpu
 from sparse_scan.dense_scan import dense_plan, dense_scan
@@ -218,57 +219,92 @@ def test_chain_blocks_hold_whole_warps_up_to_1024_threads():
         32, 32, 32, 64, 1024, 1024, 1024]
 
 
-# --- the GPU orchestration on the CPU: NumPy for CuPy, the CPU build for the RawKernel ----------------
+# --- the GPU orchestration: descriptor tables, pointer patching, workspaces, output gather ---------
+# On the CuPy stand-in here (tests/cupy_standin: the kernels built by g++, launched with CuPy's calling
+# convention) and unchanged on a GPU.
 @pytest.fixture
-def scan_on_cpu(kernels, monkeypatch):
-    """Run ``run_dense_plan_gpu`` on the host; records every launch's number of steps (a chain's as
-    ``("chain", steps)``, a tiled level's as ``("tiled", steps)``)."""
-    launches, uploads = [], []
+def dense_launches(monkeypatch):
+    """Every launch of the dense scan's kernels, its arguments checked: a level's number of steps,
+    ``("chain", steps)`` for a chain of levels, ``("tiled", steps)`` for a tiled level. Starts with no
+    cached workspace."""
+    gpu = backend.get("gpu")
+    launches, names = [], {}
+    function, launch, launch_blocks = _kernels.function, _kernels.launch, _kernels.launch_blocks
 
-    def function(filename, name, dtype):
-        assert filename == "dense_scan.cu" and name in ("dense_scan_level", "dense_scan_chain",
-                                                        "dense_scan_tiled")
-        return name, kernel(kernels, dtype, name)
+    def named(filename, name, *dtypes):
+        compiled = function(filename, name, *dtypes)
+        names[id(compiled)] = name if filename == "dense_scan.cu" else None
+        return compiled
 
-    def launch(compiled, work_items, args):
-        name, compiled = compiled
-        table, steps, items = args
-        assert name == "dense_scan_level"
-        assert isinstance(steps, np.int64) and isinstance(items, np.int64), "explicit int64 scalars"
+    def check_table(table, steps):
+        assert isinstance(steps, np.int64), "explicit int64 scalars"
+        assert isinstance(table, gpu.xp.ndarray), "the descriptor table is on the device"
         assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
-        assert work_items == items > 0
-        launches.append(int(steps))
-        compiled(3, 7, pointer(table), ctypes.c_longlong(steps), ctypes.c_longlong(items))
+        return gpu.to_host(table).reshape(-1, FIELDS)
 
-    def launch_blocks(compiled, blocks, threads, args):
-        name, compiled = compiled
-        table, steps = args[:2]
-        assert isinstance(steps, np.int64)
-        assert table.flags.c_contiguous and table.dtype == np.int64 and table.size == steps * FIELDS
-        if name == "dense_scan_chain":
-            assert blocks == table[2] and threads % 32 == 0 and 0 < threads <= 1024
-            launches.append(("chain", int(steps)))
-            compiled(min(blocks, 2), min(threads, 8), pointer(table), ctypes.c_longlong(steps))
-            return
-        assert name == "dense_scan_tiled" and threads == TILE_THREADS and isinstance(args[2], np.int64)
-        last = table.reshape(-1, FIELDS)[-1]
-        assert blocks == args[2] == last[16] + last[2] * last[17]  # every unit of the level
-        launches.append(("tiled", int(steps)))
-        compiled(min(blocks, 2), threads, pointer(table), ctypes.c_longlong(steps), ctypes.c_longlong(blocks))
+    def checked_launch(compiled, work_items, args):
+        name = names.get(id(compiled))
+        if name is not None:
+            table, steps, items = args
+            assert name == "dense_scan_level"
+            assert isinstance(items, np.int64), "explicit int64 scalars"
+            check_table(table, steps)
+            assert work_items == items > 0
+            launches.append(int(steps))
+        launch(compiled, work_items, args)
 
-    def upload(device, host):
-        uploads.append(host.size)
-        np.copyto(device, host)
+    def checked_launch_blocks(compiled, blocks, threads, args):
+        name = names.get(id(compiled))
+        if name is not None:
+            table, steps = args[:2]
+            rows = check_table(table, steps)
+            if name == "dense_scan_chain":
+                assert len(args) == 2
+                assert blocks == rows[0, 2] and threads % 32 == 0 and 0 < threads <= 1024  # a block a sample
+                launches.append(("chain", int(steps)))
+            else:
+                last = rows[-1]
+                assert name == "dense_scan_tiled" and threads == TILE_THREADS
+                assert isinstance(args[2], np.int64), "explicit int64 scalars"
+                assert blocks == args[2] == last[16] + last[2] * last[17]  # every unit of the level
+                launches.append(("tiled", int(steps)))
+        launch_blocks(compiled, blocks, threads, args)
 
-    monkeypatch.setattr(_dense_scan_gpu, "_xp", lambda: np)
-    monkeypatch.setattr(_dense_scan_gpu, "_pointer", lambda array: array.ctypes.data)
-    monkeypatch.setattr(_dense_scan_gpu, "_device", lambda: 0)
-    monkeypatch.setattr(_dense_scan_gpu, "_upload", upload)
     monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
-    monkeypatch.setattr(_dense_scan_gpu._kernels, "function", function)
-    monkeypatch.setattr(_dense_scan_gpu._kernels, "launch", launch)
-    monkeypatch.setattr(_dense_scan_gpu._kernels, "launch_blocks", launch_blocks)
-    return launches, uploads
+    monkeypatch.setattr(_kernels, "function", named)
+    monkeypatch.setattr(_kernels, "launch", checked_launch)
+    monkeypatch.setattr(_kernels, "launch_blocks", checked_launch_blocks)
+    return launches
+
+
+@pytest.fixture
+def table_uploads(monkeypatch):
+    """The number of descriptor-table uploads (``StagedTable.patch`` calls)."""
+    uploads = []
+    patch = _staging.StagedTable.patch
+
+    def counted(self, positions, values):
+        uploads.append(len(positions))
+        patch(self, positions, values)
+
+    monkeypatch.setattr(_staging.StagedTable, "patch", counted)
+    return uploads
+
+
+def on_device(*arrays):
+    gpu = backend.get("gpu")
+    return tuple(gpu.asarray(a) for a in arrays)
+
+
+def to_host(array):
+    gpu = backend.get("gpu")
+    assert backend.of(array).name == "gpu"
+    return gpu.to_host(array)
+
+
+def overlap(a, b) -> bool:
+    """Whether two device arrays' memory ranges intersect."""
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 def expected_launches(plan, size=1):
@@ -289,116 +325,128 @@ def expected_launches(plan, size=1):
     return launches + [plan.n + 1]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_every_schedule_on_cpu_standin_equals_numpy(scan_on_cpu, n, size, affine, dtype):
-    launches, _ = scan_on_cpu
+def test_gpu_every_schedule_launches_per_level_and_equals_numpy(dense_launches, n, size, affine, dtype):
     rng = np.random.default_rng(1000 * n + size)
     for batch in BATCHES:
         blocks, direct = chain(rng, n, batch, size, dtype, affine)
+        device_blocks, device_direct = on_device(blocks, direct)
         for method, levels in schedules(n):
             plan = dense_plan(n, method, levels)
-            got = run_dense_plan_gpu(plan, blocks, direct)
-            assert_close(got, dense_scan(blocks, direct, method, levels, threads=1),
-                         TOLERANCE[np.dtype(dtype)])
+            got = run_dense_plan_gpu(plan, device_blocks, device_direct)
+            assert_close(to_host(got), dense_scan(blocks, direct, method, levels, threads=1),
+                         TOLERANCE[np.dtype(dtype)] * 10)
             # one launch per level or chain of levels, then the gather
-            assert launches == expected_launches(plan)
-            assert len(launches) == _dense_scan_gpu.launch_count(plan)
-            launches.clear()
+            assert dense_launches == expected_launches(plan)
+            assert len(dense_launches) == _dense_scan_gpu.launch_count(plan)
+            dense_launches.clear()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [5, 21])
 @pytest.mark.parametrize("size", [3, 17])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
-def test_tiled_levels_on_cpu_standin_equal_numpy(scan_on_cpu, monkeypatch, n, size, affine):
+def test_gpu_tiled_levels_equal_numpy(dense_launches, monkeypatch, n, size, affine):
     """Levels of block products through ``dense_scan_tiled`` (its threshold lowered to these sizes)."""
-    launches, _ = scan_on_cpu
     monkeypatch.setattr(_dense_scan_gpu, "TILED_MIN_SIZE", 2)
     blocks, direct = chain(np.random.default_rng(n + size), n, 2, size, np.float64, affine)
+    device_blocks, device_direct = on_device(blocks, direct)
     for method, levels in [("blelloch", None), ("hybrid", 1), ("linear", None)]:
         plan = dense_plan(n, method, levels)
-        assert_close(run_dense_plan_gpu(plan, blocks, direct), dense_scan(blocks, direct, method, levels),
-                     1e-12)
-        assert launches == expected_launches(plan, size)
+        assert_close(to_host(run_dense_plan_gpu(plan, device_blocks, device_direct)),
+                     dense_scan(blocks, direct, method, levels), 1e-12)
+        assert dense_launches == expected_launches(plan, size)
         assert method == "linear" or any(isinstance(launch, tuple) and launch[0] == "tiled"
-                                         for launch in launches)
-        launches.clear()
+                                         for launch in dense_launches)
+        dense_launches.clear()
 
 
-def test_dense_scan_gpu_twin_runs_the_kernels_on_cpu_standin(scan_on_cpu):
-    launches, _ = scan_on_cpu
+@pytest.mark.gpu
+def test_gpu_dense_scan_twin_is_a_launch_per_level(dense_launches):
+    gpu = backend.get("gpu")
     rng = np.random.default_rng(5)
     blocks, direct = chain(rng, 5, 2, 3, np.float64, affine=True)
     plan = dense_plan(5, "blelloch")
     gpu_twin = dense_scan_module._scan.twins["gpu"]
-    got = gpu_twin(backend.get("cpu"), plan, blocks, direct, None)
-    assert len(launches) == plan.critical_steps + 1 == _dense_scan_gpu.launch_count(plan)  # no chain
-    assert_close(got, dense_scan(blocks, direct), 1e-12)
+    got = gpu_twin(gpu, plan, *on_device(blocks, direct), None)
+    assert len(dense_launches) == plan.critical_steps + 1 == _dense_scan_gpu.launch_count(plan)  # no chain
+    assert_close(to_host(got), dense_scan(blocks, direct), 1e-12)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("cell", [RNN, GRU])
 @pytest.mark.parametrize("last_only", [False, True], ids=["every-step", "last-only"])
-def test_recurrent_bp_gpu_twin_is_one_chain_launch_on_cpu_standin(scan_on_cpu, monkeypatch, cell, last_only):
+def test_gpu_recurrent_bp_twin_is_one_chain_launch(dense_launches, cell, last_only):
     """On a GPU, BP fills the blocks and runs their chain in one launch: equal to BP through the
     factors (the CPU twin), which fills nothing."""
-    launches, _ = scan_on_cpu
-    gpu_scan = dense_scan_module._scan.twins["gpu"]
-    monkeypatch.setattr(recurrent_base, "dense_scan", lambda blocks, direct, method: gpu_scan(
-        backend.get("cpu"), dense_plan(len(blocks), method), blocks, direct, None))
+    gpu, cpu = backend.get("gpu"), backend.get("cpu")
     steps, batch, hidden = 9, 3, 5
     layer = cell(2, hidden, dtype=np.float64, rng=1)
     rng = np.random.default_rng(6)
-    layer.forward(rng.standard_normal((batch, steps, 2)))
+    x = rng.standard_normal((batch, steps, 2))
     direct = rng.standard_normal((batch, hidden) if last_only else (steps, batch, hidden))
-    cpu = backend.get("cpu")
-    got = recurrent_base._back_propagate.twins["gpu"](cpu, layer, direct, None)
-    assert launches == [("chain", steps), steps + 1]
-    assert_close(got, recurrent_base._back_propagate.twins["cpu"](cpu, layer, direct, None), 1e-12)
+    layer.forward(gpu.asarray(x))
+    got = recurrent_base._back_propagate.twins["gpu"](gpu, layer, gpu.asarray(direct), None)
+    assert dense_launches == [("chain", steps), steps + 1]
+    layer.forward(x)
+    assert_close(to_host(got), recurrent_base._back_propagate.twins["cpu"](cpu, layer, direct, None), 1e-12)
 
 
-def test_workspace_is_built_once_and_results_stay_on_cpu_standin(scan_on_cpu, monkeypatch):
-    _, uploads = scan_on_cpu
+@pytest.mark.gpu
+def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uploads, monkeypatch):
+    """One workspace per batch, affine flag, dtype and device; the table goes up again only when the
+    blocks moved; the returned gradients are not workspace memory."""
     rng = np.random.default_rng(3)
     plan = dense_plan(13, "hybrid", 2)
     blocks, direct = chain(rng, 13, 2, 5, np.float64, affine=True)
-    first = run_dense_plan_gpu(plan, blocks, direct)
-    kept = first.copy()
+    device_blocks, device_direct = on_device(blocks, direct)
+    first = run_dense_plan_gpu(plan, device_blocks, device_direct)
+    kept = to_host(first)
     workspace = next(iter(_dense_scan_gpu._workspaces(plan).values()))
-    assert len(uploads) == 1
-    second = run_dense_plan_gpu(plan, blocks, 2 * direct)  # same blocks: no new upload
-    assert len(uploads) == 1
-    np.testing.assert_allclose(second, 2 * kept, rtol=1e-12)
+    assert len(table_uploads) == 1
+    second = run_dense_plan_gpu(plan, device_blocks, 2 * device_direct)  # same blocks: no new upload
+    assert len(table_uploads) == 1
+    np.testing.assert_allclose(to_host(second), 2 * kept, rtol=1e-12)
     new_blocks, new_direct = chain(rng, 13, 2, 5, np.float64, affine=True)
-    third = run_dense_plan_gpu(plan, new_blocks, new_direct)
-    assert len(uploads) == 2  # the blocks moved: their pointers are patched and uploaded once
+    third = run_dense_plan_gpu(plan, *on_device(new_blocks, new_direct))
+    assert len(table_uploads) == 2  # the blocks moved: their pointers are patched and uploaded once
     assert list(_dense_scan_gpu._workspaces(plan).values()) == [workspace]
-    assert_close(third, dense_scan(new_blocks, new_direct, "hybrid", 2), 1e-12)
-    assert_close(first, kept, 0.0)  # returned gradients are not workspace buffers
-    run_dense_plan_gpu(plan, blocks[:, :1], direct[:, :1])
-    run_dense_plan_gpu(plan, blocks, direct[-1])
-    run_dense_plan_gpu(plan, blocks.astype(np.float32), direct.astype(np.float32))
+    assert_close(to_host(third), dense_scan(new_blocks, new_direct, "hybrid", 2), 1e-12)
+    assert_close(to_host(first), kept, 0.0)  # returned gradients are not workspace buffers
+    buffers = [workspace.inputs, workspace.result, *workspace.blocks.values(), *workspace.vectors.values()]
+    assert not any(overlap(got, buffer) for got in (first, second, third) for buffer in buffers)
+    run_dense_plan_gpu(plan, device_blocks[:, :1], device_direct[:, :1])
+    run_dense_plan_gpu(plan, device_blocks, device_direct[-1])
+    run_dense_plan_gpu(plan, *on_device(blocks.astype(np.float32), direct.astype(np.float32)))
     assert len(_dense_scan_gpu._workspaces(plan)) == 4  # per batch, affine flag and dtype
-    monkeypatch.setattr(_dense_scan_gpu, "_device", lambda: 1)  # another current GPU
-    assert_close(run_dense_plan_gpu(plan, blocks, direct), kept, 1e-12)
+    monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU
+    assert_close(to_host(run_dense_plan_gpu(plan, device_blocks, device_direct)), kept, 1e-12)
     assert len(_dense_scan_gpu._workspaces(plan)) == 5  # its own device memory
 
 
-def test_non_contiguous_blocks_on_cpu_standin(scan_on_cpu):
+@pytest.mark.gpu
+def test_gpu_non_contiguous_blocks(dense_launches):
+    gpu = backend.get("gpu")
     rng = np.random.default_rng(4)
     blocks, direct = chain(rng, 8, 3, 4, np.float64, affine=True)
     plan = dense_plan(8, "blelloch")
-    transposed = np.swapaxes(np.swapaxes(blocks, 2, 3).copy(), 2, 3)  # same values, F-order blocks
+    transposed = gpu.xp.swapaxes(gpu.asarray(np.swapaxes(blocks, 2, 3).copy()), 2, 3)  # F-order blocks
     assert not transposed.flags.c_contiguous
-    assert_close(run_dense_plan_gpu(plan, transposed, direct), dense_scan(blocks, direct), 1e-12)
+    got = run_dense_plan_gpu(plan, transposed, gpu.asarray(direct))
+    assert_close(to_host(got), dense_scan(blocks, direct), 1e-12)
 
 
-def test_intermediates_share_memory_across_levels_on_cpu_standin(scan_on_cpu):
+@pytest.mark.gpu
+def test_gpu_intermediates_share_memory_across_levels(dense_launches):
     rng = np.random.default_rng(2)
     plan = dense_plan(21, "blelloch")
     blocks, direct = chain(rng, 21, 2, 3, np.float64, affine=True)
-    assert_close(run_dense_plan_gpu(plan, blocks, direct), dense_scan(blocks, direct), 1e-12)
+    assert_close(to_host(run_dense_plan_gpu(plan, *on_device(blocks, direct))), dense_scan(blocks, direct),
+                 1e-12)
     workspace = next(iter(_dense_scan_gpu._workspaces(plan).values()))
     buffers = [(buffer, array) for values in (workspace.blocks, workspace.vectors)
                for buffer, array in values.items()]
@@ -406,18 +454,20 @@ def test_intermediates_share_memory_across_levels_on_cpu_standin(scan_on_cpu):
     shared = 0
     for k, (buffer, array) in enumerate(buffers):
         for other, other_array in buffers[k + 1:]:
-            if np.shares_memory(array, other_array):
+            if overlap(array, other_array):
                 shared += 1
                 assert level[other] != level[buffer], "a level's results never alias each other"
     assert shared > 0
 
 
-def test_rejects_other_dtypes_and_shapes(scan_on_cpu):
+@pytest.mark.gpu
+def test_gpu_rejects_other_dtypes_and_shapes():
+    xp = backend.get("gpu").xp
     plan = dense_plan(3, "blelloch")
     with pytest.raises(TypeError, match="float32 or float64"):
-        run_dense_plan_gpu(plan, np.zeros((3, 1, 2, 2), np.float16), np.zeros((3, 1, 2), np.float16))
+        run_dense_plan_gpu(plan, xp.zeros((3, 1, 2, 2), np.float16), xp.zeros((3, 1, 2), np.float16))
     with pytest.raises(ValueError, match=r"\(3, B, H, H\)"):
-        run_dense_plan_gpu(plan, np.zeros((4, 1, 2, 2)), np.zeros((4, 1, 2)))
+        run_dense_plan_gpu(plan, xp.zeros((4, 1, 2, 2)), xp.zeros((4, 1, 2)))
 
 
 def test_module_imports_without_cupy():
