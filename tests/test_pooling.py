@@ -434,43 +434,39 @@ def test_maxpool_kernel_on_cpu_matches_numpy(kernels, grid, block, index_dtype, 
         assert _max_selection_cpu(CPU, x, aux, pattern.nnz)[1]
 
 
-@pytest.fixture
-def kernels_as_rawkernels(kernels, monkeypatch):
-    """Route the GPU twins' kernel launches to the CPU build, NumPy standing in for CuPy."""
-    names = {"pool_row_counts": "row_counts", "pool_fill": "fill", "maxpool_values": "maxpool"}
-    types = {**INDEX_TYPES, **VALUE_TYPES}
-
-    def function(filename, kernel, *dtypes):
-        assert filename == "pooling.cu"
-        tags = [types[np.dtype(d)].replace(" ", "_") for d in dtypes]
-        return getattr(kernels, "_".join([names[kernel]] + tags))
-
-    def launch(kernel, work_items, args):
-        assert all(isinstance(a, (np.ndarray, np.int64)) for a in args), "explicit int64 scalars"
-        kernel(3, 5, *(pointer(a) if isinstance(a, np.ndarray) else ctypes.c_longlong(a)
-                       for a in args))
-
-    monkeypatch.setattr(pooling._kernels, "function", function)
-    monkeypatch.setattr(pooling._kernels, "launch", launch)
-
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("value_dtype", [np.float32, np.float64])
-def test_gpu_twins_with_kernels_on_cpu(kernels_as_rawkernels, index_dtype, value_dtype):
+def test_gpu_twins_launch_device_arrays_and_int64_scalars(monkeypatch, index_dtype, value_dtype):
+    """The GPU twins called directly, each launch's arguments checked (device arrays, explicit int64
+    scalars), against the NumPy twins."""
+    gpu = backend.get("gpu")
+    launches = []
+    launch = pooling._kernels.launch
+
+    def checked(kernel, work_items, args):
+        assert all(isinstance(a, (gpu.xp.ndarray, np.int64)) for a in args), "explicit int64 scalars"
+        launches.append(len(args))
+        launch(kernel, work_items, args)
+
+    monkeypatch.setattr(pooling._kernels, "launch", checked)
     for i, (kind, kwargs, shape) in enumerate(KERNEL_CASES):
         layer = make_layer(kind, kwargs)
         g = layer._geometry(shape)
-        got = pooling._pattern.twins["gpu"](CPU, g, np.dtype(index_dtype))
+        got = pooling._pattern.twins["gpu"](gpu, g, np.dtype(index_dtype))
         for a, b in zip(got, _pattern_cpu(CPU, g, np.dtype(index_dtype)), strict=True):
-            np.testing.assert_array_equal(a, b)
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(gpu.to_host(a), b)
         if kind == "max":
             pattern, aux = layer._pattern_entry(shape, CPU, index_dtype)
+            _, device_aux = layer._pattern_entry(shape, gpu, index_dtype)
             x = make_input(shape, batch=2, dtype=value_dtype, seed=i)
             x[1] = np.round(x[1])
-            got = pooling._max_selection.twins["gpu"](CPU, x, aux, pattern.nnz)
+            got = pooling._max_selection.twins["gpu"](gpu, gpu.asarray(x), device_aux, pattern.nnz)
             want = _max_selection_cpu(CPU, x, aux, pattern.nnz)
-            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(gpu.to_host(got[0]), want[0])
             assert got[1] is want[1] is False
+    assert 7 in launches and 2 in launches  # maxpool_values (7 arguments) and pool_row_counts (2) ran
 
 
 # --- GPU parity: the same body on NumPy and CuPy ---------------------------------------------------
