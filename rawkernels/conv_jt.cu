@@ -10,6 +10,8 @@
 // indptr[row] + co_local * nh * nw. Grid-stride loops, no shared memory: the same source runs on
 // the CPU through the test shim. Sizes are long long throughout; I is the index type (int or long
 // long), T the value type (float or double).
+//
+// Template instantiations: INSTANTIATIONS in sparse_scan/_kernels.py (compiled by tools/check_kernels.py).
 
 struct ConvGeometry {
   long long c_in, h, w, c_out, out_h, out_w, k_h, k_w, s_h, s_w, p_t, p_l, d_h, d_w, groups;
@@ -100,17 +102,3 @@ __global__ void conv_jt_fill_values(CONV_GEOMETRY_PARAMS, const I* __restrict__ 
        item += (long long)blockDim.x * gridDim.x)
     conv_row_block(g, item, indptr, writer);
 }
-
-// Explicit instantiations: what CuPy's name_expressions request, compiled by `nvcc --ptx` in CI.
-template __global__ void conv_jt_fill_pattern<int>(CONV_GEOMETRY_PARAMS, const int*, int*, int*);
-template __global__ void conv_jt_fill_pattern<long long>(CONV_GEOMETRY_PARAMS, const long long*,
-                                                         long long*, long long*);
-template __global__ void conv_jt_fill_values<int, float>(CONV_GEOMETRY_PARAMS, const int*,
-                                                         const float*, float*);
-template __global__ void conv_jt_fill_values<int, double>(CONV_GEOMETRY_PARAMS, const int*,
-                                                          const double*, double*);
-template __global__ void conv_jt_fill_values<long long, float>(CONV_GEOMETRY_PARAMS,
-                                                               const long long*, const float*, float*);
-template __global__ void conv_jt_fill_values<long long, double>(CONV_GEOMETRY_PARAMS,
-                                                                const long long*, const double*,
-                                                                double*);

@@ -9,8 +9,7 @@
 //   C, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw
 // (channels, input size, output size, kernel, stride, padding, dilation).
 //
-// Name expressions: pool_row_counts<I>, pool_fill<I>, maxpool_values<I, T>
-// with I in {int, long long} and T in {float, double}.
+// Template instantiations: INSTANTIATIONS in sparse_scan/_kernels.py (compiled by tools/check_kernels.py).
 
 struct PoolGeometry {
   long long c, h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw;
