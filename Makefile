@@ -8,7 +8,7 @@ BENCH_ARGS =
 LINT_PATHS = sparse_scan cli rawkernels tests bench tools
 RUFF_ARGS = --select E,W,F,I,B --line-length 110 --config "lint.isort.known-first-party = ['sparse_scan']"
 
-.PHONY: help install test test-gpu test-mpi bench bench-distributed demo lint wheel-check
+.PHONY: help install test test-gpu test-mpi bench bench-distributed demo lint check-kernels wheel-check
 
 help:
 	@echo "make install      pip install -e '.[test]' into $(PYTHON)"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench        install, then run the Jacobian benchmark and print JSON (BENCH_ARGS=...)"
 	@echo "make bench-distributed  install, then measure P = 1, 2, 3 ranks and model P up to 1024 (JSON)"
 	@echo "make lint         ruff check (skipped with a note where ruff is not installed)"
+	@echo "make check-kernels  compile every kernel instantiation as CuPy does (NVRTC), sm_80 and sm_90, no GPU"
 	@echo "make wheel-check  build sdist + wheel, install the wheel in a fresh venv outside the repo, check it"
 
 install:
@@ -54,6 +55,11 @@ lint:
 	else \
 		echo "make lint: ruff is not installed for $(PYTHON); '$(PYTHON) -m pip install ruff' to lint"; \
 	fi
+
+# Every RawKernel instantiation of sparse_scan/_kernels.py's registry, compiled as cupy.RawModule compiles
+# it (NVRTC, name expressions), for sm_80 and sm_90; needs the nvrtc extra (part of the test extra), no GPU.
+check-kernels:
+	$(PYTHON) tools/check_kernels.py
 
 wheel-check:
 	$(PYTHON) tools/check_wheel.py
