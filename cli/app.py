@@ -183,7 +183,7 @@ def pyplot() -> Any:
 def scan_cost_hint(error: Exception) -> str:
     """The message of a planning error, with what to try for a product over the FLOP limit."""
     if isinstance(error, ScanCostError):
-        return f"{error} (raise --max-step-flops, or use --method linear or --method hybrid --levels auto)"
+        return f"{error} (raise --max-step-flops, or use --method linear or auto, the default)"
     return str(error)
 
 

@@ -14,8 +14,9 @@ import click
 
 from sparse_scan import load_model
 from sparse_scan.flops import analyse
-from sparse_scan.scan import METHODS
+from sparse_scan.scan import SCHEDULES
 
+from ._schedule import METHOD_HELP, schedule_label, schedule_lines
 from .app import (
     check_outputs,
     main,
@@ -45,8 +46,8 @@ def _table(report: dict[str, Any]) -> str:
                      f"{mnk:>24} {step['flops']:>14,} {step['flops_live']:>14,} "
                      f"{'*' if step['critical'] else ''}")
     totals = report["totals"]
-    levels = "" if report["levels"] is None else f", levels {report['levels']}"
-    lines += ["", f"{report['method']}{levels}: {totals['critical_steps']} sequential steps",
+    lines += ["", f"{schedule_label(report['method'], report['levels'])}: {totals['critical_steps']} "
+              "sequential steps", *schedule_lines(report["schedule"]),
               f"BP FLOPs               {totals['bp_flops']:>16,}",
               f"BPPSA critical FLOPs   {totals['critical_flops']:>16,}",
               f"BPPSA work FLOPs       {totals['work_flops']:>16,}",
@@ -78,8 +79,8 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
-@click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
-@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
+@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="samples assumed for peak memory")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)

@@ -18,9 +18,10 @@ import numpy as np
 from sparse_scan import load_model
 from sparse_scan.distributed import COMBINES
 from sparse_scan.loss import softmax_cross_entropy
-from sparse_scan.scan import METHODS
+from sparse_scan.scan import SCHEDULES
 
 from . import _distributed
+from ._schedule import METHOD_HELP, schedule_label, schedule_lines
 from .app import (
     FiniteFloat,
     backend_or_fail,
@@ -101,8 +102,8 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
               help="gradient w.r.t. the output as .npy (default: ones, i.e. L = sum of outputs)")
 @click.option("--labels", "labels_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="integer class labels as .npy: softmax cross-entropy (mean over the batch)")
-@click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
-@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
+@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
 @max_step_flops_option
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
@@ -167,19 +168,21 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
         grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
         builds = network.plan_builds
         start = time.perf_counter()
-        network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops),
-                     progress=plan_progress(quiet))
+        plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops),
+                            progress=plan_progress(quiet))
         planned = time.perf_counter() - start
-        grads = network.backward(be.asarray(grad), method, levels_value, timings=timings)
+        grads = network.backward(be.asarray(grad), plan.method, plan.levels, timings=timings)
         timings["plan_s"] = planned  # the build above; backward's own lookup was a cache hit
         start = time.perf_counter()
         parameters = network.parameter_gradients(grads)
         be.synchronize()
         timings["parameter_grads_s"] = time.perf_counter() - start
         reference = network.backward(be.asarray(grad), "linear") if check else None
-    report: dict[str, Any] = {"model": str(model), "method": method, "levels": levels_value,
+    schedule = plan.explain(int(x.shape[0]), np.dtype(dtype).itemsize, be.name)
+    report: dict[str, Any] = {"model": str(model), "method": plan.method, "levels": plan.levels,
                               "device": be.name, "dtype": dtype, "batch": int(x.shape[0]),
-                              "plan_cache_hit": network.plan_builds == builds, "timings": timings}
+                              "plan_cache_hit": network.plan_builds == builds, "timings": timings,
+                              "schedule": schedule}
     if loss is not None:
         report["loss"] = loss
     if reference is not None:
@@ -193,8 +196,10 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    levels_text = "" if levels_value is None else f" (levels {levels_value})"
-    click.echo(f"{model}: {method}{levels_text} on {be.name}, batch {x.shape[0]}, {dtype}")
+    click.echo(f"{model}: {schedule_label(plan.method, plan.levels)} on {be.name}, batch {x.shape[0]}, "
+               f"{dtype}")
+    for line in schedule_lines(schedule):
+        click.echo(line)
     plan_note = "cache hit" if report["plan_cache_hit"] else "built"
     for name, label in (("forward_s", "forward"), ("plan_s", f"plan ({plan_note})"),
                         ("values_s", "JT values"), ("scan_s", "scan"),

@@ -16,10 +16,11 @@ import click
 
 from sparse_scan import load_model
 from sparse_scan.optim import SGD, Adam
-from sparse_scan.scan import METHODS
+from sparse_scan.scan import SCHEDULES
 from sparse_scan.train import load_dataset, train
 from sparse_scan.weights import state_dict, write_npz_atomically
 
+from ._schedule import METHOD_HELP, schedule_label, schedule_lines
 from .app import (
     FiniteFloat,
     backend_or_fail,
@@ -65,8 +66,8 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path, method: str) -> Non
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
 @click.option("--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, "
               "x_test, y_test")
-@click.option("--method", type=click.Choice(METHODS), default="blelloch", show_default=True)
-@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto'")
+@click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
+@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
 @max_step_flops_option
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
@@ -104,7 +105,10 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
         if len(classes) != 1:
             fail(f"{model}: training needs a flat (classes,) output, the model gives {list(classes)}")
         dataset = load_dataset(data, network.input_shape, classes[0])
-        network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
+        plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
+    if not quiet:
+        for line in schedule_lines(plan.explain(batch_size, 4)):
+            click.echo(line)
     optimizer = _optimizer(optimizer_name, network, lr, momentum)
     pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
     per_epoch = -(-len(dataset.x_train) // batch_size)
@@ -125,7 +129,7 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
     records: list[dict[str, Any]] = []
     interrupted = False
     try:
-        records = train(network, dataset, optimizer, epochs, batch_size, method, levels_value, seed,
+        records = train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels, seed,
                         pair, device, on_iteration)
     except KeyboardInterrupt:
         interrupted = True
@@ -141,9 +145,10 @@ def train_command(model: pathlib.Path, data: str, method: str, levels: str | Non
     if log_path is not None:
         write_or_fail("--log", log_path, lambda: _write_log(records, log_path))
     if plot is not None:
-        write_or_fail("--plot", plot, lambda: _plot(records, plot, method))
+        write_or_fail("--plot", plot, lambda: _plot(records, plot, schedule_label(plan.method, plan.levels)))
     last = records[-1]
-    click.echo(f"{model}: {len(records)} iterations, {method}, {optimizer_name} lr={lr}; "
+    click.echo(f"{model}: {len(records)} iterations, {schedule_label(plan.method, plan.levels)}, "
+               f"{optimizer_name} lr={lr}; "
                f"last train loss {last['train_loss']:.6g}, test loss {last['test_loss']:.6g}")
     if "bp_train_loss" in last:
         gap = max(max(abs(r["train_loss"] - r["bp_train_loss"]), abs(r["test_loss"] - r["bp_test_loss"]))

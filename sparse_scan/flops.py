@@ -33,7 +33,7 @@ __all__ = ["analyse"]
 LAYER_KEYS = ("name", "type", "shape", "nnz", "sparsity", "csr_bytes", "dense_bytes")
 
 
-def analyse(model: Sequential, method: str = "blelloch", levels: int | str | None = None,
+def analyse(model: Sequential, method: str = "auto", levels: int | str | None = None,
             batch: int = 1, dtype: Any = np.float32, max_step_flops: int | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """FLOP and memory figures of ``model``'s backward pass under a scan schedule.
@@ -43,7 +43,7 @@ def analyse(model: Sequential, method: str = "blelloch", levels: int | str | Non
     model : Sequential
         With ``input_shape`` set (a loaded spec has it).
     method, levels
-        The schedule (as in :meth:`Sequential.backward`).
+        The schedule (as in :meth:`Sequential.backward`; ``auto`` chooses one).
     batch : int
         Samples assumed for ``peak_bytes``.
     dtype : numpy dtype
@@ -58,8 +58,9 @@ def analyse(model: Sequential, method: str = "blelloch", levels: int | str | Non
     dict
         ``layers[]`` (``name, type, shape, nnz, sparsity, csr_bytes, dense_bytes``), ``steps[]``
         (``level, phase, kind, method, mnk, flops, flops_live, out_nnz, critical``), ``totals``
-        (``bp_flops, critical_flops, work_flops, critical_steps, peak_bytes``), ``method``,
-        ``levels`` (the depth chosen for ``"auto"``).
+        (``bp_flops, critical_flops, work_flops, critical_steps, peak_bytes``), ``method`` and
+        ``levels`` (the schedule planned: the one chosen for ``"auto"``), ``schedule``
+        (:meth:`~sparse_scan.scan.ScanPlan.explain`: the schedule, why, and the others considered).
     """
     if model.input_shape is None:
         raise ValueError("the model has no input_shape: build it with Sequential(..., input_shape=...) "
@@ -84,5 +85,6 @@ def analyse(model: Sequential, method: str = "blelloch", levels: int | str | Non
     totals = dict(report["totals"])
     totals.pop("plan_bytes")
     totals["bp_flops"] = sum(2 * layer["nnz"] for layer in layers)
-    return {"method": method, "levels": plan.levels, "layers": layers, "steps": steps,
-            "totals": {key: totals[key] for key in sorted(totals)}}
+    return {"method": plan.method, "levels": plan.levels, "layers": layers, "steps": steps,
+            "totals": {key: totals[key] for key in sorted(totals)},
+            "schedule": plan.explain(batch, itemsize)}

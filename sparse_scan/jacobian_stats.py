@@ -1,7 +1,8 @@
 """Per-layer figures of a chain's transposed Jacobians: shape, non-zeros, sparsity, bytes.
 
-The static half of paper Table 1: computed from the cached patterns alone (no values), so it costs
-one pattern build per layer and shape.
+The static half of paper Table 1: computed from each layer's count of its pattern's entries
+(``Layer.pattern_nnz``) and the shapes alone, so it builds no pattern where a layer can count its
+entries without one (a convolution can; VGG-11's patterns would take seconds).
 
 Examples
 --------
@@ -13,10 +14,12 @@ Examples
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
+from .csr import choose_index_dtype
 from .layers import Layer
 
 __all__ = ["chain_stats", "layer_stats"]
@@ -43,18 +46,21 @@ def layer_stats(layer: Layer, in_shape: Sequence[int], dtype: Any = np.float32,
         sample_independent, kind``. ``csr_bytes`` counts ``indptr + indices + data`` of one
         sample; ``dense_bytes`` is the same matrix stored dense.
     """
-    pattern = layer.pattern(tuple(in_shape))
+    in_shape = tuple(int(s) for s in in_shape)
+    out_shape = tuple(layer.output_shape(in_shape))
+    nnz = layer.pattern_nnz(in_shape)
     itemsize = np.dtype(dtype).itemsize
-    rows, cols = pattern.shape
+    rows, cols = math.prod(in_shape), math.prod(out_shape)
+    index_bytes = choose_index_dtype(nnz, cols).itemsize * (rows + 1 + nnz)  # indptr + indices
     return {
         "name": name or layer.name or type(layer).__name__,
         "type": type(layer).__name__,
         "in_shape": list(in_shape),
-        "out_shape": list(layer.output_shape(tuple(in_shape))),
+        "out_shape": list(out_shape),
         "shape": [rows, cols],
-        "nnz": pattern.nnz,
-        "sparsity": pattern.sparsity,
-        "csr_bytes": pattern.nbytes + pattern.nnz * itemsize,
+        "nnz": nnz,
+        "sparsity": 1.0 - nnz / (rows * cols),
+        "csr_bytes": index_bytes + nnz * itemsize,
         "dense_bytes": rows * cols * itemsize,
         "sample_independent": layer.sample_independent,
         "kind": layer.jacobian_kind,

@@ -19,22 +19,45 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
 from typing import Any, Callable, Hashable, Sequence
-
-import numpy as np
 
 from . import backend as _backend
 from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
 from .layers._weighted import held_structure_keys, sharing_held_keys
-from .scan import ElementInfo, ScanCostError, ScanPlan, build_plan, checked_levels, depth, run_plan
+from .scan import (
+    Candidate,
+    ElementInfo,
+    ScanCostError,
+    ScanMemoryError,
+    ScanPlan,
+    ScheduleChoice,
+    build_plan,
+    checked_levels,
+    depth,
+    estimate_plan,
+    run_plan,
+)
 from .spgemm import ProductPlan
 
-__all__ = ["Sequential", "default_memory_budget"]
+__all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
+
+AUTO_SYMBOLIC_WORK = 1e7
+"""The most symbolic work (JT pattern entries plus general products' multiply-adds, as estimated by
+:func:`~sparse_scan.scan.estimate_plan`) that ``method="auto"`` spends on a deeper schedule: 1-5 s of
+planning on a 2-core machine (measured: 160-470 ns per unit, pruned convolutions' patterns the
+slowest). An explicit method or depth plans whatever it costs."""
+
+AUTO_ESTIMATE_SLACK = 2.0
+"""``method="auto"`` builds no depth whose estimated critical path exceeds the best built one's by this
+factor, and deepens no further past an estimated product this much costlier than that critical path
+(estimates of products of layer pairs are within a few percent on the bundled models; deeper ones
+are over-estimates)."""
 
 Shape = tuple[int, ...]
 
@@ -61,6 +84,32 @@ def default_memory_budget(fraction: float = 0.5) -> int:
     except OSError:
         pass
     return int(4 * 2**30 * fraction)
+
+
+def _limit_name(limit: int, max_step_flops: int | None) -> str:
+    which = "--max-step-flops" if limit == max_step_flops else "the best critical path so far"
+    return f"{which} ({limit:,} FLOPs)"
+
+
+def _auto_verdict(estimate: ScanPlan, best: ScanPlan, limit: int, max_step_flops: int | None,
+                  budget: int) -> tuple[str | None, bool]:
+    """Whether ``method="auto"`` sets a deeper schedule aside from its estimate: ``(why, stops)``,
+    ``why`` None to build it; ``stops`` when no deeper schedule should be built either (they repeat
+    its up-sweep products)."""
+    costliest = max((step.flops for step in estimate.steps if step.kind == "mm" and not step.scaling),
+                    default=0)
+    if costliest > AUTO_ESTIMATE_SLACK * limit:
+        return (f"not built: a product of ~{costliest:.3g} FLOPs, over "
+                f"{_limit_name(limit, max_step_flops)}"), True
+    if estimate.symbolic_work > AUTO_SYMBOLIC_WORK:
+        return (f"not built: its symbolic work (~{estimate.symbolic_work:.2g} pattern entries and "
+                f"multiply-adds) is over auto's {AUTO_SYMBOLIC_WORK:.2g}"), True
+    if estimate.plan_bytes > budget:
+        return (f"not built: its plan (~{estimate.plan_bytes / 2**20:,.0f} MiB) is over the memory "
+                f"budget ({budget / 2**20:,.0f} MiB)"), True
+    if estimate.critical_flops > AUTO_ESTIMATE_SLACK * best.critical_flops:
+        return f"not built: its critical path is over {AUTO_ESTIMATE_SLACK:g}x the best so far", False
+    return None, False
 
 
 class Sequential:
@@ -149,24 +198,36 @@ class Sequential:
         return self._activations
 
     # --- planning ------------------------------------------------------------------------------
-    def plan(self, in_shape: Sequence[int], method: str = "blelloch",
+    def plan(self, in_shape: Sequence[int], method: str = "auto",
              levels: int | str | None = None, max_step_flops: int | None = None,
              progress: Callable[[str, int, int], None] | None = None) -> ScanPlan:
         """The cached :class:`~sparse_scan.scan.ScanPlan` for ``in_shape``, method and levels.
 
-        ``levels="auto"`` (hybrid) picks the depth with the fewest critical-path FLOPs in the plans'
-        own figures (ties: less work). It plans depths 0, 1, 2, ... and stops deepening at the first
-        depth with a product costlier than the best critical path found so far: deeper plans repeat
-        that depth's up-sweep products, so none of them can be better, and their products (billions
-        of multiply-adds in a large network) are never built.
+        ``method="auto"`` chooses among back-propagation (``linear``), the hybrids and ``blelloch``
+        (hybrid depths ``0 .. depth(n) - 1``, whose schedules those are); ``hybrid`` with
+        ``levels="auto"`` (or None) chooses the depth ``0 .. depth(n)``. The choice minimises the
+        critical-path FLOPs (then the work) of the plans it builds, and builds a plan only where
+        cheap estimates allow (:func:`~sparse_scan.scan.estimate_plan`: shapes and ``nnz`` of the
+        JTs, nothing built): depths are tried shallow to deep, and deepening stops at the first depth
+        whose estimated symbolic work exceeds :data:`AUTO_SYMBOLIC_WORK`, whose estimated plan
+        exceeds the memory budget, or which has a product costlier than the best critical path so
+        far (estimated, or found while building; deeper plans repeat that depth's up-sweep
+        products, so none of them can be better). Depth 0 builds no product, so the choice never
+        fails. The returned plan's ``method``/``levels`` are the chosen schedule's and its
+        ``choice`` (:class:`~sparse_scan.scan.ScheduleChoice`) says why.
 
         ``max_step_flops`` makes planning give up with :class:`~sparse_scan.scan.ScanCostError`
-        before building a costlier product (a cached plan is returned whatever its cost).
-        ``progress(phase, done, total)`` is called while a plan is built
-        (:func:`~sparse_scan.scan.build_plan`).
+        before building a costlier product (a cached plan is returned whatever its cost; ``auto``
+        sets such schedules aside instead). ``progress(phase, done, total)`` is called while a plan
+        is built (:func:`~sparse_scan.scan.build_plan`).
         """
         shape = tuple(int(s) for s in in_shape)
-        auto = method == "hybrid" and levels == "auto"
+        if method == "hybrid" and levels is None:
+            levels = "auto"
+        auto = method == "auto" or (method == "hybrid" and levels == "auto")
+        if method == "auto" and levels is not None:
+            raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} with "
+                             "method='auto'")
         if not auto:
             checked_levels(len(self.layers), method, levels)
         structure = tuple(layer._structure_key() for layer in self.layers)
@@ -174,28 +235,80 @@ class Sequential:
         key = (shape, method, levels, self.memory_budget, structure) + ((max_step_flops,) if auto else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = (self._auto_plan(shape, max_step_flops, progress) if auto
+            plan = (self._auto_plan(shape, method, max_step_flops, progress) if auto
                     else self._build_plan(shape, method, levels, max_step_flops, progress))
             self._plans[key] = plan
         return plan
 
-    def _auto_plan(self, shape: Shape, max_step_flops: int | None,
+    def estimate(self, in_shape: Sequence[int], method: str, levels: int | None = None) -> ScanPlan:
+        """:func:`~sparse_scan.scan.estimate_plan` of a schedule for ``in_shape``: its figures
+        estimated from the JTs' shapes and ``nnz``, nothing built (not cached, not runnable)."""
+        shape = tuple(int(s) for s in in_shape)
+        element_info, vector_size = self._element_summaries(self.shapes(shape))
+        return estimate_plan(len(self.layers), method, levels, element_info, vector_size)
+
+    def _auto_plan(self, shape: Shape, method: str, max_step_flops: int | None,
                    progress: Callable[[str, int, int], None] | None) -> ScanPlan:
-        best: ScanPlan | None = None
-        for k in range(depth(len(self)) + 1):
-            limit = max_step_flops if best is None else best.critical_flops
-            if max_step_flops is not None:
-                limit = min(limit, max_step_flops)
-            try:
-                candidate = self.plan(shape, "hybrid", k, max_step_flops=limit, progress=progress)
-            except ScanCostError:
-                if best is None:
-                    raise
-                break
-            if best is None or (candidate.critical_flops, candidate.work_flops) < (
-                    best.critical_flops, best.work_flops):
-                best = candidate
-        return best
+        full = depth(len(self.layers))
+
+        def schedule_of(k: int) -> tuple[str, int | None]:
+            if method == "hybrid":
+                return "hybrid", k
+            return ("linear", None) if k == 0 else ("blelloch", None) if k == full - 1 else ("hybrid", k)
+
+        budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
+        depths = range(full + 1) if method == "hybrid" else range(max(full, 1))
+        # depth 0 is back-propagation: no product, it never fails
+        best = self.plan(shape, *schedule_of(0), max_step_flops=max_step_flops, progress=progress)
+        figures: list[ScanPlan] = [best]
+        verdicts = ["built"]
+        stop: str | None = None
+        for k in depths[1:]:
+            estimate = self.estimate(shape, *schedule_of(k))
+            limit = best.critical_flops if max_step_flops is None else min(best.critical_flops,
+                                                                          max_step_flops)
+            verdict, stops = stop, True
+            if stop is None:
+                verdict, stops = _auto_verdict(estimate, best, limit, max_step_flops, budget)
+            if verdict is None:
+                try:
+                    plan = self.plan(shape, *schedule_of(k), max_step_flops=limit, progress=progress)
+                except ScanCostError:
+                    verdict = f"abandoned: a product costs more than {_limit_name(limit, max_step_flops)}"
+                except ScanMemoryError:
+                    verdict = "abandoned: a product's plan is over the memory budget"
+                else:
+                    verdict, stops, estimate = "built", False, plan
+                    if (plan.critical_flops, plan.work_flops) < (best.critical_flops, best.work_flops):
+                        best = plan
+            if stops and stop is None:  # deeper plans repeat this depth's up-sweep products
+                method_k, levels_k = schedule_of(k)
+                stop = f"not built: deeper than {method_k}{'' if levels_k is None else f' {levels_k}'}"
+            figures.append(estimate)
+            verdicts.append(verdict)
+        candidates = tuple(
+            Candidate(*schedule_of(k), plan.critical_flops, plan.work_flops, plan.plan_bytes,
+                      plan.estimated, "chosen" if plan is best else verdict)
+            for k, plan, verdict in zip(depths, figures, verdicts, strict=True))
+        criterion = "the fewest critical-path FLOPs (then the least work) of the schedules built"
+        return dataclasses.replace(best, choice=ScheduleChoice(method, criterion, candidates))
+
+    def _element_summaries(self, shapes: Sequence[Shape]) -> tuple[Callable[[int], ElementInfo],
+                                                                    Callable[[int], int]]:
+        """``element_info`` and ``vector_size`` of :func:`~sparse_scan.scan.build_plan` (scan element
+        ``j`` is the JT of layer ``n - j``)."""
+        n = len(self.layers)
+
+        def element_info(j: int) -> ElementInfo:
+            layer, in_shape = self.layers[n - j], shapes[n - j]
+            size = (math.prod(in_shape), math.prod(shapes[n - j + 1]))
+            return ElementInfo(size, layer.pattern_nnz(in_shape), layer.jacobian_kind,
+                               layer.sample_independent)
+
+        def vector_size(j: int) -> int:
+            return math.prod(shapes[n - j])
+
+        return element_info, vector_size
 
     def _build_plan(self, shape: Shape, method: str, levels: Any, max_step_flops: int | None,
                     progress: Callable[[str, int, int], None] | None) -> ScanPlan:
@@ -204,18 +317,10 @@ class Sequential:
         structure = tuple(layer._structure_key() for layer in self.layers)
         products = self._products.setdefault((shape, structure, self.memory_budget), {})
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
-
-        def element_info(j: int) -> ElementInfo:
-            layer, in_shape = self.layers[n - j], shapes[n - j]
-            size = (math.prod(in_shape), math.prod(shapes[n - j + 1]))
-            return ElementInfo(size, layer.pattern_nnz(in_shape), layer.jacobian_kind,
-                               layer.sample_independent)
+        element_info, vector_size = self._element_summaries(shapes)
 
         def element_pattern(j: int) -> Any:
             return self.layers[n - j].pattern(shapes[n - j])
-
-        def vector_size(j: int) -> int:
-            return int(np.prod(shapes[n - j]))
 
         def vector_channels(j: int) -> int:
             return int(shapes[n - j][0])
@@ -265,7 +370,7 @@ class Sequential:
         return out
 
     # --- backward ------------------------------------------------------------------------------
-    def backward(self, grad_out: Any, method: str = "blelloch", levels: int | str | None = None,
+    def backward(self, grad_out: Any, method: str = "auto", levels: int | str | None = None,
                  device: str | None = None, timings: dict[str, float] | None = None) -> list[Any]:
         """Gradients w.r.t. every activation, by a scan over the layers' transposed Jacobians.
 
@@ -273,9 +378,10 @@ class Sequential:
         ----------
         grad_out : ndarray, shape (B, *out_shape)
             Gradient of the loss w.r.t. the model output ``x_n``.
-        method : {"blelloch", "linear", "hybrid"}
+        method : {"auto", "linear", "blelloch", "hybrid"}
+            The scan's schedule; ``auto`` chooses one (:meth:`plan`).
         levels : int or "auto", optional
-            Up-sweep levels of ``hybrid``.
+            Up-sweep levels of ``hybrid`` (None: ``"auto"``).
         device : {"cpu", "gpu", "auto"}, optional
             Where to run; by default where the forward's arrays live.
         timings : dict, optional

@@ -17,6 +17,10 @@ layer ``n - j + 1``. Three schedules compute it:
 :func:`build_plan` turns a schedule into a :class:`ScanPlan`: a list of steps whose symbolic work (the
 pattern of every product and the index structure of its numeric phase) is done once; steps whose
 result nothing uses are dropped. :func:`run_plan` executes the numeric phase for one batch.
+
+:func:`estimate_plan` walks the same schedule with estimated figures only (shapes and ``nnz`` of the
+layers' JTs, no pattern arrays, no product): it lets a caller choose a schedule (``method="auto"`` of
+:meth:`sparse_scan.Sequential.plan`) before building anything costly.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ._checks import is_int
 from ._threads import cpu_threads, step_pool
 from .csr import Pattern
 from .spgemm import (
+    PRODUCT_PLAN_BYTES,
     PlanBudgetError,
     ProductPlan,
     count_multiply_adds,
@@ -39,8 +44,9 @@ from .spgemm import (
     plan_product,
 )
 
-__all__ = ["METHODS", "Element", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step",
-           "build_plan", "checked_levels", "depth", "live_schedule", "run_plan", "scan_outputs", "schedule"]
+__all__ = ["METHODS", "SCHEDULES", "Candidate", "Element", "ElementInfo", "ScanCostError", "ScanMemoryError",
+           "ScanPlan", "ScheduleChoice", "Step", "build_plan", "checked_levels", "depth", "estimate_plan",
+           "live_schedule", "run_plan", "scan_outputs", "schedule"]
 
 
 class ScanMemoryError(MemoryError):
@@ -55,6 +61,10 @@ class ScanCostError(RuntimeError):
     """
 
 METHODS = ("linear", "blelloch", "hybrid")
+"""The schedules a plan is built for."""
+
+SCHEDULES = ("auto",) + METHODS
+"""What a caller may ask for: ``auto`` chooses one of :data:`METHODS` (:meth:`Sequential.plan`)."""
 
 Segment = tuple[int, int]  # elements lo..hi (inclusive) combined: hi's JT applied last
 
@@ -154,6 +164,8 @@ class Step:
         layer's dense weights), ``spmv`` or the product plan's method."""
         if self.product is not None:
             return self.product.method
+        if self.kind == "mm":  # a step of an estimate (:func:`estimate_plan`): no product planned
+            return "scale (estimate)" if self.scaling else "estimate"
         return "scale" if self.scaling else "gemm" if self.dense else "spmv"
 
     def as_dict(self) -> dict[str, Any]:
@@ -162,6 +174,71 @@ class Step:
                 "left": [self.left.lo, self.left.hi], "right": [self.right.lo, self.right.hi],
                 "mnk": list(self.shape), "flops": self.flops, "flops_live": self.flops_live,
                 "out_nnz": self.out_nnz, "plan_bytes": self.plan_bytes}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule ``method="auto"`` considered, with its figures and the verdict on it.
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+    critical_flops, work_flops, plan_bytes : int
+        The built plan's figures, or :func:`estimate_plan`'s where ``estimated``.
+    estimated : bool
+        Not built: the figures are estimates.
+    verdict : str
+        ``"chosen"``, or why not.
+    """
+
+    method: str
+    levels: int | None
+    critical_flops: int
+    work_flops: int
+    plan_bytes: int
+    estimated: bool
+    verdict: str
+
+    @property
+    def label(self) -> str:
+        """``linear``, ``blelloch`` or ``hybrid N``."""
+        return self.method if self.levels is None else f"{self.method} {self.levels}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields."""
+        return {"method": self.method, "levels": self.levels, "critical_flops": self.critical_flops,
+                "work_flops": self.work_flops, "plan_bytes": self.plan_bytes, "estimated": self.estimated,
+                "verdict": self.verdict}
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """How a schedule was chosen (``method="auto"``, or ``hybrid`` with ``levels="auto"``).
+
+    Attributes
+    ----------
+    requested : str
+        ``"auto"`` or ``"hybrid"`` (depth only).
+    criterion : str
+        What was minimised, in words.
+    candidates : tuple of Candidate
+        In the order considered; exactly one is ``chosen``.
+    """
+
+    requested: str
+    criterion: str
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def chosen(self) -> Candidate:
+        """The candidate chosen."""
+        return next(c for c in self.candidates if c.verdict == "chosen")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields."""
+        return {"requested": self.requested, "criterion": self.criterion,
+                "candidates": [c.as_dict() for c in self.candidates]}
 
 
 @dataclass
@@ -178,6 +255,15 @@ class ScanPlan:
     steps : list of Step
     outputs : list of Element
         ``outputs[i]`` holds the gradient w.r.t. ``x_i`` (``i = 0..n``).
+    element_bytes : dict
+        Per scan value, its entries ``(shared, per sample)``.
+    estimated : bool
+        Figures of :func:`estimate_plan` (no product planned): not runnable.
+    symbolic_work : int
+        An estimate's symbolic work: the JT pattern entries and the general products' multiply-adds
+        that building the plan would enumerate (0 for a built plan).
+    choice : ScheduleChoice, optional
+        How ``method="auto"`` (or hybrid ``levels="auto"``) chose this plan.
     """
 
     method: str
@@ -186,6 +272,9 @@ class ScanPlan:
     steps: list[Step]
     outputs: list[Element]
     element_bytes: dict[Element, tuple[int, int]] = field(default_factory=dict)
+    estimated: bool = False
+    symbolic_work: int = 0
+    choice: Any = None
 
     @property
     def critical_flops(self) -> int:
@@ -277,6 +366,23 @@ class ScanPlan:
             peak = max(peak, live)
             live -= sum(size(element) for index in level for element in self.releases[index])
         return peak
+
+    def explain(self, batch: int = 1, itemsize: int = 4, device: str = "cpu") -> dict[str, Any]:
+        """The schedule and why (JSON-friendly): ``method``, ``levels``, ``requested`` (``"auto"``,
+        ``"hybrid"`` for a chosen depth, or the method itself), ``reason`` (one line),
+        ``critical_flops``, ``work_flops``, ``critical_steps``, ``plan_bytes``, ``peak_bytes`` (for
+        ``batch`` samples of ``itemsize`` bytes on ``device``) and, for a chosen schedule, the
+        ``candidates`` considered (:class:`Candidate`)."""
+        out: dict[str, Any] = {
+            "method": self.method, "levels": self.levels,
+            "requested": self.method if self.choice is None else self.choice.requested,
+            "reason": "as requested" if self.choice is None else self.choice.criterion,
+            "critical_flops": self.critical_flops, "work_flops": self.work_flops,
+            "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
+            "peak_bytes": self.peak_bytes(batch, itemsize, device)}
+        if self.choice is not None:
+            out["candidates"] = [c.as_dict() for c in self.choice.candidates]
+        return out
 
     def report(self, batch: int = 1, itemsize: int = 4, device: str = "cpu") -> dict[str, Any]:
         """Per-step figures and totals (JSON-friendly); ``peak_bytes`` for ``device``."""
@@ -531,6 +637,75 @@ def build_plan(
     return ScanPlan(method, levels, n, steps, outputs, element_bytes)
 
 
+def estimate_plan(n: int, method: str, levels: int | None,
+                  element_info: Callable[[int], ElementInfo],
+                  vector_size: Callable[[int], int]) -> ScanPlan:
+    """The figures of :func:`build_plan`'s plan, estimated from the JTs' shapes and ``nnz`` alone.
+
+    Nothing is built: no pattern, no product. Each product's multiply-adds are estimated as if its
+    operands' entries were spread evenly over their rows and columns
+    (``nnz_A · nnz_B / k`` for ``A (m×k) · B (k×n)``; exact for diagonals, max-pool selections,
+    dense blocks and most of a convolution's rows) and its result's ``nnz`` as
+    ``min(m·n, multiply-adds)`` (every multiply-add a new entry until the result is dense): deep
+    products of convolutions, whose multiply-adds mostly land on shared entries, are over-estimated,
+    so a choice from these figures leans towards shallower schedules. A product with a diagonal is a
+    scaling (one multiply per entry), as in the built plan.
+
+    Returns
+    -------
+    ScanPlan
+        ``estimated=True``, with steps (``product`` None), ``critical_flops``, ``work_flops``,
+        ``plan_bytes`` (estimated index bytes), ``peak_bytes(...)`` and ``symbolic_work``: the
+        pattern entries and multiply-adds that :func:`build_plan` would enumerate for it.
+    """
+    levels = checked_levels(n, method, levels)
+    kept = live_schedule(n, method, levels)
+    info = {Element(j, j): element_info(j) for j in range(1, n + 1)}
+    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
+    for j in range(1, n + 1):
+        nnz, shared = info[Element(j, j)].nnz, info[Element(j, j)].shared
+        element_bytes[Element(j, j)] = (nnz, 0) if shared else (0, nnz)
+    operands = {element.lo for _, _, left, right in kept if not left.is_vector
+                for element in (left, right) if element.lo == element.hi}
+    work = sum(info[Element(j, j)].nnz for j in operands)
+    steps = []
+    for lvl, phase, left, right in kept:
+        out = Element(left.lo, right.hi)
+        right_info = info[right]
+        m, k = right_info.shape
+        step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
+        if left.is_vector:
+            step.scaling = right_info.kind == "diagonal"
+            step.shape = (m, k, 1)
+            step.flops = step.flops_live = 2 * right_info.nnz
+            step.out_nnz = m
+            element_bytes[out] = (0, m)
+        else:
+            left_info = info[left]
+            cols = left_info.shape[1]
+            step.scaling = "diagonal" in (right_info.kind, left_info.kind)
+            if step.scaling:
+                nnz = left_info.nnz if right_info.kind == "diagonal" else right_info.nnz
+                step.flops = nnz
+                step.plan_bytes = PRODUCT_PLAN_BYTES * nnz
+            else:
+                multiply_adds = math.ceil(right_info.nnz * left_info.nnz / max(k, 1))
+                nnz = min(m * cols, multiply_adds)
+                step.flops = 2 * multiply_adds
+                step.plan_bytes = PRODUCT_PLAN_BYTES * multiply_adds
+                work += multiply_adds
+            step.flops_live = step.flops
+            step.shape = (m, k, cols)
+            step.out_nnz = nnz
+            kind = "diagonal" if right_info.kind == left_info.kind == "diagonal" else "general"
+            shared = right_info.shared and left_info.shared
+            info[out] = ElementInfo((m, cols), nnz, kind, shared)
+            element_bytes[out] = (nnz, 0) if shared else (0, nnz)
+        steps.append(step)
+    return ScanPlan(method, levels, n, steps, scan_outputs(n), element_bytes, estimated=True,
+                    symbolic_work=work)
+
+
 def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
              threads: int | None = None,
              dense_matvecs: Sequence[Callable[[Any], Any] | None] | None = None) -> list[Any]:
@@ -561,6 +736,8 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
     list of ndarray
         ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``.
     """
+    if plan.estimated:
+        raise ValueError("an estimated plan (estimate_plan) has no products to run: build_plan it")
     values: dict[Element, Any] = {Element(0, 0): grad_out}
     patterns: dict[Element, Pattern] = {}
     for j, jt in enumerate(jacobians, start=1):

@@ -131,7 +131,7 @@ def _loss(model: Any, be: _backend.Backend, x: np.ndarray, y: np.ndarray) -> flo
 
 
 def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: int,
-          method: str = "blelloch", levels: int | str | None = None, seed: int = 0,
+          method: str = "auto", levels: int | str | None = None, seed: int = 0,
           baseline: tuple[Any, Any] | None = None, device: str = "cpu",
           on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Mini-batch training with scan gradients; returns one record per iteration.
@@ -144,7 +144,7 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
         Built on ``model``.
     epochs, batch_size : int
     method, levels
-        The scan (as in :meth:`Sequential.backward`).
+        The scan (as in :meth:`Sequential.backward`; ``auto`` chooses one).
     seed : int
         Shuffling of the training set, per epoch.
     baseline : (model, optimizer), optional

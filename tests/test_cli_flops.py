@@ -56,11 +56,45 @@ def test_vgg11_shows_the_papers_table_1():
     assert "conv1" in table and "0.99157" in table and "BP FLOPs" in table
 
 
-def test_hybrid_auto_reports_the_chosen_depth():
-    result = invoke(DATA / "tiny.yaml", "--method", "hybrid", "--levels", "auto", "--json")
+@pytest.mark.parametrize("levels", [["--levels", "auto"], []])
+def test_hybrid_auto_reports_the_chosen_depth(levels):
+    # hybrid without --levels chooses its depth, like --levels auto
+    result = invoke(DATA / "lenet5.yaml", "--method", "hybrid", *levels, "--json")
     report = json.loads(result.output)
-    model = load_model(DATA / "tiny.yaml")
+    model = load_model(DATA / "lenet5.yaml")
     assert report["levels"] == model.plan(model.input_shape, "hybrid", "auto").levels
+    schedule = report["schedule"]
+    assert schedule["requested"] == "hybrid" and schedule["method"] == "hybrid"
+    assert [c["levels"] for c in schedule["candidates"]] == [0, 1, 2, 3, 4]
+    assert [c["verdict"] for c in schedule["candidates"]].count("chosen") == 1
+    text = invoke(DATA / "lenet5.yaml", "--method", "hybrid", *levels).output
+    assert f"schedule: hybrid {report['levels']} (depth chosen by --method hybrid" in text
+
+
+def test_default_method_chooses_a_schedule_and_says_why():
+    report = json.loads(invoke(DATA / "lenet5.yaml", "--json").output)
+    schedule = report["schedule"]
+    assert (report["method"], report["levels"]) == (schedule["method"], schedule["levels"])
+    assert schedule["requested"] == "auto" and "critical-path FLOPs" in schedule["reason"]
+    assert schedule["critical_flops"] == report["totals"]["critical_flops"]
+    assert {"peak_bytes", "plan_bytes", "work_flops"} <= set(schedule)
+    labels = [(c["method"], c["levels"]) for c in schedule["candidates"]]
+    assert labels == [("linear", None), ("hybrid", 1), ("hybrid", 2), ("blelloch", None)]
+    chosen = [c for c in schedule["candidates"] if c["verdict"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["critical_flops"] == schedule["critical_flops"]
+    built = [c for c in schedule["candidates"] if not c["estimated"]]
+    assert chosen[0]["critical_flops"] == min(c["critical_flops"] for c in built)
+    for candidate in schedule["candidates"]:
+        assert candidate["verdict"] in ("chosen", "built") or candidate["verdict"].startswith("not built")
+    text = invoke(DATA / "lenet5.yaml").output
+    assert "schedule: linear (chosen by --method auto: the fewest critical-path FLOPs" in text
+    assert "blelloch   critical path ~" in text
+
+
+def test_an_explicit_method_says_so():
+    report = json.loads(invoke(DATA / "tiny.yaml", "--method", "blelloch", "--json").output)
+    assert report["method"] == "blelloch" and report["schedule"]["reason"] == "as requested"
+    assert "candidates" not in report["schedule"]
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -68,7 +102,9 @@ def test_hybrid_auto_reports_the_chosen_depth():
     ([DATA / "tiny.yaml", "--method", "hybrid", "--levels", "9"], "levels in 0..3"),
     ([DATA / "tiny.yaml", "--method", "hybrid", "--levels", "many"], "--levels must be"),
     ([DATA / "tiny.yaml", "--levels", "1"], "levels applies to method='hybrid' only"),
-    ([DATA / "vgg11-pruned.yaml", "--max-step-flops", "1e6"], "over the limit of 1000000"),
+    ([DATA / "vgg11-pruned.yaml", "--method", "blelloch", "--max-step-flops", "1e6"],
+     "over the limit of 1000000"),
+    ([DATA / "tiny.yaml", "--method", "auto", "--levels", "1"], "levels applies to method='hybrid' only"),
 ])
 def test_errors_are_one_line_with_exit_2(args, fragment):
     result = invoke(*args)

@@ -127,7 +127,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
             "gpu": lambda: ["--random", "2", "--device", "gpu"],
             "both_inputs": lambda: ["--random", "2", "--input", write_npy(tmp_path, "x.npy", x)],
             "spec": lambda: ["--random", "2"],
-            "costly_step": lambda: ["--random", "2", "--max-step-flops", "100"]}[case]()
+            "costly_step": lambda: ["--random", "2", "--method", "blelloch",
+                                    "--max-step-flops", "100"]}[case]()
     if case == "spec":
         spec = tmp_path / "bad.yaml"
         spec.write_text("input_shape: [1, 8, 8]\nlayers: [{name: c, type: conv9}]\n")

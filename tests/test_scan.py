@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -251,12 +253,15 @@ def test_auto_stops_deepening_without_missing_the_best_depth(seed):
 
 def test_auto_skips_depths_whose_products_cost_more_than_the_best_plan():
     # 3 -> 300 -> 3 -> ...: a level-0 product (300x3 by 3x300, dense 300x300) alone costs more than
-    # the whole linear scan, so depth 1 is abandoned and no deeper depth is tried
+    # the whole linear scan: its estimate says so, so depth 1 is not even built, nor any deeper one
     model = Sequential(*[Linear(300 if i % 2 else 3, 3 if i % 2 else 300, dtype=np.float64, rng=i)
                          for i in range(6)])
     auto = model.plan((3,), "hybrid", "auto")
-    assert model.plan_builds == 2  # depth 0, and the abandoned depth 1
-    assert model.plan((3,), "hybrid", "auto") is auto and model.plan_builds == 2  # choice cached
+    assert model.plan_builds == 1  # depth 0 only
+    verdicts = [c.verdict for c in auto.choice.candidates]
+    assert verdicts[0] == "chosen" and verdicts[1].startswith("not built: a product of")
+    assert all(v == "not built: deeper than hybrid 1" for v in verdicts[2:])
+    assert model.plan((3,), "hybrid", "auto") is auto and model.plan_builds == 1  # choice cached
     every = [model.plan((3,), "hybrid", k) for k in range(depth(6) + 1)]
     assert auto.critical_flops == min(p.critical_flops for p in every)
     assert auto.levels == 0
@@ -532,3 +537,45 @@ def test_small_batches_apply_heavily_pruned_convolutions_through_their_weights(m
             np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
         if method == "linear":
             assert (filled == []) == (batch <= 8)  # BP reads each JT by mv steps only
+
+
+@pytest.mark.parametrize("method, levels", [("linear", None), ("hybrid", 1), ("hybrid", 2),
+                                            ("blelloch", None)])
+def test_estimates_are_the_built_figures_for_dense_and_diagonal_chains(method, levels):
+    # dense JTs (linear layers) and diagonals (activations): entries spread evenly, products exact
+    model = Sequential(*[layer for i in range(4) for layer in (Linear(3 + i, 4 + i, rng=i), Tanh())])
+    built = model.plan((3,), method, levels)
+    estimate = model.estimate((3,), method, levels)
+    assert estimate.estimated and not built.estimated
+    assert (estimate.critical_flops, estimate.work_flops, estimate.critical_steps) == (
+        built.critical_flops, built.work_flops, built.critical_steps)
+    assert estimate.peak_bytes(4, 8) == built.peak_bytes(4, 8, device="gpu")  # every JT held
+    with pytest.raises(ValueError, match="estimated plan"):
+        run_plan(estimate, np.ones((1, 7)), [])
+
+
+def test_auto_chooses_a_deeper_schedule_where_it_shortens_the_critical_path():
+    model = Sequential(*[Tanh() for _ in range(16)])
+    auto = model.plan((64,), "auto")
+    every = [model.plan((64,), "hybrid", k) for k in range(depth(16) + 1)]
+    assert auto.critical_flops == min(p.critical_flops for p in every) < every[0].critical_flops
+    assert (auto.method, auto.levels) == ("hybrid", 2)
+    labels = [c.label for c in auto.choice.candidates]
+    assert labels == ["linear", "hybrid 1", "hybrid 2", "hybrid 3", "blelloch"]
+    assert auto.choice.chosen.label == "hybrid 2" and auto.choice.requested == "auto"
+    x = np.random.default_rng(0).standard_normal((3, 64))
+    model.forward(x)
+    for got, want in zip(model.backward(np.ones((3, 64))), model.backward(np.ones((3, 64)), "linear"),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_auto_never_fails_and_builds_nothing_costly_on_vgg11():
+    from sparse_scan import load_model
+
+    model = load_model(pathlib.Path(__file__).resolve().parents[1] / "data" / "vgg11.yaml")
+    auto = model.plan(model.input_shape, "auto", max_step_flops=1e10)
+    assert auto.method == "linear" and model.plan_builds == 1
+    deeper = auto.choice.candidates[1:]
+    assert all(c.estimated for c in deeper) and "symbolic work" in deeper[0].verdict
+    assert model.plan(model.input_shape, "hybrid").levels == 0  # hybrid without levels: auto depth

@@ -184,7 +184,8 @@ def test_a_scan_over_the_flop_limit_is_one_line_exit_2(tmp_path):
     np.savez(data_path, x_train=rng.standard_normal((8, 1, 8, 8)), y_train=rng.integers(0, 10, 8),
              x_test=rng.standard_normal((4, 1, 8, 8)), y_test=rng.integers(0, 10, 4))
     spec = pathlib.Path(__file__).resolve().parents[1] / "data" / "tiny.yaml"
-    result = invoke(spec, "--data", data_path, "--max-step-flops", "100", "--out", tmp_path / "w.npz")
+    result = invoke(spec, "--data", data_path, "--method", "blelloch", "--max-step-flops", "100",
+                    "--out", tmp_path / "w.npz")
     assert result.exit_code == 2 and "raise --max-step-flops" in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "w.npz").exists()
 
