@@ -8,13 +8,15 @@ BENCH_ARGS =
 LINT_PATHS = sparse_scan cli rawkernels tests bench tools
 RUFF_ARGS = --select E,W,F,I,B --line-length 110 --config "lint.isort.known-first-party = ['sparse_scan']"
 
-.PHONY: help install test test-gpu test-mpi bench bench-distributed demo lint check-kernels wheel-check
+.PHONY: help install test test-gpu test-gpu-standin test-mpi bench bench-distributed demo lint check-kernels wheel-check
 
 help:
 	@echo "make install      pip install -e '.[test]' into $(PYTHON)"
 	@echo "make demo         install, then run the main job on bundled data (Table 1, a scan on LeNet-5, FLOPs of pruned VGG-11)"
 	@echo "make test         install, then run the test suite (gpu tests skip where no GPU is usable)"
 	@echo "make test-gpu     install offline (no deps, no build isolation), run only the tests marked gpu"
+	@echo "make test-gpu-standin  install, run every gpu test on the CPU through the CuPy stand-in (none may"
+	@echo "                  skip), then report the GPU glue's line coverage (at least $(GPU_COVERAGE_MIN) %)"
 	@echo "make test-mpi     install, then run the scan-across-processes tests (mpirun -n 2 and -n 3)"
 	@echo "make bench        install, then run the Jacobian benchmark and print JSON (BENCH_ARGS=...)"
 	@echo "make bench-distributed  install, then measure P = 1, 2, 3 ranks and model P up to 1024 (JSON)"
@@ -33,6 +35,14 @@ test: install
 test-gpu:
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
+
+# Every gpu test on the CPU through the CuPy stand-in (tests/cupy_standin; docs/gpu.md), none skipped,
+# under coverage; then the line coverage of the GPU glue (tools/gpu_coverage.py) must reach the minimum.
+GPU_COVERAGE_MIN = 95
+test-gpu-standin: install
+	SPARSE_SCAN_CUPY_STANDIN=1 SPARSE_SCAN_NO_GPU_SKIPS=1 $(PYTHON) -m coverage run \
+		--data-file=.coverage.gpu --source=sparse_scan -m pytest -m gpu -q -rs $(PYTEST_ARGS)
+	$(PYTHON) tools/gpu_coverage.py --data-file .coverage.gpu --fail-under $(GPU_COVERAGE_MIN)
 
 # the MPI tests fail instead of skipping when mpi4py or mpiexec is missing
 test-mpi: install

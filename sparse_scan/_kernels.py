@@ -19,7 +19,7 @@ import numpy as np
 
 __all__ = ["COMPILE_OPTIONS", "INSTANTIATIONS", "cupy_module", "current_device", "device_pointer",
            "expression", "function", "launch", "launch_blocks", "name_expressions", "per_plan", "source",
-           "type_name", "upload_stream_ordered"]
+           "type_name"]
 
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 65535 * 8
@@ -161,9 +161,3 @@ def current_device() -> int:
 def device_pointer(array: Any) -> int:
     """The device address of a CuPy array's data, as an integer for a descriptor table."""
     return int(array.data.ptr)
-
-
-def upload_stream_ordered(device: Any, host: np.ndarray) -> None:
-    """Copy ``host`` into the device array, ordered on the current stream. (From pageable host memory
-    CUDA may still return only once the copy is staged; ``host`` may be reused after the call.)"""
-    device.set(host, stream=cupy_module().cuda.get_current_stream())
