@@ -28,12 +28,17 @@ from sparse_scan.scan import ScanCostError, ScanMemoryError
 from sparse_scan.train import DataError
 from sparse_scan.weights import write_npz_atomically
 
-__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "main", "max_step_flops_option",
-           "model_errors", "parse_levels", "plan_progress", "pyplot", "scan_cost_hint", "write_or_fail"]
+__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "load_npy", "main",
+           "max_step_flops_option", "model_errors", "parse_levels", "plan_progress", "pyplot",
+           "scan_cost_hint", "write_or_fail"]
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 """File types ``--plot`` writes (matplotlib would append ``.png`` to a name without a suffix, past the
 check for an existing file, and fail after the work on one it does not know)."""
+
+OUTPUT_SUFFIXES = {"plot": PLOT_SUFFIXES, "out": (".npz",)}
+"""Suffixes an output option's file name must end in (``--out`` writes an ``.npz`` archive: under
+another name a user would not know what it holds)."""
 
 
 class FiniteFloat(click.ParamType):
@@ -119,15 +124,16 @@ def parse_levels(levels: str | None) -> int | str | None:
 
 def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
     """Refuse, before any work, output paths that exist (without ``force``), lie in no folder, name
-    one file twice, or (``--plot``) have no suffix matplotlib writes. Keys are option names
-    (``out``, ``log``, ``plot``)."""
+    one file twice, or do not end in their option's suffix (:data:`OUTPUT_SUFFIXES`). Keys are option
+    names (``out``, ``log``, ``plot``)."""
     seen: dict[pathlib.Path, str] = {}
     for key, path in paths.items():
         if path is None:
             continue
         option = f"--{key}"
-        if key == "plot" and path.suffix.lower() not in PLOT_SUFFIXES:
-            fail(f"{option} {path}: give a file name ending in {', '.join(PLOT_SUFFIXES)}")
+        suffixes = OUTPUT_SUFFIXES.get(key)
+        if suffixes is not None and path.suffix.lower() not in suffixes:
+            fail(f"{option} {path}: give a file name ending in {', '.join(suffixes)}")
         if path.exists() and not force:
             fail(f"{option} {path}: exists (use --force to overwrite)")
         if not path.parent.is_dir():
@@ -136,6 +142,37 @@ def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
         if resolved in seen:
             fail(f"{option} {path}: the same file as {seen[resolved]}")
         seen[resolved] = option
+
+
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def load_npy(path: pathlib.Path, option: str) -> Any:
+    """One array from a ``.npy`` file, or a one-line error naming the option and the file: missing,
+    unreadable, an ``.npz`` archive, not NumPy's format (a text file), or Python objects."""
+    import numpy as np  # noqa: PLC0415 - the group's help must not import NumPy
+
+    try:
+        with path.open("rb") as stream:
+            magic = stream.read(len(NPY_MAGIC))
+    except FileNotFoundError:
+        fail(f"{option} {path}: no such file")
+    except OSError as error:
+        fail(f"{option} {path}: cannot read: {error.strerror or error}")
+    if magic.startswith(ZIP_MAGICS):
+        fail(f"{option} {path}: an .npz archive; give one array as .npy (numpy.save)")
+    if magic != NPY_MAGIC:
+        what = "empty" if not magic else "no NumPy header: a text file?"
+        fail(f"{option} {path}: not a .npy file ({what}); write arrays with numpy.save")
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as error:
+        if "pickle" in str(error):  # "Object arrays cannot be loaded when allow_pickle=False"
+            fail(f"{option} {path}: holds Python objects, not numbers")
+        fail(f"{option} {path}: not a readable .npy file: {error}")
+    except (OSError, EOFError) as error:
+        fail(f"{option} {path}: not a readable .npy file: {error}")
 
 
 def write_or_fail(option: str, path: pathlib.Path, write: Callable[[], object]) -> None:

@@ -27,6 +27,7 @@ from .app import (
     backend_or_fail,
     check_outputs,
     fail,
+    load_npy,
     main,
     max_step_flops_option,
     model_errors,
@@ -37,21 +38,12 @@ from .app import (
 )
 
 
-def _load_array(path: pathlib.Path, option: str) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        fail(f"{option} {path}: no such file")
-    except (OSError, ValueError) as error:
-        fail(f"{option} {path}: not a readable .npy file: {error}")
-
-
 def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int,
             dtype: np.dtype) -> np.ndarray:
     shape = model.input_shape
     if input_path is None:
         return np.random.default_rng(seed).standard_normal((random,) + shape).astype(dtype)
-    x = _load_array(input_path, "--input")
+    x = load_npy(input_path, "--input")
     if tuple(x.shape[1:]) != shape:
         fail(f"--input {input_path}: shape {list(x.shape)}, the model takes "
              f"(N, {', '.join(map(str, shape))})")
@@ -70,7 +62,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
               labels_path: pathlib.Path | None) -> tuple[np.ndarray, float | None]:
     """The gradient w.r.t. the output, and the loss when labels give one."""
     if grad_path is not None:
-        grad = _load_array(grad_path, "--grad")
+        grad = load_npy(grad_path, "--grad")
         if grad.shape != output.shape:
             fail(f"--grad {grad_path}: shape {list(grad.shape)}, the output has {list(output.shape)}")
         with np.errstate(over="ignore"):
@@ -80,7 +72,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
         return cast, None
     if labels_path is None:
         return np.ones_like(output), None  # L = sum of the outputs
-    labels = _load_array(labels_path, "--labels")
+    labels = load_npy(labels_path, "--labels")
     if output.ndim != 2:
         fail(f"--labels {labels_path}: needs a model with flat (N, classes) output, got {list(output.shape)}")
     if labels.shape != (output.shape[0],) or labels.dtype.kind not in "iu":

@@ -6,6 +6,7 @@ given and never imports torch itself.
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 from typing import Any, Sequence
 
@@ -16,14 +17,60 @@ from .spec import SpecError, load_model
 
 __all__ = ["export_torch"]
 
-_ARGUMENTS = {
-    "Conv2d": ("conv2d", ("out_channels", "kernel_size", "stride", "padding", "dilation", "groups")),
-    "Linear": ("linear", ("out_features",)),
-    "MaxPool2d": ("maxpool2d", ("kernel_size", "stride", "padding", "dilation", "ceil_mode")),
-    "AvgPool2d": ("avgpool2d", ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")),
-    "ReLU": ("relu", ()), "Tanh": ("tanh", ()), "Sigmoid": ("sigmoid", ()),
-    "LeakyReLU": ("leaky_relu", ("negative_slope",)), "Flatten": ("flatten", ()),
+WRITTEN, IGNORED = "written", "ignored"
+
+_MODULES: dict[str, tuple[str, dict[str, Any]]] = {
+    "Conv2d": ("conv2d", {"in_channels": WRITTEN, "out_channels": WRITTEN, "kernel_size": WRITTEN,
+                          "stride": WRITTEN, "padding": WRITTEN, "dilation": WRITTEN, "groups": WRITTEN,
+                          "bias": WRITTEN, "padding_mode": ("zeros",)}),
+    "Linear": ("linear", {"in_features": WRITTEN, "out_features": WRITTEN, "bias": WRITTEN}),
+    "MaxPool2d": ("maxpool2d", {"kernel_size": WRITTEN, "stride": WRITTEN, "padding": WRITTEN,
+                                "dilation": WRITTEN, "ceil_mode": WRITTEN, "return_indices": (False,)}),
+    "AvgPool2d": ("avgpool2d", {"kernel_size": WRITTEN, "stride": WRITTEN, "padding": WRITTEN,
+                                "ceil_mode": WRITTEN, "count_include_pad": WRITTEN,
+                                "divisor_override": (None,)}),
+    "Flatten": ("flatten", {"start_dim": WRITTEN, "end_dim": WRITTEN}),
+    "ReLU": ("relu", {"inplace": IGNORED}),
+    "LeakyReLU": ("leaky_relu", {"negative_slope": WRITTEN, "inplace": IGNORED}),
+    "Tanh": ("tanh", {}), "Sigmoid": ("sigmoid", {}), "Identity": ("identity", {}),
+    "SiLU": ("silu", {"inplace": IGNORED}),
+    "GELU": ("gelu", {"approximate": WRITTEN}),
+    "ELU": ("elu", {"alpha": WRITTEN, "inplace": IGNORED}),
+    "Hardtanh": ("hardtanh", {"min_val": WRITTEN, "max_val": WRITTEN, "inplace": IGNORED,
+                              "min_value": IGNORED, "max_value": IGNORED}),  # deprecated aliases
+    "Softplus": ("softplus", {"beta": WRITTEN, "threshold": WRITTEN}),
 }
+"""PyTorch module type -> (spec type, what becomes of each argument of its constructor): written to
+the spec, ignored (``inplace``: no effect on values or gradients; deprecated aliases torch folds into
+other arguments), or a tuple of the only values the spec represents (anything else is refused).
+An argument not listed (a newer PyTorch's) is refused too: nothing is dropped silently."""
+
+_KEEP_FIELDS = ("device", "dtype")  # constructor arguments that leave no trace in the module
+
+
+def _entry(name: str, child: Any) -> dict[str, Any]:
+    """The spec entry of one module: every constructor argument written or refused."""
+    kind = type(child).__name__
+    if kind not in _MODULES:
+        raise ValueError(f"layer {name!r}: type: {kind} is not supported (supported: {', '.join(_MODULES)})")
+    spec_type, arguments = _MODULES[kind]
+    entry: dict[str, Any] = {"name": name, "type": spec_type}
+    for argument, parameter in inspect.signature(type(child).__init__).parameters.items():
+        if argument == "self" or argument in _KEEP_FIELDS or parameter.kind in (
+                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        rule = arguments.get(argument)
+        if rule is None:
+            raise ValueError(f"layer {name!r}: {argument}: an argument of {kind} the spec cannot represent")
+        if rule == IGNORED:
+            continue
+        value = (getattr(child, "bias", None) is not None) if argument == "bias" else getattr(child, argument)
+        if rule == WRITTEN:
+            entry[argument] = _plain(value)
+        elif value not in rule:
+            allowed = " or ".join(repr(v) for v in rule)
+            raise ValueError(f"layer {name!r}: {argument}: {value!r} cannot be represented (only {allowed})")
+    return entry
 
 
 def _plain(value: Any) -> Any:
@@ -39,8 +86,11 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     Parameters
     ----------
     module : torch.nn.Sequential
-        Of Conv2d (zeros padding), Linear, MaxPool2d, AvgPool2d, ReLU, LeakyReLU, Tanh, Sigmoid and
-        Flatten modules; layer names are the module's child names.
+        Of Conv2d (zeros padding), Linear, MaxPool2d, AvgPool2d (no ``divisor_override``), Flatten,
+        ReLU, LeakyReLU, Tanh, Sigmoid, Identity, SiLU, GELU, ELU, Hardtanh and Softplus modules;
+        layer names are the module's child names. Every argument of every module is written to the
+        spec, or refused with a ``ValueError`` naming the layer and the argument (before anything is
+        written) where the spec cannot represent it.
     input_shape : sequence of int
         One sample's shape, no batch axis.
     path : str or path-like
@@ -63,22 +113,11 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
             raise FileExistsError(f"{target} exists; export_torch never overwrites")
     layers, weights = [], {}
     for name, child in module.named_children():
-        kind = type(child).__name__
-        if kind not in _ARGUMENTS:
-            raise ValueError(f"layer {name!r}: type: {kind} is not supported "
-                             f"(supported: {', '.join(_ARGUMENTS)})")
-        if kind == "Conv2d" and child.padding_mode != "zeros":
-            raise ValueError(f"layer {name!r}: padding_mode: only 'zeros' is supported")
-        spec_type, arguments = _ARGUMENTS[kind]
-        entry: dict[str, Any] = {"name": name, "type": spec_type}
-        entry.update({argument: _plain(getattr(child, argument)) for argument in arguments})
+        layers.append(_entry(name, child))
         for parameter in ("weight", "bias"):
             tensor = getattr(child, parameter, None)
             if tensor is not None:
                 weights[f"{name}.{parameter}"] = tensor.detach().cpu().numpy()
-        if kind in ("Conv2d", "Linear"):
-            entry["bias"] = getattr(child, "bias", None) is not None
-        layers.append(entry)
     spec = {"input_shape": [int(s) for s in input_shape], "weights": weights_path.name, "layers": layers}
     np.savez(weights_path, **weights)
     path.write_text(yaml.safe_dump(spec, sort_keys=False, default_flow_style=None))

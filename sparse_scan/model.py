@@ -323,7 +323,7 @@ class Sequential:
             return self.layers[n - j].pattern(shapes[n - j])
 
         def vector_channels(j: int) -> int:
-            return int(shapes[n - j][0])
+            return int(shapes[n - j][0]) if shapes[n - j] else 1  # a scalar per sample: one channel
 
         def dense_matvec(j: int) -> bool:
             return self.layers[n - j].dense_matvec_pays(shapes[n - j])
@@ -400,6 +400,10 @@ class Sequential:
         grad_out = be.asarray(grad_out)
         if grad_out.dtype.kind not in "fiu":
             raise ValueError(f"grad_out: expected real numbers, got {grad_out.dtype}")
+        output_dtype = activations[-1].dtype
+        if grad_out.dtype.kind == "f" and grad_out.dtype != output_dtype:
+            raise ValueError(f"grad_out: dtype {grad_out.dtype} does not match the output's {output_dtype}; "
+                             f"convert it (grad_out.astype({output_dtype.name!r}))")
         if tuple(grad_out.shape) != tuple(activations[-1].shape):
             raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}; the output has "
                              f"{tuple(activations[-1].shape)}")

@@ -44,7 +44,24 @@ import numpy as np
 import yaml
 
 from ._checks import MAX_SIZE, is_int
-from .layers import AvgPool2d, Conv2d, Flatten, Layer, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
+from .layers import (
+    ELU,
+    GELU,
+    AvgPool2d,
+    Conv2d,
+    Flatten,
+    Hardtanh,
+    Identity,
+    Layer,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softplus,
+    Tanh,
+)
 from .layers._weighted import as_float_dtype
 from .model import Sequential
 from .weights import read_npz
@@ -54,6 +71,7 @@ __all__ = ["LAYER_TYPES", "SpecError", "load_model"]
 LAYER_TYPES: dict[str, type[Layer]] = {
     "conv2d": Conv2d, "linear": Linear, "relu": ReLU, "leaky_relu": LeakyReLU, "tanh": Tanh,
     "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
+    "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
 }
 """Spec ``type`` -> layer class (arguments: the class's, PyTorch's names)."""
 

@@ -48,6 +48,32 @@ def test_a_complex_gradient_is_refused():
         model.backward(np.ones(out.shape, dtype=complex))
 
 
+def test_a_gradient_of_another_float_dtype_is_refused_like_an_input():
+    model, out = small()  # float32 layers
+    with pytest.raises(ValueError, match="grad_out: dtype float64 does not match the output's float32"):
+        model.backward(np.ones(out.shape, dtype=np.float64))
+    with pytest.raises(ValueError, match="dtype float64 does not match the parameters' float32"):
+        model.forward(np.ones((2, 1, 6, 6)))  # the forward's own refusal, for comparison
+    model.forward(np.ones((2, 1, 6, 6), np.float32))
+    assert model.backward(np.ones(out.shape, dtype=np.float32))[0].dtype == np.float32
+
+
+@pytest.mark.parametrize("method, levels", [("linear", None), ("blelloch", None), ("hybrid", 1),
+                                            ("auto", None)])
+def test_a_batch_of_scalars_through_elementwise_layers(method, levels):
+    from sparse_scan.layers import Sigmoid, Tanh
+
+    model = Sequential(Tanh(), ReLU(), Sigmoid(), Tanh())
+    x = np.linspace(-2, 2, 5)
+    out = model.forward(x)
+    assert out.shape == (5,)
+    grads = model.backward(np.ones(5), method=method, levels=levels)
+    reference = model.backward(np.ones(5), method="linear")
+    assert [g.shape for g in grads] == [(5,)] * 5
+    for got, want in zip(grads, reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_weight_and_bias_keep_one_dtype():
     conv = Conv2d(1, 2, 3, rng=0)
     with pytest.raises(ValueError, match="layer Conv2d: weight: dtype float64 differs from the bias'"):

@@ -81,9 +81,9 @@ def test_a_plot_name_without_a_known_suffix_is_refused_and_nothing_is_overwritte
 
 def test_train_refuses_two_outputs_on_one_file(tmp_path):
     data = digits_like(tmp_path)
-    one_line_error(invoke("train", TINY, "--data", data, "--out", tmp_path / "w", "--log", tmp_path / "w"),
-                   "--log", "the same file as --out")
-    assert not (tmp_path / "w").exists()
+    one_line_error(invoke("train", TINY, "--data", data, "--out", tmp_path / "w.npz", "--log",
+                          tmp_path / "w.npz"), "--log", "the same file as --out")
+    assert not (tmp_path / "w.npz").exists()
 
 
 def test_write_errors_are_one_line(tmp_path, monkeypatch):
@@ -112,3 +112,41 @@ def test_run_inputs_that_float32_cannot_hold_or_that_overflow_the_forward(tmp_pa
     np.save(tmp_path / "huge.npy", np.full((2, 4), 3e38))
     one_line_error(invoke("run", spec, "--input", tmp_path / "huge.npy"), "layer 'fc'", "float32 overflow",
                    "float64")
+
+
+@pytest.mark.parametrize("option", ["--input", "--grad", "--labels"])
+@pytest.mark.parametrize("content, fragment", [
+    ("npz", "an .npz archive; give one array as .npy"),
+    ("text", "not a .npy file (no NumPy header"),
+    ("empty", "not a .npy file (empty)"),
+    ("objects", "holds Python objects"),
+])
+def test_array_files_that_are_not_one_npy_array(tmp_path, option, content, fragment):
+    bad = tmp_path / "bad.npy"
+    if content == "npz":
+        with bad.open("wb") as stream:
+            np.savez(stream, x=np.zeros((2, 1, 8, 8), np.float32))
+    elif content == "text":
+        bad.write_text("0 1 2 3\n")
+    elif content == "empty":
+        bad.write_bytes(b"")
+    else:
+        np.save(bad, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    source = ["--input", bad] if option == "--input" else ["--random", "2", option, bad]
+    before = sorted(tmp_path.iterdir())
+    one_line_error(invoke("run", TINY, *source, "--out", tmp_path / "g.npz"), option, str(bad), fragment)
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_an_npz_named_as_such_is_refused_too(tmp_path):
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 1, 8, 8), np.float32))
+    one_line_error(invoke("run", TINY, "--input", tmp_path / "x.npz"), "--input", "an .npz archive")
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize("name", ["x.txt", "x", "x.npy"])
+def test_out_must_name_an_npz(tmp_path, command, name):
+    extra = ["--data", digits_like(tmp_path)] if command == "train" else ["--random", "2"]
+    before = sorted(tmp_path.iterdir())
+    one_line_error(invoke(command, TINY, *extra, "--out", tmp_path / name), "--out", "ending in .npz")
+    assert sorted(tmp_path.iterdir()) == before
