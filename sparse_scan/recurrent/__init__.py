@@ -1,9 +1,12 @@
-"""Recurrent networks through BPPSA: the hidden-state chain as a scan over dense ``H×H`` blocks.
+"""Recurrent networks through BPPSA: the state chain as a scan over dense blocks.
 
-:class:`RNN` (Elman, paper Eq. 7) and :class:`GRU` (paper Eq. 8) mirror PyTorch's one-layer,
-batch-first ``nn.RNN``/``nn.GRU`` (same parameter names and gate layout, so state_dicts copy over);
-their backward runs :func:`sparse_scan.dense_scan.dense_scan` with the sparse engine's schedules, or,
-on back-propagation's schedule, :func:`chain_through_factors` (no block filled).
+:class:`RNN` (Elman, paper Eq. 7), :class:`GRU` (paper Eq. 8) and :class:`LSTM` mirror PyTorch's
+``nn.RNN``/``nn.GRU``/``nn.LSTM``: constructor, call ``(output, h_n) = module(input, h0)``, layouts
+(stacked layers, bidirectional, ``batch_first``, unbatched input, dropout between layers, the LSTM's
+projection) and parameter names, so state_dicts copy over. Their backward runs, per layer and
+direction, :func:`sparse_scan.dense_scan.dense_scan` with the sparse engine's schedules (``H×H``
+blocks; the LSTM's ``(h, c)`` state gives ``(H_out+H)×(H_out+H)`` blocks), or, on back-propagation's
+schedule on the CPU, the blocks in factored form (no block filled).
 :class:`RecurrentClassifier` adds the paper's output layer (linear + softmax cross-entropy on the last
 hidden state), :class:`Bitstream` the paper's synthetic task and :func:`train_recurrent` training.
 """
@@ -12,6 +15,8 @@ from ._base import chain_through_factors
 from .bitstream import Bitstream
 from .classifier import RecurrentClassifier, train_recurrent
 from .gru import GRU
+from .lstm import LSTM
 from .rnn import RNN
 
-__all__ = ["GRU", "RNN", "Bitstream", "RecurrentClassifier", "chain_through_factors", "train_recurrent"]
+__all__ = ["GRU", "LSTM", "RNN", "Bitstream", "RecurrentClassifier", "chain_through_factors",
+           "train_recurrent"]

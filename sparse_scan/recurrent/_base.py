@@ -1,34 +1,35 @@
-"""What recurrent layers share: parameters by PyTorch name, input checks, backward through the scan.
+"""One layer and one direction of a recurrent network: its forward over time, the Jacobian blocks of
+its state chain and its backward through a scan.
 
-A subclass defines the cell: ``_forward_steps`` (the sequential forward, keeping what the Jacobians
-need), ``_factors`` (every ``(dh_t/dh_{t-1})^T`` as weight matrices times per-step diagonals, from
-which the blocks are filled in one batched pass split over time between the CPU's threads) and
-``_pre_activation_grads`` (gradients of the gate pre-activations from the total gradients w.r.t. the
-hidden states), from which every input and parameter gradient is one GEMM or one sum over all steps
-and samples.
+A :class:`Cell` is the arithmetic of one cell kind over a whole sequence (stateless): ``forward_steps``
+(the sequential forward, keeping what the Jacobians need), ``fill`` (every ``(ds_t/ds_{t-1})^T`` as a
+dense ``S×S`` block, ``S`` the state size), ``chain`` (back-propagation with the blocks left in factored
+form) and ``pre_activation_grads`` (the gradients of the gate pre-activations from the total gradients
+w.r.t. the states), from which every input and parameter gradient is one GEMM or one sum over all
+steps and samples. RNN and GRU blocks are ``Σ_k W_k^T diag(c_k) (+ diag(d))`` (:meth:`Cell.factors`),
+the LSTM's state ``(h, c)`` has its own structure (:mod:`.lstm`).
+
+A :class:`Run` is one layer and direction of a module: a cell, the names of its parameters in the
+module and what its last forward kept; :meth:`Run.backward` scans the state chain with any schedule.
 
 Back-propagation's schedule (``linear``, or a ``hybrid`` of depth 0) needs no block at all on the CPU:
-each step applies ``Σ_k W_k^T diag(c_k)`` to one vector per sample, one GEMM over the samples
-(:func:`chain_through_factors`), so the ``T·B·H²`` block values are neither filled nor read. On a GPU
-that loop would be a few launches per step; there the blocks are filled (a few launches over all
-steps) and the chain of ``T`` products is one launch (``dense_scan_chain``).
+each step applies the factored block to one vector per sample, a GEMM over the samples
+(:func:`chain_through_factors`, or the LSTM's chain), so the ``T·B·S²`` block values are neither filled
+nor read. On a GPU that loop would be a few launches per step; there the blocks are filled (a few
+launches over all steps) and the chain of ``T`` products is one launch (``dense_scan_chain``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from .. import backend as _backend
-from .._checks import integer
 from .._threads import cpu_threads, even_parts, run_parts, worker_pool
 from ..dense_scan import auto_levels, dense_scan
-from ..layers._weighted import RngLike, as_float_dtype, as_rng
-from ..scan import checked_levels
 
-__all__ = ["Recurrent", "chain_through_factors", "fill_blocks"]
+__all__ = ["Cell", "Run", "chain_through_factors", "fill_blocks", "resolve_levels"]
 
 CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
 
@@ -54,11 +55,12 @@ def fill_blocks(weights_t: Any, coefficients: Any, out: Any) -> None:
 
     Parameters
     ----------
-    weights_t : ndarray, shape (K, H, H)
-        Transposed recurrent weight matrices.
-    coefficients : ndarray, shape (T, B, K, H)
+    weights_t : ndarray, shape (K, R, C)
+        Transposed recurrent weight matrices (square for RNN and GRU).
+    coefficients : ndarray, shape (T, B, K, C)
         Per step and sample, the column scaling of each matrix.
-    out : ndarray, shape (T, B, H, H)
+    out : ndarray, shape (T, B, R, C)
+        May be a view into larger blocks.
     """
     _fill(_backend.of(out), weights_t, coefficients, out)
 
@@ -102,12 +104,12 @@ def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, dire
     return totals
 
 
-def _back_propagate_cpu(be: _backend.Backend, layer: "Recurrent", direct: Any, threads: int | None) -> Any:
+def _back_propagate_cpu(be: _backend.Backend, layer: Any, direct: Any, threads: int | None) -> Any:
     """NumPy twin: BP through the factors, no block filled."""
-    return chain_through_factors(*layer.jacobian_factors(), direct)
+    return layer.factored_chain(direct)
 
 
-def _back_propagate_gpu(be: _backend.Backend, layer: "Recurrent", direct: Any, threads: int | None) -> Any:
+def _back_propagate_gpu(be: _backend.Backend, layer: Any, direct: Any, threads: int | None) -> Any:
     """CUDA twin: fill the blocks, then the chain in one launch."""
     return dense_scan(layer.transposed_jacobians(threads), direct, "linear")
 
@@ -115,150 +117,154 @@ def _back_propagate_gpu(be: _backend.Backend, layer: "Recurrent", direct: Any, t
 _back_propagate = _backend.twin(cpu=_back_propagate_cpu, gpu=_back_propagate_gpu)
 
 
-class Recurrent:
-    """Base of :class:`~sparse_scan.recurrent.RNN` and :class:`~sparse_scan.recurrent.GRU`.
+def _parameters_on(source: Any, names: dict[str, str], xp: Any) -> dict[str, Any]:
+    """``{short name: source.<full name>}`` on the array module ``xp`` (an upload on the GPU)."""
+    return {short: xp.asarray(getattr(source, full)) for short, full in names.items()}
+
+
+def resolve_levels(method: str, levels: Any, steps: int, batch: int, size: int, device: str) -> Any:
+    """``levels="auto"`` of a hybrid as the modelled best depth (the CPU's BP runs factored)."""
+    if method == "hybrid" and levels == "auto":
+        return auto_levels(steps, batch, size, device, factored=device == "cpu")
+    return levels
+
+
+class Cell:
+    """The arithmetic of one recurrent cell kind over a sequence (no parameters of its own).
+
+    Parameters
+    ----------
+    hidden_size : int
+    output_size : int
+        Size of ``h`` (``proj_size`` of a projected LSTM, else ``hidden_size``).
 
     Attributes
     ----------
-    weight_ih : ndarray, shape (gates * hidden_size, input_size)
-    weight_hh : ndarray, shape (gates * hidden_size, hidden_size)
-    bias_ih, bias_hh : ndarray, shape (gates * hidden_size,)
-    name : str or None
-        Prefix of this layer's parameters in a model's state_dict.
+    gates : int
+        Rows of ``weight_ih`` per hidden unit.
+    state_size : int
+        Size of the state the scan runs over (``h``, or ``(h, c)`` stacked for the LSTM).
     """
 
     gates = 1
-    parameter_names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
-    def __init__(self, input_size: int, hidden_size: int, *, dtype: Any = None, rng: RngLike = None,
-                 name: str | None = None) -> None:
-        self.input_size = integer(input_size, f"layer {type(self).__name__}: input_size", 1)
-        self.hidden_size = integer(hidden_size, f"layer {type(self).__name__}: hidden_size", 1)
-        self.dtype = as_float_dtype(dtype, type(self).__name__)
-        self.name = name
-        generator, bound = as_rng(rng), 1.0 / math.sqrt(self.hidden_size)  # PyTorch's initialisation
-        for key, shape in self.parameter_shapes().items():
-            setattr(self, key, generator.uniform(-bound, bound, shape).astype(self.dtype))
+    def __init__(self, hidden_size: int, output_size: int | None = None) -> None:
+        self.hidden_size = hidden_size
+        self.output_size = hidden_size if output_size is None else output_size
+
+    @property
+    def state_size(self) -> int:
+        return self.output_size
+
+    def forward_steps(self, xp: Any, gi: Any, state0: Any, p: dict[str, Any]) -> dict[str, Any]:
+        """The sequence from the input parts of the gates ``gi`` ``(T, B, gates*H)`` (``bias_ih``
+        included) and the initial state ``(B, S)``; time-major arrays, ``"h"`` the outputs."""
+        raise NotImplementedError
+
+    def final_state(self, xp: Any, saved: dict[str, Any]) -> Any:
+        """The state after the last step, ``(B, S)``."""
+        return saved["h"][-1]
+
+    def factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The blocks of the steps in ``saved`` in factored form: ``(weights_t, coefficients,
+        diagonal)``, ``(K, H, H)``, ``(T, B, K, H)`` and ``(T, B, H)`` or None, with
+        ``block[t, b] = Σ_k weights_t[k] diag(coefficients[t, b, k]) + diag(diagonal[t, b])``."""
+        raise NotImplementedError(f"{type(self).__name__} has no Σ W diag(c) form")
+
+    def fill(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
+        """Write the blocks of the steps in ``saved`` (time-major arrays) into ``out``."""
+        weights_t, coefficients, diagonal = self.factors(xp, saved, p)
+        fill_blocks(weights_t, coefficients, out)
+        if diagonal is not None:
+            index = xp.arange(self.hidden_size)
+            out[:, :, index, index] += diagonal
+
+    def chain(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], direct: Any) -> Any:
+        """Back-propagation through the factored blocks: the totals ``(T + 1, B, S)``."""
+        return chain_through_factors(*self.factors(xp, saved, p), direct)
+
+    def pre_activation_grads(self, xp: Any, saved: dict[str, Any], p: dict[str, Any],
+                             totals: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """Gradients w.r.t. the input-side and hidden-side gate pre-activations, ``(T, B, gates*H)``,
+        and of any parameter outside them (the LSTM's projection), from the totals ``(T, B, S)`` of
+        ``s_1 .. s_T``."""
+        raise NotImplementedError
+
+
+class Run:
+    """One layer and direction: a cell over time, reading its parameters from ``owner`` by name.
+
+    Parameters
+    ----------
+    cell : Cell
+    owner : object
+        Holds the parameters as attributes (read at every call: an optimizer may replace them).
+    names : dict
+        Short name (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh``, ``weight_hr``) -> the
+        owner's attribute; a missing bias is zero.
+    dtype : numpy dtype
+    """
+
+    def __init__(self, cell: Cell, owner: Any, names: dict[str, str], dtype: Any) -> None:
+        self.cell, self.owner, self.names, self.dtype = cell, owner, names, np.dtype(dtype)
         self._saved: dict[str, Any] | None = None
 
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """PyTorch's shapes of the parameters, by name."""
-        rows = self.gates * self.hidden_size
-        return {"weight_ih": (rows, self.input_size), "weight_hh": (rows, self.hidden_size),
-                "bias_ih": (rows,), "bias_hh": (rows,)}
+    def parameters_on(self, xp: Any) -> dict[str, Any]:
+        p = _parameters_on(self.owner, self.names, xp)
+        for key in ("bias_ih", "bias_hh", "weight_hr"):
+            p.setdefault(key, None)
+        return p
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """The parameters by name (not copies)."""
-        return {key: getattr(self, key) for key in self.parameter_names}
-
-    def load_state_dict(self, values: dict[str, Any]) -> None:
-        """Copy parameters in, by this layer's names or ``nn.RNN``/``nn.GRU``'s (``weight_ih_l0``, ...).
-
-        Raises
-        ------
-        ValueError
-            A name is unknown or missing, or a value has the wrong shape or is not finite.
-        """
-        shapes = self.parameter_shapes()
-        given = {key.removesuffix("_l0"): value for key, value in values.items()}
-        unknown = sorted(set(given) - set(shapes))
-        missing = sorted(set(shapes) - set(given))
-        if unknown or missing:
-            raise ValueError(f"layer {type(self).__name__}: state_dict: unknown {unknown}, "
-                             f"missing {missing}")
-        checked = {}
-        for key, value in given.items():
-            array = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
-            if array.dtype.kind not in "fiu":
-                raise ValueError(f"layer {type(self).__name__}: {key}: expected real numbers, "
-                                 f"got {array.dtype}")
-            if array.shape != shapes[key]:
-                raise ValueError(f"layer {type(self).__name__}: {key}: expected shape {shapes[key]}, "
-                                 f"got {array.shape}")
-            if not np.all(np.isfinite(array)):
-                raise ValueError(f"layer {type(self).__name__}: {key}: values must be finite")
-            checked[key] = array.astype(self.dtype)
-        for key, array in checked.items():
-            setattr(self, key, array)
-
-    def _check_inputs(self, x: Any, h0: Any) -> tuple[Any, Any]:
-        layer = f"layer {type(self).__name__}"
-        x = x if hasattr(x, "dtype") else np.asarray(x)
-        h0 = h0 if h0 is None or hasattr(h0, "dtype") else np.asarray(h0)
-        be = _backend.of(x)
-        xp = be.xp
-        for field, value in (("input", x), ("h0", h0)):
-            if value is not None and value.dtype.kind not in "fiu":  # complex would lose its imaginary part
-                raise ValueError(f"{layer}: {field}: expected real numbers, got {value.dtype}")
-        if x.ndim != 3 or x.shape[2] != self.input_size or x.shape[1] < 1:
-            raise ValueError(f"{layer}: input: expected (batch, time, {self.input_size}) with time >= 1, "
-                             f"got {tuple(x.shape)}")
-        if not bool(xp.all(xp.isfinite(x))):
-            raise ValueError(f"{layer}: input: values must be finite")
-        x = xp.asarray(x, dtype=self.dtype)
-        if h0 is None:
-            return x, xp.zeros((x.shape[0], self.hidden_size), dtype=self.dtype)
-        h0 = be.asarray(h0, dtype=self.dtype)
-        if tuple(h0.shape) != (x.shape[0], self.hidden_size):
-            raise ValueError(f"{layer}: h0: expected ({x.shape[0]}, {self.hidden_size}), "
-                             f"got {tuple(h0.shape)}")
-        if not bool(xp.all(xp.isfinite(h0))):  # sync: the check must raise before h0 is used
-            raise ValueError(f"{layer}: h0: values must be finite")
-        return x, h0
-
-    def _parameters_on(self, xp: Any) -> dict[str, Any]:
-        return {key: xp.asarray(getattr(self, key)) for key in self.parameter_names}
-
-    def forward(self, x: Any, h0: Any = None) -> Any:
-        """Run the sequence; keep what the Jacobians and the parameter gradients need.
-
-        Parameters
-        ----------
-        x : ndarray, shape (B, T, input_size)
-            Batch first, NumPy (CPU) or CuPy (GPU).
-        h0 : ndarray, shape (B, hidden_size), optional
-            Initial hidden state (zeros by default).
-
-        Returns
-        -------
-        ndarray, shape (B, T, hidden_size)
-            Every hidden state ``h_1 .. h_T``.
-        """
-        x, h0 = self._check_inputs(x, h0)
-        xp = _backend.of(x).xp
-        x_steps = xp.ascontiguousarray(x.transpose(1, 0, 2))  # time-major inside
-        saved = self._forward_steps(xp, x_steps, h0, self._parameters_on(xp))
-        saved.update(x=x_steps, h_prev=xp.concatenate([h0[None], saved["h"][:-1]]))
-        self._saved = saved
-        return xp.ascontiguousarray(saved["h"].transpose(1, 0, 2))
-
-    def _require_forward(self) -> dict[str, Any]:
+    @property
+    def saved(self) -> dict[str, Any]:
         if self._saved is None:
-            raise RuntimeError(f"layer {type(self).__name__}: call forward before backward")
+            raise RuntimeError("call forward before backward")
         return self._saved
 
+    def forward(self, x: Any, state0: Any) -> tuple[Any, Any]:
+        """Run the sequence ``x`` ``(T, B, input)`` (time-major, in processing order) from
+        ``state0`` ``(B, S)``; return the outputs ``(T, B, output_size)`` and the final state."""
+        xp = _backend.of(x).xp
+        p = self.parameters_on(xp)
+        gi = x @ p["weight_ih"].T
+        if p["bias_ih"] is not None:
+            gi += p["bias_ih"]
+        saved = self.cell.forward_steps(xp, gi, state0, p)
+        size = self.cell.output_size
+        saved.update(x=x, h_prev=xp.concatenate([state0[None, :, :size], saved["h"][:-1]]))
+        self._saved = saved
+        return saved["h"], self.cell.final_state(xp, saved)
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Take the saved arrays of a forward run elsewhere (steps recorded one by one)."""
+        self._saved = saved
+
     def jacobian_factors(self) -> tuple[Any, Any, Any]:
-        """Every ``(dh_t/dh_{t-1})^T`` of the last forward in factored form: ``(weights_t,
-        coefficients, diagonal)`` of shapes ``(K, H, H)``, ``(T, B, K, H)`` and ``(T, B, H)`` (or
-        None), ``block[t, b] = Σ_k weights_t[k] diag(coefficients[t, b, k]) + diag(diagonal[t, b])``
-        (the input of :func:`chain_through_factors`)."""
-        saved = self._require_forward()
+        """Every ``(ds_t/ds_{t-1})^T`` of the last forward in the cell's ``Σ W diag(c)`` form."""
+        saved = self.saved
         xp = _backend.of(saved["h"]).xp
-        return self._factors(xp, saved, self._parameters_on(xp))
+        return self.cell.factors(xp, saved, self.parameters_on(xp))
+
+    def factored_chain(self, direct: Any) -> Any:
+        """Back-propagation through the factored blocks of the last forward (no block filled)."""
+        saved = self.saved
+        xp = _backend.of(saved["h"]).xp
+        return self.cell.chain(xp, saved, self.parameters_on(xp), direct)
 
     def transposed_jacobians(self, threads: int | None = None) -> Any:
-        """Every ``(dh_t/dh_{t-1})^T`` of the last forward, time-major ``(T, B, H, H)``.
+        """Every ``(ds_t/ds_{t-1})^T`` of the last forward, time-major ``(T, B, S, S)``.
 
         On the CPU, ``threads`` (default: the cores available) fill chunks of about ``CHUNK_BYTES``
         of blocks each (the cells' temporaries of a chunk stay in cache).
         """
-        saved = self._require_forward()
+        saved = self.saved
         xp = _backend.of(saved["h"]).xp
-        parameters = self._parameters_on(xp)
-        steps, batch, size = saved["h"].shape
+        parameters = self.parameters_on(xp)
+        steps, batch = saved["h"].shape[:2]
+        size = self.cell.state_size
         blocks = xp.empty((steps, batch, size, size), dtype=self.dtype)  # C order: the scan reads it
         if xp is not np:
-            self._blocks(xp, saved, parameters, blocks)
+            self.cell.fill(xp, saved, parameters, blocks)
             return blocks
         chunk = max(1, CHUNK_BYTES // (blocks[0].nbytes or 1))
         spans = [slice(start, start + chunk) for start in range(0, steps, chunk)]
@@ -266,84 +272,52 @@ class Recurrent:
 
         def fill(first: int, last: int) -> None:  # chunks first .. last - 1
             for span in spans[first:last]:
-                self._blocks(xp, {key: value[span] for key, value in saved.items()}, parameters,
-                             blocks[span])
+                self.cell.fill(xp, {key: value[span] for key, value in saved.items()}, parameters,
+                               blocks[span])
 
         with worker_pool(workers) as pool:  # NumPy's ufuncs release the GIL
             run_parts(pool, fill, even_parts(len(spans), workers))
         return blocks
 
-    def backward(self, grad_h: Any, method: str = "blelloch", levels: int | str | None = None,
+    def totals(self, direct: Any, method: str, levels: int | None, threads: int | None) -> Any:
+        """Total gradients ``(T + 1, B, S)`` w.r.t. ``s_0 .. s_T`` by the scan (levels resolved)."""
+        be = _backend.of(self.saved["h"])
+        if method == "linear" or (method == "hybrid" and levels == 0):
+            return _back_propagate(be, self, direct, threads)
+        return dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
+
+    def backward(self, direct: Any, method: str, levels: int | None,
                  threads: int | None = None) -> dict[str, Any]:
-        """Gradients of a loss through the last forward, by a scan over the hidden-state chain.
+        """Gradients through the last forward.
 
         Parameters
         ----------
-        grad_h : ndarray, shape (B, T, hidden_size) or (B, hidden_size)
-            The loss's direct gradient w.r.t. every hidden state, or w.r.t. the last one only.
-        method : {"blelloch", "linear", "hybrid"}
-            ``linear`` is back-propagation through time emulated with the Jacobians.
-        levels : int or "auto", optional
-            Up-sweep levels of ``hybrid``; ``"auto"`` picks them from the scan's cost model.
-        threads : int, optional
-            CPU threads sharing each scan level.
+        direct : ndarray, shape (T, B, S) or (B, S)
+            The loss's direct gradient w.r.t. every state ``s_1 .. s_T`` (time-major, processing
+            order), or w.r.t. the last one only.
+        method, levels, threads
+            Of the scan (levels resolved: an int for a hybrid, else None).
 
         Returns
         -------
         dict
-            ``h`` (B, T, H): total gradient w.r.t. each ``h_t``; ``x`` (B, T, input_size); ``h0``
-            (B, H); and ``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh`` (summed over the batch).
+            ``state`` ``(T + 1, B, S)``: total gradients w.r.t. ``s_0 .. s_T``; ``x`` ``(T, B,
+            input)``; and every parameter's gradient by short name (summed over the batch).
         """
-        saved = self._require_forward()
-        be = _backend.of(saved["h"])
-        xp = be.xp
-        steps, batch, size = saved["h"].shape
-        layer = f"layer {type(self).__name__}"
-        grad_h = grad_h if hasattr(grad_h, "shape") else np.asarray(grad_h)
-        if tuple(grad_h.shape) not in ((batch, steps, size), (batch, size)):
-            raise ValueError(f"{layer}: grad_h: expected ({batch}, {steps}, {size}) or ({batch}, {size}), "
-                             f"got {tuple(grad_h.shape)}")
-        if method == "hybrid" and levels == "auto":
-            levels = auto_levels(steps, batch, size, be.name, factored=be.name == "cpu")
-        levels = checked_levels(steps, method, levels, unit="time steps")
-        grad_h = xp.asarray(grad_h, dtype=self.dtype)
-        direct = grad_h if grad_h.ndim == 2 else xp.ascontiguousarray(grad_h.transpose(1, 0, 2))
-        parameters = self._parameters_on(xp)
-        if method == "linear" or (method == "hybrid" and levels == 0):
-            totals = _back_propagate(be, self, direct, threads)
-        else:
-            totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
-        grad_gi, grad_gh = self._pre_activation_grads(xp, saved, totals[1:])
-        x, rows = saved["x"], grad_gi.shape[-1]
+        saved = self.saved
+        xp = _backend.of(saved["h"]).xp
+        p = self.parameters_on(xp)
+        totals = self.totals(direct, method, levels, threads)
+        grad_gi, grad_gh, extra = self.cell.pre_activation_grads(xp, saved, p, totals[1:])
+        x, rows, size = saved["x"], grad_gi.shape[-1], self.cell.output_size
         flat_gi, flat_gh = grad_gi.reshape(-1, rows), grad_gh.reshape(-1, rows)
-        return {
-            "h": xp.ascontiguousarray(totals[1:].transpose(1, 0, 2)),
-            "x": xp.ascontiguousarray((grad_gi @ parameters["weight_ih"]).transpose(1, 0, 2)),
-            "h0": totals[0],
-            "weight_ih": flat_gi.T @ x.reshape(-1, self.input_size),
-            "weight_hh": flat_gh.T @ saved["h_prev"].reshape(-1, size),
-            "bias_ih": flat_gi.sum(axis=0),
-            "bias_hh": flat_gh.sum(axis=0),
-        }
+        grads = {"state": totals, "x": grad_gi @ p["weight_ih"],
+                 "weight_ih": flat_gi.T @ x.reshape(-1, x.shape[-1]),
+                 "weight_hh": flat_gh.T @ saved["h_prev"].reshape(-1, size)}
+        if p["bias_ih"] is not None:
+            grads["bias_ih"] = flat_gi.sum(axis=0)
+        if p["bias_hh"] is not None:
+            grads["bias_hh"] = flat_gh.sum(axis=0)
+        grads.update(extra)
+        return grads
 
-    # cell-specific parts -------------------------------------------------------------------------
-    def _forward_steps(self, xp: Any, x: Any, h0: Any, p: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _blocks(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
-        """Write the blocks of the steps in ``saved`` (time-major arrays) into ``out``."""
-        weights_t, coefficients, diagonal = self._factors(xp, saved, p)
-        fill_blocks(weights_t, coefficients, out)
-        if diagonal is not None:
-            index = xp.arange(self.hidden_size)
-            out[:, :, index, index] += diagonal
-
-    def _factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
-        """The blocks of the steps in ``saved`` in factored form: ``(weights_t, coefficients,
-        diagonal)``, ``(K, H, H)``, ``(T, B, K, H)`` and ``(T, B, H)`` or None, with
-        ``block[t, b] = Σ_k weights_t[k] diag(coefficients[t, b, k]) + diag(diagonal[t, b])``."""
-        raise NotImplementedError
-
-    def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
-        """Gradients w.r.t. the input-side and hidden-side gate pre-activations, ``(T, B, gates*H)``."""
-        raise NotImplementedError

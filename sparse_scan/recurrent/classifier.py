@@ -8,7 +8,7 @@ Examples
 >>> from sparse_scan.recurrent import RNN, Bitstream
 >>> model = RecurrentClassifier(RNN(1, 8, rng=0), classes=10, rng=1)
 >>> sorted(model.state_dict())[:3]
-['fc.bias', 'fc.weight', 'rnn.bias_hh']
+['fc.bias', 'fc.weight', 'rnn.bias_hh_l0']
 >>> records = train_recurrent(model, Bitstream(steps=30, samples=64), Adam(model, lr=1e-2), iterations=3,
 ...                           batch_size=16)
 >>> [r["iteration"] for r in records]
@@ -26,7 +26,7 @@ from .._checks import integer
 from ..layers import Linear
 from ..loss import softmax_cross_entropy
 from ..optim import check_built_on
-from ._base import Recurrent
+from ._module import RecurrentModule
 
 __all__ = ["RecurrentClassifier", "train_recurrent"]
 
@@ -36,8 +36,9 @@ class RecurrentClassifier:
 
     Parameters
     ----------
-    recurrent : RNN or GRU
-        Named ``"rnn"`` in the state_dict unless it has a name.
+    recurrent : RNN, GRU or LSTM
+        Named ``"rnn"`` in the state_dict unless it has a name; run in its layer form (batch-first),
+        the head reads the top layer's last output (both directions of a bidirectional one).
     classes : int
     rng : numpy.random.Generator or int, optional
         Initialisation of ``fc`` (PyTorch's).
@@ -48,10 +49,11 @@ class RecurrentClassifier:
         ``[recurrent, fc]``: what :mod:`sparse_scan.optim` and :mod:`sparse_scan.weights` walk.
     """
 
-    def __init__(self, recurrent: Recurrent, classes: int, rng: Any = None) -> None:
+    def __init__(self, recurrent: RecurrentModule, classes: int, rng: Any = None) -> None:
         recurrent.name = recurrent.name or "rnn"
         self.recurrent = recurrent
-        self.fc = Linear(recurrent.hidden_size, classes, dtype=recurrent.dtype, rng=rng)
+        self.fc = Linear(recurrent.num_directions * recurrent.output_size, classes, dtype=recurrent.dtype,
+                         rng=rng)
         self.fc.name = "fc"
         self.layers = [recurrent, self.fc]
 
@@ -82,7 +84,7 @@ class RecurrentClassifier:
         grads = {"fc.weight": grad_logits.T @ last, "fc.bias": grad_logits.sum(axis=0)}
         recurrent = self.recurrent.backward(grad_logits @ weight, method=method, levels=levels)
         for key in self.recurrent.parameter_names:
-            grads[f"{self.recurrent.name}.{key}"] = recurrent[key]
+            grads[f"{self.recurrent.name}.{key}"] = recurrent[self.recurrent.layer_form_key(key)]
         return loss, grads
 
 

@@ -21,41 +21,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import Recurrent
+from ..layers._weighted import RngLike
+from ._base import Cell
+from ._module import RecurrentModule
 
-__all__ = ["GRU"]
+__all__ = ["GRU", "GRUSteps"]
 
 
-def _sigmoid(xp: Any, a: Any) -> Any:
+def sigmoid(xp: Any, a: Any) -> Any:
     return 1 / (1 + xp.exp(-a))
 
 
-class GRU(Recurrent):
-    """PyTorch's ``nn.GRU`` (one layer, ``batch_first=True``) with its backward as a scan.
-
-    Parameters
-    ----------
-    input_size, hidden_size : int
-    dtype : numpy dtype, optional
-        float32 (default) or float64.
-    rng : numpy.random.Generator or int, optional
-        Source of PyTorch's uniform initialisation ``U(-1/sqrt(H), 1/sqrt(H))``.
-    name : str, optional
-    """
+class GRUSteps(Cell):
+    """The GRU cell over a sequence (see the module docstring)."""
 
     gates = 3
 
-    def _forward_steps(self, xp: Any, x: Any, h0: Any, p: dict[str, Any]) -> dict[str, Any]:
+    def forward_steps(self, xp: Any, gi: Any, state0: Any, p: dict[str, Any]) -> dict[str, Any]:
         size = self.hidden_size
-        gi = x @ p["weight_ih"].T + p["bias_ih"]  # every step's input part at once: (T, B, 3H)
         w_hh_t, b_hh = p["weight_hh"].T, p["bias_hh"]
         steps, batch = gi.shape[:2]
         saved = {key: xp.empty((steps, batch, size), dtype=gi.dtype) for key in ("h", "r", "z", "n", "m")}
-        h = h0
+        h = state0
         for t in range(steps):
-            gh = h @ w_hh_t + b_hh
-            r = _sigmoid(xp, gi[t, :, :size] + gh[:, :size])
-            z = _sigmoid(xp, gi[t, :, size:2 * size] + gh[:, size:2 * size])
+            gh = h @ w_hh_t
+            if b_hh is not None:
+                gh += b_hh
+            r = sigmoid(xp, gi[t, :, :size] + gh[:, :size])
+            z = sigmoid(xp, gi[t, :, size:2 * size] + gh[:, size:2 * size])
             m = gh[:, 2 * size:]
             n = xp.tanh(gi[t, :, 2 * size:] + r * m)
             h = n + z * (h - n)
@@ -63,7 +56,7 @@ class GRU(Recurrent):
                 saved[key][t] = value
         return saved
 
-    def _factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
         size = self.hidden_size
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         gate_n = (1 - z) * (1 - n * n)
@@ -72,11 +65,47 @@ class GRU(Recurrent):
                                 axis=2)
         return weights_t, coefficients, z
 
-    def _pre_activation_grads(self, xp: Any, saved: dict[str, Any], totals: Any) -> tuple[Any, Any]:
+    def pre_activation_grads(self, xp: Any, saved: dict[str, Any], p: dict[str, Any],
+                             totals: Any) -> tuple[Any, Any, dict[str, Any]]:
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         grad_pre_n = totals * (1 - z) * (1 - n * n)
         grad_r = grad_pre_n * m * r * (1 - r)
         grad_z = totals * (saved["h_prev"] - n) * z * (1 - z)
         grad_gi = xp.concatenate([grad_r, grad_z, grad_pre_n], axis=-1)
         grad_gh = xp.concatenate([grad_r, grad_z, grad_pre_n * r], axis=-1)
-        return grad_gi, grad_gh
+        return grad_gi, grad_gh, {}
+
+
+class GRU(RecurrentModule):
+    """PyTorch's ``nn.GRU`` with its backward as a scan (see :mod:`._module` for the two calling forms).
+
+    Parameters
+    ----------
+    input_size, hidden_size : int
+    num_layers : int
+    bias : bool
+    batch_first : bool
+        Layout of the module's call (the layer form :meth:`forward` is always batch-first).
+    dropout : float
+        Between layers, in training mode (:meth:`train`/:meth:`eval`), masks from ``seed``.
+    bidirectional : bool
+    dtype : numpy dtype, optional
+        float32 (default) or float64.
+    rng : numpy.random.Generator or int, optional
+        Source of PyTorch's uniform initialisation ``U(-1/sqrt(H), 1/sqrt(H))``.
+    name : str, optional
+    seed : int, optional
+        Of the dropout masks.
+    """
+
+    gates = 3
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, *,
+                 dtype: Any = None, rng: RngLike = None, name: str | None = None,
+                 seed: int | None = None) -> None:
+        self._setup(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, 0,
+                    dtype, rng, name, seed)
+
+    def _cell(self) -> Cell:
+        return GRUSteps(self.hidden_size)
