@@ -28,7 +28,7 @@ from sparse_scan.scan import ScanCostError, ScanMemoryError
 from sparse_scan.train import DataError
 from sparse_scan.weights import write_npz_atomically
 
-__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "load_npy", "main",
+__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "load_npy", "load_weights", "main",
            "max_step_flops_option", "model_errors", "parse_levels", "plan_progress", "pyplot",
            "scan_cost_hint", "write_or_fail"]
 
@@ -175,6 +175,23 @@ def load_npy(path: pathlib.Path, option: str) -> Any:
         fail(f"{option} {path}: not a readable .npy file: {error}")
 
 
+def load_weights(network: Any, path: pathlib.Path) -> None:
+    """``--weights``: copy a ``.npz`` of parameters (state_dict names, e.g. ``train --out``) into
+    ``network``; every problem is one line naming the option and the file."""
+    from sparse_scan.weights import read_npz  # noqa: PLC0415 - the group's help must not import NumPy
+
+    try:
+        state = read_npz(path)
+    except FileNotFoundError:
+        fail(f"--weights {path}: no such file")
+    except (OSError, ValueError) as error:
+        fail(f"--weights {path}: not a readable .npz: {error}")
+    try:
+        network.load_state_dict(state)
+    except ValueError as error:
+        fail(f"--weights {path}: {error}")
+
+
 def write_or_fail(option: str, path: pathlib.Path, write: Callable[[], object]) -> None:
     """Run ``write`` (which writes ``path``); an OS error is one line naming the option and file."""
     try:
@@ -244,7 +261,7 @@ def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:
     return show
 
 
-from . import flops, run, train  # noqa: E402, F401, I001 - registers the subcommands on main
+from . import evaluate, flops, run, train  # noqa: E402, F401, I001 - registers the subcommands on main
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m sparse_scan.cli.app`

@@ -28,6 +28,7 @@ from .app import (
     check_outputs,
     fail,
     load_npy,
+    load_weights,
     main,
     max_step_flops_option,
     model_errors,
@@ -86,6 +87,8 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
+@click.option("--weights", "weights_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
+              help="use these weights (.npz by state_dict name, e.g. train --out) instead of the spec's")
 @click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="inputs (N, *input_shape) as .npy")
 @click.option("--random", type=click.IntRange(min=1), help="N seeded random inputs instead of --input")
@@ -112,7 +115,8 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
               help="--distributed: how slices combine across ranks")
 @click.option("--timeout", type=FiniteFloat(0), default=300.0, show_default=True,
               help="--distributed: seconds to wait for another rank before giving up")
-def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None, seed: int,
+def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: pathlib.Path | None,
+        random: int | None, seed: int,
         grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
         levels: str | None, max_step_flops: float, device: str, dtype: str, check: bool,
         out: pathlib.Path | None, force: bool, as_json: bool, quiet: bool, distributed: bool,
@@ -137,6 +141,8 @@ def run(model: pathlib.Path, input_path: pathlib.Path | None, random: int | None
     be = backend_or_fail("cpu" if comm is not None else device)
     with model_errors(model):
         network = load_model(model, dtype=dtype)
+    if weights_path is not None:
+        load_weights(network, weights_path)
     try:
         x = _inputs(network, input_path, random, seed, np.dtype(dtype))
     except MemoryError as error:

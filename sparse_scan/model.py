@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Hashable, Sequence
 
 from . import backend as _backend
+from . import weights as _weights
 from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
 from .layers import Layer
@@ -343,6 +344,18 @@ class Sequential:
         They share the caller's held structure keys on the scan's step threads."""
         return [sharing_held_keys(functools.partial(layer.dense_transposed_matvec, in_shape=shape))
                 for layer, shape in zip(self.layers, shapes, strict=False)]
+
+    # --- parameters ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``"<layer>.<parameter>"`` -> the parameter array (the array itself, not a copy), named like
+        PyTorch's ``state_dict()`` of the same ``nn.Sequential``."""
+        return _weights.state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Copy parameters in by :meth:`state_dict` name (PyTorch's ``load_state_dict``: cast to each
+        parameter's dtype; ``strict`` requires every parameter). A ``ValueError`` names the first bad
+        key and changes nothing (:func:`sparse_scan.weights.load_state_dict`)."""
+        _weights.load_state_dict(self, state, strict)
 
     # --- parameter gradients ---------------------------------------------------------------------
     def parameter_gradients(self, grads: Sequence[Any]) -> dict[str, Any]:

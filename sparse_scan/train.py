@@ -17,13 +17,18 @@ Examples
 ...                rng.standard_normal((6, 4)).astype(np.float32), rng.integers(0, 3, 6))
 >>> model = Sequential(Linear(4, 3, rng=0))
 >>> records = train(model, data, SGD(model, lr=0.1), epochs=2, batch_size=8)
->>> len(records), sorted(records[0])
-(6, ['epoch', 'iteration', 'test_loss', 'train_loss'])
+>>> len(records), list(records[0]) == list(RECORD_KEYS)
+(6, True)
+>>> sorted(evaluate(model, data.x_test, data.y_test))
+['accuracy', 'loss', 'samples']
+>>> epoch_summary(records[3:])["epoch"]
+1
 """
 
 from __future__ import annotations
 
 import pathlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,9 +41,16 @@ from .loss import softmax_cross_entropy
 from .optim import check_built_on
 from .weights import read_npz
 
-__all__ = ["DataError", "Dataset", "load_dataset", "train"]
+__all__ = ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset", "train"]
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+RECORD_KEYS = ("epoch", "iteration", "samples", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
+               "elapsed_s")
+"""The fields of :func:`train`'s records, in order (a baseline adds ``bp_`` + the loss and accuracy
+fields)."""
+
+_FIGURES = ("train_loss", "train_accuracy", "test_loss", "test_accuracy")
 
 
 class DataError(ValueError):
@@ -126,8 +138,56 @@ def load_dataset(name_or_path: str | pathlib.Path, input_shape: tuple[int, ...],
     return Dataset(*(arrays[k] if k.startswith("x") else arrays[k].astype(np.int64) for k in KEYS))
 
 
-def _loss(model: Any, be: _backend.Backend, x: np.ndarray, y: np.ndarray) -> float:
-    return softmax_cross_entropy(be.to_host(model.forward(be.asarray(x))), y)[0]
+def _accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(np.argmax(logits, axis=1) == labels))
+
+
+def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 512,
+             device: str = "cpu") -> dict[str, Any]:
+    """Mean softmax cross-entropy and accuracy of ``model`` on inputs ``x`` with labels ``y``.
+
+    Parameters
+    ----------
+    model : Sequential
+        With a flat ``(classes,)`` output.
+    x, y : ndarray
+        ``(N, *input_shape)`` inputs and ``N`` integer labels.
+    batch_size : int
+        Samples per forward pass (bounds the memory).
+    device : {"cpu", "gpu", "auto"}
+
+    Returns
+    -------
+    dict
+        ``loss`` (mean over the samples, like PyTorch's ``cross_entropy``), ``accuracy`` (fraction of
+        samples whose largest output is the label) and ``samples``.
+    """
+    integer(batch_size, "batch_size", 1)
+    be = _backend.get(device)
+    total_loss, correct = 0.0, 0.0
+    for start in range(0, len(x), batch_size):
+        logits = be.to_host(model.forward(be.asarray(x[start:start + batch_size])))
+        labels = y[start:start + batch_size]
+        total_loss += softmax_cross_entropy(logits, labels)[0] * len(labels)
+        correct += _accuracy(logits, labels) * len(labels)
+    return {"loss": total_loss / len(x), "accuracy": correct / len(x), "samples": int(len(x))}
+
+
+def epoch_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One epoch's figures from its iteration records (:func:`train`): ``epoch``, ``iterations``,
+    ``train_loss`` and ``train_accuracy`` (over the epoch's batches, each before its step, weighted by
+    their samples), ``test_loss`` and ``test_accuracy`` (after the epoch's last step), ``elapsed_s``
+    (since training began); with a baseline the same ``bp_`` figures."""
+    last = records[-1]
+    samples = sum(r["samples"] for r in records)
+    out: dict[str, Any] = {"epoch": last["epoch"], "iterations": len(records)}
+    for prefix in ("", "bp_") if "bp_train_loss" in last else ("",):
+        for key in ("train_loss", "train_accuracy"):
+            out[prefix + key] = sum(r[prefix + key] * r["samples"] for r in records) / samples
+        for key in ("test_loss", "test_accuracy"):
+            out[prefix + key] = last[prefix + key]
+    out["elapsed_s"] = last["elapsed_s"]
+    return out
 
 
 def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: int,
@@ -149,7 +209,7 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
         Shuffling of the training set, per epoch.
     baseline : (model, optimizer), optional
         A copy of the model (same weights) and its optimizer, trained on the same batches with
-        back-propagation (the linear scan): records then hold ``bp_train_loss``/``bp_test_loss``.
+        back-propagation (the linear scan): records then hold the ``bp_`` losses and accuracies.
     device : {"cpu", "gpu", "auto"}
         Where the forward and the scan run (parameters and optimizer state stay on the host).
     on_iteration : callable, optional
@@ -158,8 +218,10 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
     Returns
     -------
     list of dict
-        ``epoch, iteration, train_loss`` (the batch's loss before the step) and ``test_loss`` (after
-        the step, on the whole test set), plus the ``bp_`` figures with a baseline.
+        :data:`RECORD_KEYS`: ``epoch``, ``iteration``, ``samples`` (of the batch), ``train_loss`` and
+        ``train_accuracy`` (the batch's, before the step), ``test_loss`` and ``test_accuracy`` (after
+        the step, on the whole test set), ``elapsed_s`` (wall seconds since training began), plus the
+        ``bp_`` losses and accuracies with a baseline. :func:`epoch_summary` sums up an epoch.
     """
     integer(epochs, "epochs", 0)
     integer(batch_size, "batch_size", 1)
@@ -171,21 +233,27 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
     runs = [("", model, optimizer, method, levels)]
     if baseline is not None:
         runs.append(("bp_", baseline[0], baseline[1], "linear", None))
+    started = time.perf_counter()
     for epoch in range(epochs):
         order = rng.permutation(len(data.x_train))
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
             x, y = data.x_train[batch], data.y_train[batch]
-            record: dict[str, Any] = {"epoch": epoch, "iteration": iteration}
+            record: dict[str, Any] = {"epoch": epoch, "iteration": iteration, "samples": len(batch)}
             for prefix, net, opt, net_method, net_levels in runs:
                 with held_structure_keys():  # the weights change in the step only: hash zero sets once
-                    loss, grad = softmax_cross_entropy(be.to_host(net.forward(be.asarray(x))), y)
+                    logits = be.to_host(net.forward(be.asarray(x)))
+                    loss, grad = softmax_cross_entropy(logits, y)
                     grads = net.backward(be.asarray(grad), method=net_method, levels=net_levels)
                     parameter_grads = net.parameter_gradients(grads)
                 opt.step({k: be.to_host(v) for k, v in parameter_grads.items()})
-                record[f"{prefix}train_loss"] = loss
-                record[f"{prefix}test_loss"] = _loss(net, be, data.x_test, data.y_test)
-            records.append(record)
+                test = evaluate(net, data.x_test, data.y_test, device=device)
+                record.update({f"{prefix}train_loss": loss, f"{prefix}train_accuracy": _accuracy(logits, y),
+                               f"{prefix}test_loss": test["loss"],
+                               f"{prefix}test_accuracy": test["accuracy"]})
+            record["elapsed_s"] = time.perf_counter() - started
+            records.append({key: record[key] for key in RECORD_KEYS} | {
+                key: value for key, value in record.items() if key not in RECORD_KEYS})
             if on_iteration is not None:
                 on_iteration(record)
             iteration += 1

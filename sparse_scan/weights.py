@@ -33,10 +33,46 @@ def state_dict(model: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def load_state_dict(model: Any, values: dict[str, Any]) -> None:
-    """Set parameters by state_dict name (the layers validate shape and dtype)."""
-    layers = {layer.name: layer for layer in model.layers}
+def load_state_dict(model: Any, values: dict[str, Any], strict: bool = True) -> None:
+    """Set parameters by state_dict name, like PyTorch's ``load_state_dict``: values are copied in the
+    parameter's dtype (float arrays only, finite after the cast), the layers validate shapes.
+
+    Parameters
+    ----------
+    model : Sequential
+    values : dict
+        ``"<layer>.<parameter>"`` -> array-like.
+    strict : bool
+        Every parameter of the model must be given (unknown keys are refused either way).
+
+    Raises
+    ------
+    ValueError
+        Naming the key: unknown, missing (``strict``), not floats, NaN/Inf or too large for the
+        parameter's dtype, or the wrong shape. Nothing is changed then.
+    """
+    current = state_dict(model)
+    unknown = sorted(set(values) - set(current))
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} matches no parameter of the model (it has "
+                         f"{', '.join(sorted(current)) or 'none'})")
+    missing = sorted(set(current) - set(values))
+    if strict and missing:
+        raise ValueError(f"no {missing[0]!r} (strict: every parameter must be given)")
+    cast = {}
     for key, value in values.items():
+        array = np.asarray(value)
+        if array.dtype.kind != "f":
+            raise ValueError(f"{key!r} has dtype {array.dtype}, expected floats")
+        if array.shape != current[key].shape:
+            raise ValueError(f"{key!r} has shape {list(array.shape)}, the model's is "
+                             f"{list(current[key].shape)}")
+        with np.errstate(over="ignore"):
+            cast[key] = array.astype(current[key].dtype)
+        if not np.all(np.isfinite(cast[key])):
+            raise ValueError(f"{key!r} holds NaN or Inf (or values too large for {current[key].dtype})")
+    layers = {layer.name: layer for layer in model.layers}
+    for key, value in cast.items():
         layer_name, _, name = key.rpartition(".")
         setattr(layers[layer_name], name, value)
 

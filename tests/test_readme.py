@@ -73,3 +73,37 @@ def test_readme_states_the_orientation_and_devices():
     for device in ('"cpu"', '"gpu"', '"auto"'):
         assert device in README
     assert "pip install '.[gpu]'" in README
+
+
+def console_commands(prefix):
+    """The ``$ `` commands of README's ```console blocks that start with ``prefix``."""
+    return [line[2:] for body in blocks("console") for line in body.splitlines()
+            if line.startswith("$ " + prefix)]
+
+
+def test_the_readme_train_command_reaches_the_stated_accuracy(tmp_path):
+    """README's training example, run as written but for 6 epochs (of its 10) and files in tmp_path,
+    reaches the test accuracy the README states (at least 90 %)."""
+    import json
+    import shlex
+
+    from click.testing import CliRunner
+
+    from sparse_scan.cli import app
+
+    pytest.importorskip("sklearn")
+    [command] = console_commands("sparse-scan train ")
+    assert "at least 90 %" in README or "over 90 % test accuracy" in README
+    args = shlex.split(command)[1:]
+    for option in ("--out", "--log", "--plot"):
+        if option in args:
+            index = args.index(option) + 1
+            args[index] = str(tmp_path / args[index])
+    if "--plot" in args:
+        pytest.importorskip("matplotlib")
+    args = [str(REPO / a) if a.startswith("data/") else a for a in args]
+    result = CliRunner().invoke(app.main, args + ["--epochs", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["final"]["test_accuracy"] >= 0.90
+    assert report["epochs"] == 6 and len(report["per_epoch"]) == 6

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import csv
+import json
 import pathlib
 
 import numpy as np
@@ -68,8 +70,8 @@ def invoke(*args):
 def test_cli_trains_writes_weights_log_and_keeps_pruned_weights_zero(tmp_path):
     spec, data_path = files(tmp_path, prune="prune: {amount: 0.5}\n")
     zeros = load_model(spec).layers[0].weight == 0
-    result = invoke(spec, "--data", data_path, "--epochs", "2", "--batch-size", "8", "--lr", "0.1",
-                    "--momentum", "0.9", "--compare-bp", "--out", tmp_path / "w.npz", "--log",
+    result = invoke(spec, "--data", data_path, "--epochs", "2", "--batch-size", "8", "--optimizer", "sgd",
+                    "--lr", "0.1", "--momentum", "0.9", "--compare-bp", "--out", tmp_path / "w.npz", "--log",
                     tmp_path / "log.csv")
     assert result.exit_code == 0, result.output
     assert "max loss difference" in result.output
@@ -81,8 +83,9 @@ def test_cli_trains_writes_weights_log_and_keeps_pruned_weights_zero(tmp_path):
     assert zeros.any() and np.all(weight[zeros] == 0) and np.all(weight[~zeros] != 0)
     with (tmp_path / "log.csv").open() as stream:
         rows = list(csv.DictReader(stream))
-    assert len(rows) == 10 and set(rows[0]) == {"epoch", "iteration", "train_loss", "test_loss",
-                                                "bp_train_loss", "bp_test_loss"}
+    assert len(rows) == 10 and list(rows[0]) == [
+        "epoch", "iteration", "samples", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
+        "elapsed_s", "bp_train_loss", "bp_train_accuracy", "bp_test_loss", "bp_test_accuracy"]
 
 
 def test_plot_is_written(tmp_path):
@@ -150,19 +153,143 @@ def test_existing_outputs_are_kept(tmp_path):
 def test_ctrl_c_keeps_the_weights_written_so_far(tmp_path, monkeypatch):
     spec, data_path = files(tmp_path)
 
+    real = train_cli.train
+
     def interrupted(model, data, optimizer, epochs, batch_size, *args):
         on_iteration = args[-1]
-        for iteration in range(3):  # one epoch of 40 samples in batches of 16, then Ctrl-C
-            on_iteration({"epoch": 0, "iteration": iteration, "train_loss": 1.0, "test_loss": 1.0})
-        raise KeyboardInterrupt
+
+        def stop_in_epoch_two(record):
+            on_iteration(record)
+            if record["iteration"] == 4:  # one epoch of 40 samples in batches of 16, two batches more
+                raise KeyboardInterrupt
+
+        return real(model, data, optimizer, epochs, batch_size, *args[:-1], stop_in_epoch_two)
 
     monkeypatch.setattr(train_cli, "train", interrupted)
     result = invoke(spec, "--data", data_path, "--batch-size", "16", "--epochs", "3", "--out",
-                    tmp_path / "w.npz")
+                    tmp_path / "w.npz", "--log", tmp_path / "log.csv")
     assert result.exit_code == 130 and "interrupted" in result.output
+    assert result.output.count("epoch 1/3") == 1 and "epoch 2/3" not in result.output
     with np.load(tmp_path / "w.npz") as stored:
         assert set(stored.files) == {"conv.weight", "conv.bias", "fc.weight", "fc.bias"}
+    with (tmp_path / "log.csv").open() as stream:  # appended as it went: every iteration run
+        assert [row["iteration"] for row in csv.DictReader(stream)] == ["0", "1", "2", "3", "4"]
 
+
+def test_epoch_lines_on_any_stream_accuracy_in_the_summary_and_json(tmp_path):
+    spec, data_path = files(tmp_path)
+    result = invoke(spec, "--data", data_path, "--batch-size", "16", "--epochs", "3")  # not a TTY
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [line.split()[1] for line in epochs] == ["1/3", "2/3", "3/3"]
+    for line in epochs:
+        assert "train loss" in line and "test loss" in line and " acc " in line and line.endswith(" s")
+    assert "  schedule: " in result.output and "(chosen by --method auto" in result.output
+    assert lines[-1].startswith(f"{spec}: test accuracy ") and "after 3 epochs, 9 iterations" in lines[-1]
+    quiet = invoke(spec, "--data", data_path, "--batch-size", "16", "--epochs", "3", "--quiet")
+    assert quiet.output.splitlines() == [lines[-1].split(" in ")[0] + " in " + quiet.output.split(" in ")[1]
+                                         .rstrip("\n")] and quiet.output.count("\n") == 1
+    report = json.loads(invoke(spec, "--data", data_path, "--batch-size", "16", "--epochs", "3",
+                               "--json").stdout)
+    assert report["iterations"] == 9 and len(report["per_epoch"]) == 3
+    assert 0 <= report["final"]["test_accuracy"] <= 1 and report["final"] == report["per_epoch"][-1]
+    assert report["schedule"]["method"] in ("linear", "hybrid", "blelloch")
+    assert report["schedule"]["requested"] == "auto"
+
+
+def test_train_and_run_start_from_weights_and_eval_reports_them(tmp_path):
+    spec, data_path = files(tmp_path)
+    result = invoke(spec, "--data", data_path, "--batch-size", "8", "--epochs", "2", "--out",
+                    tmp_path / "w.npz", "--json")
+    trained = json.loads(result.stdout)["final"]
+    evaluated = json.loads(CliRunner().invoke(app.main, ["eval", str(spec), "--data", str(data_path),
+                                                         "--weights", str(tmp_path / "w.npz"),
+                                                         "--json"]).output)
+    assert evaluated["test"]["accuracy"] == pytest.approx(trained["test_accuracy"])
+    assert evaluated["test"]["loss"] == pytest.approx(trained["test_loss"], rel=1e-6)
+    assert evaluated["test"]["samples"] == 12 and evaluated["train"]["samples"] == 40
+    text = CliRunner().invoke(app.main, ["eval", str(spec), "--data", str(data_path)]).output
+    assert "test  loss" in text and "accuracy" in text and "its spec's weights" in text
+    # train again from the saved weights: the first epoch starts where the last one ended
+    again = json.loads(invoke(spec, "--data", data_path, "--batch-size", "8", "--epochs", "1", "--weights",
+                              tmp_path / "w.npz", "--json").stdout)
+    fresh = json.loads(invoke(spec, "--data", data_path, "--batch-size", "8", "--epochs", "1",
+                              "--json").stdout)
+    assert again["per_epoch"][0]["train_loss"] < fresh["per_epoch"][0]["train_loss"]
+    # run with them: the gradients are those of the trained model
+    np.save(tmp_path / "x.npy", np.ones((2, 1, 6, 6), np.float32))
+    grads = {}
+    for name, extra in (("spec", []), ("trained", ["--weights", tmp_path / "w.npz"])):
+        out = tmp_path / f"{name}.npz"
+        done = CliRunner().invoke(app.main, ["run", str(spec), "--input", str(tmp_path / "x.npy"), "--out",
+                                             str(out), *map(str, extra)])
+        assert done.exit_code == 0, done.output
+        with np.load(out) as stored:
+            grads[name] = stored["input.grad"]
+    model = load_model(spec)
+    with np.load(tmp_path / "w.npz") as stored:
+        model.load_state_dict(dict(stored))
+    model.forward(np.ones((2, 1, 6, 6), np.float32))
+    np.testing.assert_allclose(grads["trained"], model.backward(np.ones((2, 4), np.float32))[0], rtol=1e-5)
+    assert not np.allclose(grads["trained"], grads["spec"])
+
+
+@pytest.mark.parametrize("command", ["train", "run", "eval"])
+@pytest.mark.parametrize("case, fragment", [
+    ("missing", "no such file"),
+    ("npy", "not a readable .npz"),
+    ("unknown_key", "'nope.weight' matches no parameter"),
+    ("missing_key", "no 'fc.bias' (strict"),
+    ("shape", "'fc.weight' has shape [2, 3], the model's is [4, 27]"),
+    ("nan", "'fc.bias' holds NaN or Inf"),
+])
+def test_bad_weights_files_are_one_line_exit_2(tmp_path, command, case, fragment):
+    spec, data_path = files(tmp_path)
+    good = load_model(spec).state_dict()
+    weights = tmp_path / "w.npz"
+    if case == "npy":
+        np.save(tmp_path / "w.npy", np.ones(3))
+        (tmp_path / "w.npy").rename(weights)
+    elif case != "missing":
+        arrays = dict(good)
+        if case == "unknown_key":
+            arrays["nope.weight"] = np.ones(2)
+        elif case == "missing_key":
+            arrays.pop("fc.bias")
+        elif case == "shape":
+            arrays["fc.weight"] = np.ones((2, 3), np.float32)
+        else:
+            arrays["fc.bias"] = np.full(4, np.nan, np.float32)
+        np.savez(weights, **arrays)
+    extra = {"train": ["--data", data_path, "--out", tmp_path / "o.npz"], "eval": ["--data", data_path],
+             "run": ["--random", "2", "--out", tmp_path / "o.npz"]}[command]
+    result = CliRunner().invoke(app.main, [command, str(spec), "--weights", str(weights), *map(str, extra)])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and f"--weights {weights}: " in result.output
+    assert fragment in result.output, result.output
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_state_dict_is_named_like_pytorchs_and_loads_strictly():
+    torch = pytest.importorskip("torch")
+    from oracles import torch_modules
+
+    model = load_model(DATA / "lenet5-digits.yaml")
+    net = torch.nn.Sequential(collections.OrderedDict(
+        (layer.name, module) for layer, module in zip(model.layers, torch_modules(model), strict=True)))
+    state = model.state_dict()
+    assert list(state) == list(net.state_dict())
+    assert all(state[k].shape == tuple(v.shape) for k, v in net.state_dict().items())
+    fresh = load_model(DATA / "lenet5-digits.yaml")
+    fresh.layers[0].weight = fresh.layers[0].weight * 0
+    fresh.load_state_dict({k: v.detach().numpy() for k, v in net.state_dict().items()})  # float64: cast
+    assert fresh.layers[0].weight.dtype == np.float32
+    np.testing.assert_array_equal(fresh.layers[0].weight, model.layers[0].weight)
+    with pytest.raises(ValueError, match="no 'fc3.bias'"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "fc3.bias"})
+    fresh.load_state_dict({"fc3.bias": np.zeros(10)}, strict=False)
+    assert not fresh.layers[-1].bias.any()
 
 
 def test_weights_round_trip_through_an_atomic_npz(tmp_path):

@@ -1,0 +1,57 @@
+"""``sparse-scan eval MODEL.yaml --data NAME_OR_PATH``: loss and accuracy of a model's weights on data.
+
+Loads the spec, the weights (``--weights``, e.g. ``train --out``; else the spec's own) and the data,
+calls :func:`sparse_scan.train.evaluate` on the training and the test split and prints both (or JSON).
+Errors: one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import click
+
+from .app import backend_or_fail, fail, load_weights, main, model_errors
+
+
+@main.command(name="eval")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
+@click.option("--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, "
+              "x_test, y_test")
+@click.option("--weights", "weights_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
+              help="the weights to evaluate (.npz by state_dict name, e.g. train --out)")
+@click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True,
+              help="samples per forward pass")
+@click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON only")
+def eval_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | None, batch_size: int,
+                 device: str, as_json: bool) -> None:
+    """Loss (mean softmax cross-entropy) and accuracy of MODEL on the training and test split."""
+    from sparse_scan import load_model  # noqa: PLC0415 - the group's help must not import NumPy
+    from sparse_scan.train import evaluate, load_dataset  # noqa: PLC0415
+
+    backend_or_fail(device)
+    with model_errors(model):
+        network = load_model(model)
+        if weights_path is not None:
+            load_weights(network, weights_path)
+        classes = network.shapes(network.input_shape)[-1]
+        if len(classes) != 1:
+            fail(f"{model}: eval needs a flat (classes,) output, the model gives {list(classes)}")
+        dataset = load_dataset(data, network.input_shape, classes[0])
+        report: dict[str, Any] = {"model": str(model), "data": data,
+                                  "weights": None if weights_path is None else str(weights_path)}
+        for split in ("train", "test"):
+            report[split] = evaluate(network, getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}"),
+                                     batch_size, device)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    source = "its spec's weights" if weights_path is None else str(weights_path)
+    click.echo(f"{model} with {source} on {data}:")
+    for split in ("train", "test"):
+        figures = report[split]
+        click.echo(f"  {split:5} loss {figures['loss']:.4f}  accuracy {100 * figures['accuracy']:5.1f} %  "
+                   f"({figures['samples']} samples)")
