@@ -19,7 +19,7 @@ import numpy as np
 
 from sparse_scan import distributed
 
-from .app import fail, write_gradients, write_or_fail
+from ._common import fail, write_gradients, write_or_fail
 
 __all__ = ["parse_split", "run_distributed", "world"]
 

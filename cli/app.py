@@ -1,8 +1,13 @@
 """The ``sparse-scan`` click group.
 
-Subcommands are registered on :data:`main` with ``@main.command()`` in their own modules (imported at
-the end of this one); each only reads its input, calls :mod:`sparse_scan` and prints the result.
-Errors are one line on stderr and exit code 2 (:func:`fail`), never a traceback.
+Each subcommand lives in its own module (``run``, ``flops``, ``train``, ``evaluate``), which only reads
+its input, calls :mod:`sparse_scan` and prints the result. The group loads a subcommand's module the
+first time the command is asked for (to run it, or for its line of ``--help``) and registers it with
+``main.add_command``; the modules import click and :mod:`._common` only, the library inside the
+command functions, so ``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy. Nothing
+here imports a subcommand at import time, and no subcommand imports this module.
+
+Errors are one line on stderr and exit code 2 (:func:`._common.fail`), never a traceback.
 
 Examples
 --------
@@ -15,65 +20,41 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import math
-import pathlib
+import importlib
+import os
 import sys
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any
 
 import click
 
-from sparse_scan import SpecError, __version__, backend
-from sparse_scan.scan import ScanCostError, ScanMemoryError
-from sparse_scan.train import DataError
-from sparse_scan.weights import write_npz_atomically
+from sparse_scan._version import __version__
 
-__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "load_npy", "load_weights", "main",
-           "max_step_flops_option", "model_errors", "parse_levels", "plan_progress", "pyplot",
-           "scan_cost_hint", "write_or_fail"]
+from ._common import fail
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-"""File types ``--plot`` writes (matplotlib would append ``.png`` to a name without a suffix, past the
-check for an existing file, and fail after the work on one it does not know)."""
+__all__ = ["SUBCOMMANDS", "main"]
 
-OUTPUT_SUFFIXES = {"plot": PLOT_SUFFIXES, "out": (".npz",)}
-"""Suffixes an output option's file name must end in (``--out`` writes an ``.npz`` archive: under
-another name a user would not know what it holds)."""
-
-
-class FiniteFloat(click.ParamType):
-    """A finite float (click's ``FloatRange`` lets NaN through), above ``minimum`` (or at it, when
-    ``inclusive``)."""
-
-    name = "float"
-
-    def __init__(self, minimum: float, inclusive: bool = False) -> None:
-        self.minimum, self.inclusive = minimum, inclusive
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        if number < self.minimum or (number == self.minimum and not self.inclusive):
-            self.fail(f"{value!r} must be {'>=' if self.inclusive else '>'} {self.minimum:g}", param, ctx)
-        return number
-
-
-max_step_flops_option = click.option(
-    "--max-step-flops", type=FiniteFloat(0), default=1e10, show_default=True,
-    help="give up before planning a costlier product (deep scans of big networks need billions)")
-"""``--max-step-flops`` of every command that plans a scan (run, train, flops)."""
+SUBCOMMANDS = {"run": ("run", "run"), "flops": ("flops", "flops"), "train": ("train", "train_command"),
+               "eval": ("evaluate", "eval_command")}
+"""Command name -> (module of :mod:`sparse_scan.cli`, attribute): loaded on first use."""
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-class _OneLineErrors(click.Group):
-    """A click group whose usage errors (a bad option value, an unknown command) are one line on
-    stderr and exit code 2, like every other error of the command; help and a bare invocation print
-    the usage as usual."""
+class _LazyGroup(click.Group):
+    """A click group that imports a subcommand's module when the command is first asked for, and
+    whose usage errors (a bad option value, an unknown command) are one line on stderr and exit code 2,
+    like every other error of the command; help and a bare invocation print the usage as usual."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(SUBCOMMANDS))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and name in SUBCOMMANDS:
+            module, attribute = SUBCOMMANDS[name]
+            command = getattr(importlib.import_module(f".{module}", __package__), attribute)
+            self.add_command(command, name)
+        return command
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -91,7 +72,7 @@ class _OneLineErrors(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-@click.group(cls=_OneLineErrors, context_settings=CONTEXT_SETTINGS)
+@click.group(cls=_LazyGroup, context_settings=CONTEXT_SETTINGS)
 @click.version_option(
     __version__, "--version", prog_name="sparse-scan", message="%(prog)s %(version)s"
 )
@@ -99,169 +80,13 @@ def main() -> None:
     """Back-propagation as a parallel scan (BPPSA) over sparse transposed Jacobians.
 
     Models are YAML specs (see README): `sparse-scan run MODEL.yaml` computes the gradients of a
-    batch by a scan, `sparse-scan flops MODEL.yaml` analyses the backward pass statically.
+    batch by a scan, `sparse-scan flops MODEL.yaml` analyses the backward pass statically,
+    `sparse-scan train` and `eval` train and evaluate a classifier. Threads: --threads N on run,
+    train and eval, or the SPARSE_SCAN_THREADS environment variable.
     """
-
-
-def fail(message: str) -> NoReturn:
-    """Print ``sparse-scan: error: message`` on stderr and exit with status 2."""
-    click.echo(f"sparse-scan: error: {message}", err=True)
-    sys.exit(2)
-
-
-def parse_levels(levels: str | None) -> int | str | None:
-    """``--levels``: None, ``"auto"`` or a non-negative int (else a one-line error)."""
-    if levels is None or levels == "auto":
-        return levels
-    try:
-        value = int(levels)
-    except ValueError:
-        value = -1
-    if value < 0:
-        fail(f"--levels must be a non-negative int or 'auto', got {levels!r}")
-    return value
-
-
-def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
-    """Refuse, before any work, output paths that exist (without ``force``), lie in no folder, name
-    one file twice, or do not end in their option's suffix (:data:`OUTPUT_SUFFIXES`). Keys are option
-    names (``out``, ``log``, ``plot``)."""
-    seen: dict[pathlib.Path, str] = {}
-    for key, path in paths.items():
-        if path is None:
-            continue
-        option = f"--{key}"
-        suffixes = OUTPUT_SUFFIXES.get(key)
-        if suffixes is not None and path.suffix.lower() not in suffixes:
-            fail(f"{option} {path}: give a file name ending in {', '.join(suffixes)}")
-        if path.exists() and not force:
-            fail(f"{option} {path}: exists (use --force to overwrite)")
-        if not path.parent.is_dir():
-            fail(f"{option} {path}: no such directory {path.parent}")
-        resolved = path.resolve()
-        if resolved in seen:
-            fail(f"{option} {path}: the same file as {seen[resolved]}")
-        seen[resolved] = option
-
-
-NPY_MAGIC = b"\x93NUMPY"
-ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
-
-
-def load_npy(path: pathlib.Path, option: str) -> Any:
-    """One array from a ``.npy`` file, or a one-line error naming the option and the file: missing,
-    unreadable, an ``.npz`` archive, not NumPy's format (a text file), or Python objects."""
-    import numpy as np  # noqa: PLC0415 - the group's help must not import NumPy
-
-    try:
-        with path.open("rb") as stream:
-            magic = stream.read(len(NPY_MAGIC))
-    except FileNotFoundError:
-        fail(f"{option} {path}: no such file")
-    except OSError as error:
-        fail(f"{option} {path}: cannot read: {error.strerror or error}")
-    if magic.startswith(ZIP_MAGICS):
-        fail(f"{option} {path}: an .npz archive; give one array as .npy (numpy.save)")
-    if magic != NPY_MAGIC:
-        what = "empty" if not magic else "no NumPy header: a text file?"
-        fail(f"{option} {path}: not a .npy file ({what}); write arrays with numpy.save")
-    try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as error:
-        if "pickle" in str(error):  # "Object arrays cannot be loaded when allow_pickle=False"
-            fail(f"{option} {path}: holds Python objects, not numbers")
-        fail(f"{option} {path}: not a readable .npy file: {error}")
-    except (OSError, EOFError) as error:
-        fail(f"{option} {path}: not a readable .npy file: {error}")
-
-
-def load_weights(network: Any, path: pathlib.Path) -> None:
-    """``--weights``: copy a ``.npz`` of parameters (state_dict names, e.g. ``train --out``) into
-    ``network``; every problem is one line naming the option and the file."""
-    from sparse_scan.weights import read_npz  # noqa: PLC0415 - the group's help must not import NumPy
-
-    try:
-        state = read_npz(path)
-    except FileNotFoundError:
-        fail(f"--weights {path}: no such file")
-    except (OSError, ValueError) as error:
-        fail(f"--weights {path}: not a readable .npz: {error}")
-    try:
-        network.load_state_dict(state)
-    except ValueError as error:
-        fail(f"--weights {path}: {error}")
-
-
-def write_or_fail(option: str, path: pathlib.Path, write: Callable[[], object]) -> None:
-    """Run ``write`` (which writes ``path``); an OS error is one line naming the option and file."""
-    try:
-        write()
-    except OSError as error:
-        fail(f"{option} {path}: cannot write: {error.strerror or error}")
-
-
-def backend_or_fail(device: str) -> backend.Backend:
-    """The backend of ``--device``; an unusable GPU is one line."""
-    try:
-        return backend.get(device)
-    except (backend.GPUUnavailableError, ValueError) as error:
-        fail(f"--device {device}: {error}")
-
-
-@contextlib.contextmanager
-def model_errors(model: pathlib.Path) -> Iterator[None]:
-    """Errors of loading, planning and running MODEL, one line each: a spec or data error names its
-    own file, a product over the FLOP limit says what to try, running out of memory says so."""
-    try:
-        yield
-    except (SpecError, DataError) as error:
-        fail(str(error))
-    except (ScanCostError, ScanMemoryError, ValueError) as error:
-        fail(f"{model}: {scan_cost_hint(error)}")
-    except MemoryError as error:
-        fail(f"{model}: out of memory: {error}")
-
-
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` drawing to files (Agg), or a one-line error naming the extra to install."""
-    try:
-        import matplotlib  # noqa: PLC0415 - optional extra
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        fail("--plot needs matplotlib: pip install 'sparse-scan[plot]'")
-    return plt
-
-
-def scan_cost_hint(error: Exception) -> str:
-    """The message of a planning error, with what to try for a product over the FLOP limit."""
-    if isinstance(error, ScanCostError):
-        return f"{error} (raise --max-step-flops, or use --method linear or auto, the default)"
-    return str(error)
-
-
-def write_gradients(path: Any, layers: Sequence[Any], grads: Sequence[Any], parameters: dict[str, Any],
-                    to_host: Callable[[Any], Any] = lambda array: array) -> None:
-    """Write ``input.grad``, ``<layer>.out.grad`` and ``<parameter>.grad`` atomically to ``path``."""
-    arrays = {"input.grad": to_host(grads[0])}
-    arrays.update({f"{layer.name}.out.grad": to_host(g) for layer, g in zip(layers, grads[1:], strict=True)})
-    arrays.update({f"{name}.grad": to_host(g) for name, g in parameters.items()})
-    write_npz_atomically(path, arrays)
-
-
-def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:
-    """A plan-build progress line on stderr when it is a terminal (None when quiet or redirected)."""
-    if quiet or not sys.stderr.isatty():
-        return None
-
-    def show(phase: str, done: int, total: int) -> None:
-        click.echo(f"\r  planning: {phase} {done}/{total}", err=True, nl=done == total)
-
-    return show
-
-
-from . import evaluate, flops, run, train  # noqa: E402, F401, I001 - registers the subcommands on main
+    threads = os.environ.get("SPARSE_SCAN_THREADS", "").strip()
+    if threads and (not threads.isdigit() or int(threads) < 1):
+        fail(f"SPARSE_SCAN_THREADS={threads!r}: must be a positive int (the CPU threads to use)")
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m sparse_scan.cli.app`

@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
-from .app import backend_or_fail, fail, load_weights, main, model_errors
+from ._common import backend_or_fail, fail, load_weights, model_errors, threads_option
 
 
-@main.command(name="eval")
+@click.command(name="eval")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
 @click.option("--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, "
               "x_test, y_test")
@@ -25,11 +25,12 @@ from .app import backend_or_fail, fail, load_weights, main, model_errors
 @click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True,
               help="samples per forward pass")
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True)
+@threads_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
 def eval_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | None, batch_size: int,
                  device: str, as_json: bool) -> None:
     """Loss (mean softmax cross-entropy) and accuracy of MODEL on the training and test split."""
-    from sparse_scan import load_model  # noqa: PLC0415 - the group's help must not import NumPy
+    from sparse_scan import load_model  # noqa: PLC0415 - not at import: --help and --threads come first
     from sparse_scan.train import evaluate, load_dataset  # noqa: PLC0415
 
     backend_or_fail(device)

@@ -12,14 +12,10 @@ from typing import Any
 
 import click
 
-from sparse_scan import load_model
-from sparse_scan.flops import analyse
-from sparse_scan.scan import SCHEDULES
+from sparse_scan._schedules import SCHEDULES
 
-from ._schedule import METHOD_HELP, schedule_label, schedule_lines
-from .app import (
+from ._common import (
     check_outputs,
-    main,
     max_step_flops_option,
     model_errors,
     parse_levels,
@@ -27,6 +23,7 @@ from .app import (
     pyplot,
     write_or_fail,
 )
+from ._schedule import METHOD_HELP, schedule_label, schedule_lines
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -77,7 +74,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(figure)
 
 
-@main.command()
+@click.command(name="flops")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
 @click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
 @click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
@@ -94,6 +91,9 @@ def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtyp
           max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool,
           quiet: bool) -> None:
     """Static FLOP analysis of MODEL's backward pass: per layer, per scan step, totals."""
+    from sparse_scan import load_model  # noqa: PLC0415 - not at import: --help comes first
+    from sparse_scan.flops import analyse  # noqa: PLC0415
+
     check_outputs(force, plot=plot)
     with model_errors(model):
         network = load_model(model, dtype=dtype)

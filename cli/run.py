@@ -13,34 +13,34 @@ import time
 from typing import Any
 
 import click
-import numpy as np
 
-from sparse_scan import load_model
-from sparse_scan.distributed import COMBINES
-from sparse_scan.loss import softmax_cross_entropy
-from sparse_scan.scan import SCHEDULES
+from sparse_scan._schedules import SCHEDULES
 
-from . import _distributed
-from ._schedule import METHOD_HELP, schedule_label, schedule_lines
-from .app import (
+from ._common import (
     FiniteFloat,
     backend_or_fail,
     check_outputs,
     fail,
     load_npy,
     load_weights,
-    main,
     max_step_flops_option,
     model_errors,
     parse_levels,
     plan_progress,
+    threads_option,
     write_gradients,
     write_or_fail,
 )
+from ._schedule import METHOD_HELP, schedule_label, schedule_lines
+
+COMBINES = ("chain", "exscan", "relay")
+"""``--combine`` choices: :data:`sparse_scan.distributed.COMBINES` (repeated here, where NumPy is not
+imported yet; a test keeps them equal)."""
 
 
-def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int,
-            dtype: np.dtype) -> np.ndarray:
+def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int, dtype: Any) -> Any:
+    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
+
     shape = model.input_shape
     if input_path is None:
         return np.random.default_rng(seed).standard_normal((random,) + shape).astype(dtype)
@@ -59,9 +59,13 @@ def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, see
     return cast
 
 
-def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
-              labels_path: pathlib.Path | None) -> tuple[np.ndarray, float | None]:
+def _upstream(output: Any, grad_path: pathlib.Path | None,
+              labels_path: pathlib.Path | None) -> tuple[Any, float | None]:
     """The gradient w.r.t. the output, and the loss when labels give one."""
+    import numpy as np  # noqa: PLC0415
+
+    from sparse_scan.loss import softmax_cross_entropy  # noqa: PLC0415
+
     if grad_path is not None:
         grad = load_npy(grad_path, "--grad")
         if grad.shape != output.shape:
@@ -85,7 +89,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
     return grad, loss
 
 
-@main.command()
+@click.command(name="run")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
 @click.option("--weights", "weights_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="use these weights (.npz by state_dict name, e.g. train --out) instead of the spec's")
@@ -102,6 +106,7 @@ def _upstream(output: np.ndarray, grad_path: pathlib.Path | None,
 @max_step_flops_option
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@threads_option
 @click.option("--check", is_flag=True, help="compare with the linear scan (back-propagation)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="write the gradients (.npz)")
@@ -126,6 +131,13 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     With --distributed, under `mpirun -n P`, each rank holds a slice of the layers; the outputs are
     those of one process, printed and written by rank 0.
     """
+    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
+
+    from sparse_scan import load_model  # noqa: PLC0415
+    from sparse_scan._threads import cpu_threads  # noqa: PLC0415
+
+    from . import _distributed  # noqa: PLC0415 - imports the MPI glue
+
     comm = _distributed.world() if distributed else None
     if comm is None and (split is not None or combine != "chain"):
         fail("--split and --combine apply to --distributed only")
@@ -178,7 +190,8 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
         reference = network.backward(be.asarray(grad), "linear") if check else None
     schedule = plan.explain(int(x.shape[0]), np.dtype(dtype).itemsize, be.name)
     report: dict[str, Any] = {"model": str(model), "method": plan.method, "levels": plan.levels,
-                              "device": be.name, "dtype": dtype, "batch": int(x.shape[0]),
+                              "device": be.name, "threads": cpu_threads(), "dtype": dtype,
+                              "batch": int(x.shape[0]),
                               "plan_cache_hit": network.plan_builds == builds, "timings": timings,
                               "schedule": schedule}
     if loss is not None:
@@ -194,8 +207,8 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"{model}: {schedule_label(plan.method, plan.levels)} on {be.name}, batch {x.shape[0]}, "
-               f"{dtype}")
+    click.echo(f"{model}: {schedule_label(plan.method, plan.levels)} on {be.name} ({cpu_threads()} CPU "
+               f"threads), batch {x.shape[0]}, {dtype}")
     for line in schedule_lines(schedule):
         click.echo(line)
     plan_note = "cache hit" if report["plan_cache_hit"] else "built"

@@ -18,26 +18,22 @@ from typing import IO, Any
 
 import click
 
-from sparse_scan import load_model
-from sparse_scan.optim import SGD, Adam
-from sparse_scan.scan import SCHEDULES
-from sparse_scan.train import RECORD_KEYS, epoch_summary, load_dataset, train
-from sparse_scan.weights import write_npz_atomically
+from sparse_scan._schedules import SCHEDULES
 
-from ._schedule import METHOD_HELP, schedule_label, schedule_lines
-from .app import (
+from ._common import (
     FiniteFloat,
     backend_or_fail,
     check_outputs,
     fail,
     load_weights,
-    main,
     max_step_flops_option,
     model_errors,
     parse_levels,
     pyplot,
+    threads_option,
     write_or_fail,
 )
+from ._schedule import METHOD_HELP, schedule_label, schedule_lines
 
 DEFAULT_LR = 0.003
 """``--lr`` default: Adam's (the default optimizer) rate that trains the bundled LeNet-5 on digits to
@@ -45,6 +41,8 @@ over 90 % test accuracy in 10 epochs; SGD usually wants 0.01-0.1 (with ``--momen
 
 
 def _optimizer(name: str, model: Any, lr: float, momentum: float) -> Any:
+    from sparse_scan.optim import SGD, Adam  # noqa: PLC0415 - not at import: --help comes first
+
     return SGD(model, lr=lr, momentum=momentum) if name == "sgd" else Adam(model, lr=lr)
 
 
@@ -103,7 +101,7 @@ class _Log:
             self.stream.close()
 
 
-@main.command(name="train")
+@click.command(name="train")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
 @click.option("--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, "
               "x_test, y_test")
@@ -123,6 +121,7 @@ class _Log:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="shuffling of the batches")
 @click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True)
+@threads_option
 @click.option("--compare-bp", is_flag=True, help="train a copy with back-propagation on the same batches")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=pathlib.Path),
               help="write the trained weights (.npz, state_dict names) after every epoch")
@@ -141,6 +140,10 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
                   quiet: bool) -> None:
     """Train MODEL with BPPSA gradients on a dataset: a line per epoch (loss, accuracy, time), the
     test accuracy at the end."""
+    import sparse_scan.train as training  # noqa: PLC0415 - not at import: --help and --threads first
+    from sparse_scan import load_model  # noqa: PLC0415
+    from sparse_scan.weights import write_npz_atomically  # noqa: PLC0415
+
     check_outputs(force, out=out, log=log_path, plot=plot)
     if optimizer_name == "adam" and momentum:
         fail("--momentum applies to --optimizer sgd only")
@@ -155,7 +158,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         classes = network.shapes(network.input_shape)[-1]
         if len(classes) != 1:
             fail(f"{model}: training needs a flat (classes,) output, the model gives {list(classes)}")
-        dataset = load_dataset(data, network.input_shape, classes[0])
+        dataset = training.load_dataset(data, network.input_shape, classes[0])
         plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
     schedule = schedule_label(plan.method, plan.levels)
     lines: IO[str] | None = None if quiet else (sys.stderr if as_json else sys.stdout)
@@ -171,7 +174,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         say(line)
     optimizer = _optimizer(optimizer_name, network, lr, momentum)
     pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
-    fields = list(RECORD_KEYS) + ([f"bp_{k}" for k in ("train_loss", "train_accuracy", "test_loss",
+    fields = list(training.RECORD_KEYS) + ([f"bp_{k}" for k in ("train_loss", "train_accuracy", "test_loss",
                                                          "test_accuracy")] if compare_bp else [])
     log = _Log(log_path, fields)
     epoch_records: list[dict[str, Any]] = []
@@ -184,7 +187,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         log.write(record)
         epoch_records.append(record)
         if (record["iteration"] + 1) % per_epoch == 0:  # the epoch's last batch
-            summaries.append(epoch_summary(epoch_records))
+            summaries.append(training.epoch_summary(epoch_records))
             epoch_records.clear()
             say(_epoch_line(summaries[-1], epochs))
             if out is not None:
@@ -192,8 +195,8 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
 
     records: list[dict[str, Any]] = []
     try:
-        records = train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels, seed,
-                        pair, device, on_iteration)
+        records = training.train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels,
+                                 seed, pair, device, on_iteration)
     except KeyboardInterrupt:
         if out is not None:
             save_weights()

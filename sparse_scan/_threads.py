@@ -16,15 +16,26 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-__all__ = ["cpu_threads", "even_parts", "kernel_pool", "run_parts", "step_pool", "worker_pool"]
+__all__ = ["THREADS_VARIABLE", "cpu_threads", "even_parts", "kernel_pool", "run_parts", "step_pool",
+           "worker_pool"]
 
 _POOL: ThreadPoolExecutor | None = None
 _STEP_POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
+THREADS_VARIABLE = "SPARSE_SCAN_THREADS"
+"""The environment variable that sets :func:`cpu_threads` (``sparse-scan --threads`` sets it too)."""
+
+
 def cpu_threads() -> int:
-    """CPU cores this process may run on."""
+    """The engine's worker threads: ``SPARSE_SCAN_THREADS`` when set (a positive int), else the CPU
+    cores this process may run on. Pools already made keep their size."""
+    configured = os.environ.get(THREADS_VARIABLE, "").strip()
+    if configured:
+        if not configured.isdigit() or int(configured) < 1:
+            raise ValueError(f"{THREADS_VARIABLE} must be a positive int, got {configured!r}")
+        return int(configured)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

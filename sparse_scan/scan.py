@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ._checks import is_int
+from ._schedules import METHODS, SCHEDULES
 from ._threads import cpu_threads, step_pool
 from .csr import Pattern
 from .spgemm import (
@@ -60,11 +61,6 @@ class ScanCostError(RuntimeError):
     expanding them is not), so a search over schedules can give up on one early.
     """
 
-METHODS = ("linear", "blelloch", "hybrid")
-"""The schedules a plan is built for."""
-
-SCHEDULES = ("auto",) + METHODS
-"""What a caller may ask for: ``auto`` chooses one of :data:`METHODS` (:meth:`Sequential.plan`)."""
 
 Segment = tuple[int, int]  # elements lo..hi (inclusive) combined: hi's JT applied last
 

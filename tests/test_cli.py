@@ -46,7 +46,8 @@ def test_unknown_command_is_a_usage_error(runner):
 
 def test_main_is_an_extensible_group(runner):
     assert isinstance(app.main, click.Group)
-    assert "main" in app.__all__ and "flops" in app.main.commands
+    assert "main" in app.__all__
+    assert app.main.list_commands(click.Context(app.main)) == ["eval", "flops", "run", "train"]
 
     @click.command("probe")
     def probe():
@@ -74,3 +75,65 @@ def test_subcommands_inherit_short_help_flag(runner):
         assert "Probe help text." in result.output
     finally:
         app.main.commands.pop("probe")
+
+
+def _median_seconds(command, runs=5):
+    import statistics
+    import subprocess
+    import time
+
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def test_help_and_version_start_at_once_without_numpy():
+    import subprocess
+    import sys
+
+    probe = ("import sys; from sparse_scan.cli.app import main\n"
+             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('numpy', 'scipy', 'mpi4py', 'yaml') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().endswith("[]"), done.stdout
+    click_s = _median_seconds([sys.executable, "-c", "import click"])
+    for flag in ("--help", "--version"):
+        seconds = _median_seconds([sys.executable, "-m", "sparse_scan.cli", flag])
+        assert seconds < max(0.3, 4 * click_s), (flag, seconds, click_s)  # a busy machine slows both
+
+
+def test_threads_option_sets_the_blas_pool_and_the_engine(monkeypatch):
+    import json
+    import os
+    import pathlib
+
+    from sparse_scan._threads import cpu_threads
+
+    for name in ("SPARSE_SCAN_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(name, "7")  # restored after the test
+    tiny = pathlib.Path(__file__).resolve().parents[1] / "data" / "tiny.yaml"
+    result = CliRunner().invoke(app.main, ["run", str(tiny), "--random", "2", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["threads"] == 1 == cpu_threads()
+    blas = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    assert {os.environ[name] for name in blas} == {"1"}
+    monkeypatch.setenv("SPARSE_SCAN_THREADS", "3")
+    assert cpu_threads() == 3
+    for bad in ("0", "two"):
+        monkeypatch.setenv("SPARSE_SCAN_THREADS", bad)
+        result = CliRunner().invoke(app.main, ["flops", str(tiny)])
+        assert result.exit_code == 2 and result.output.count("\n") == 1
+        assert f"SPARSE_SCAN_THREADS={bad!r}: must be a positive int" in result.output
+    monkeypatch.delenv("SPARSE_SCAN_THREADS")
+    result = CliRunner().invoke(app.main, ["run", str(tiny), "--random", "2", "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.output
+
+
+def test_the_combine_choices_are_the_librarys():
+    from sparse_scan.cli import run
+    from sparse_scan.distributed import COMBINES
+
+    assert run.COMBINES == COMBINES

@@ -90,7 +90,7 @@ def test_write_errors_are_one_line(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(app, "write_npz_atomically", refuse)
+    monkeypatch.setattr("sparse_scan.weights.write_npz_atomically", refuse)
     result = invoke("run", TINY, "--random", "2", "--out", tmp_path / "g.npz")
     one_line_error(result, "--out", "cannot write: Permission denied")
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from sparse_scan import load_model
 from sparse_scan.cli import app
-from sparse_scan.cli import train as train_cli
+import sparse_scan.train as training
 from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.optim import SGD, Adam
 from sparse_scan.train import DataError, Dataset, load_dataset, train
@@ -153,7 +153,7 @@ def test_existing_outputs_are_kept(tmp_path):
 def test_ctrl_c_keeps_the_weights_written_so_far(tmp_path, monkeypatch):
     spec, data_path = files(tmp_path)
 
-    real = train_cli.train
+    real = training.train
 
     def interrupted(model, data, optimizer, epochs, batch_size, *args):
         on_iteration = args[-1]
@@ -165,7 +165,7 @@ def test_ctrl_c_keeps_the_weights_written_so_far(tmp_path, monkeypatch):
 
         return real(model, data, optimizer, epochs, batch_size, *args[:-1], stop_in_epoch_two)
 
-    monkeypatch.setattr(train_cli, "train", interrupted)
+    monkeypatch.setattr(training, "train", interrupted)
     result = invoke(spec, "--data", data_path, "--batch-size", "16", "--epochs", "3", "--out",
                     tmp_path / "w.npz", "--log", tmp_path / "log.csv")
     assert result.exit_code == 130 and "interrupted" in result.output
