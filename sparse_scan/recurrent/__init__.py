@@ -9,14 +9,17 @@ blocks; the LSTM's ``(h, c)`` state gives ``(H_out+H)×(H_out+H)`` blocks), or, 
 schedule on the CPU, the blocks in factored form (no block filled).
 :class:`RecurrentClassifier` adds the paper's output layer (linear + softmax cross-entropy on the last
 hidden state), :class:`Bitstream` the paper's synthetic task and :func:`train_recurrent` training.
+:class:`RNNCell`, :class:`GRUCell` and :class:`LSTMCell` are one step each; :class:`CellSequence`
+back-propagates a user's loop over a cell with the same scan.
 """
 
 from ._base import chain_through_factors
 from .bitstream import Bitstream
+from .cells import CellSequence, GRUCell, LSTMCell, RNNCell
 from .classifier import RecurrentClassifier, train_recurrent
 from .gru import GRU
 from .lstm import LSTM
 from .rnn import RNN
 
-__all__ = ["GRU", "LSTM", "RNN", "Bitstream", "RecurrentClassifier", "chain_through_factors",
-           "train_recurrent"]
+__all__ = ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell", "RNNCell",
+           "RecurrentClassifier", "chain_through_factors", "train_recurrent"]

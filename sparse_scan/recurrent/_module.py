@@ -31,7 +31,7 @@ from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ..scan import checked_levels
 from ._base import Cell, Run, resolve_levels
 
-__all__ = ["RecurrentModule", "as_real_array", "legacy_alias"]
+__all__ = ["RecurrentModule", "as_real_array", "copy_parameters", "legacy_alias"]
 
 SHORT_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
 
@@ -45,6 +45,25 @@ def as_real_array(value: Any, label: str) -> Any:
     if array.dtype.kind not in "fiub":  # complex would lose its imaginary part
         raise ValueError(f"{label}: expected real numbers, got {array.dtype}")
     return array
+
+
+def copy_parameters(owner: Any, given: dict[str, Any], shapes: dict[str, tuple[int, ...]], label: str,
+                    shown: Any = lambda key: key) -> None:
+    """Set ``owner.<key>`` for every parameter, all or none: each must be given, real, of its shape
+    and finite (cast to ``owner.dtype``); ``shown(key)`` is its name in messages."""
+    unknown, missing = sorted(set(given) - set(shapes)), sorted(set(shapes) - set(given))
+    if unknown or missing:
+        raise ValueError(f"{label}: state_dict: unknown {unknown}, missing {missing}")
+    checked = {}
+    for key, value in given.items():
+        array = np.asarray(as_real_array(value, f"{label}: {shown(key)}"))
+        if array.shape != shapes[key]:
+            raise ValueError(f"{label}: {shown(key)}: expected shape {shapes[key]}, got {array.shape}")
+        if not np.all(np.isfinite(array)):
+            raise ValueError(f"{label}: {shown(key)}: values must be finite")
+        checked[key] = array.astype(owner.dtype)
+    for key, array in checked.items():
+        setattr(owner, key, array)
 
 
 def legacy_alias(short: str) -> property:
@@ -160,25 +179,12 @@ class RecurrentModule:
         ValueError
             A name is unknown or missing, or a value has the wrong shape or is not finite.
         """
-        label = f"layer {type(self).__name__}"
         shapes = self.parameter_shapes()
         single = self.num_layers * self.num_directions == 1
         given = {(f"{key}_l0" if single and key in SHORT_NAMES else key): value
                  for key, value in values.items()}
-        unknown, missing = sorted(set(given) - set(shapes)), sorted(set(shapes) - set(given))
-        if unknown or missing:
-            raise ValueError(f"{label}: state_dict: unknown {unknown}, missing {missing}")
-        checked = {}
-        for key, value in given.items():
-            short = key.split("_l")[0] if single else key
-            array = np.asarray(as_real_array(value, f"{label}: {short}"))
-            if array.shape != shapes[key]:
-                raise ValueError(f"{label}: {short}: expected shape {shapes[key]}, got {array.shape}")
-            if not np.all(np.isfinite(array)):
-                raise ValueError(f"{label}: {short}: values must be finite")
-            checked[key] = array.astype(self.dtype)
-        for key, array in checked.items():
-            setattr(self, key, array)
+        copy_parameters(self, given, shapes, f"layer {type(self).__name__}",
+                        (lambda key: key.split("_l")[0]) if single else (lambda key: key))
 
     def train(self, mode: bool = True) -> "RecurrentModule":
         """Training mode (dropout between layers applies) or not; returns the module."""
