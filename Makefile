@@ -12,7 +12,7 @@ RUFF_ARGS = --select E,W,F,I,B --line-length 110 --config "lint.isort.known-firs
 
 help:
 	@echo "make install      pip install -e '.[test]' into $(PYTHON)"
-	@echo "make demo         install, then run the main job on bundled data (Table 1, a scan on LeNet-5, FLOPs of pruned VGG-11)"
+	@echo "make demo         install the package alone, then run the main job on bundled data (Table 1, a scan on LeNet-5, FLOPs of pruned VGG-11)"
 	@echo "make test         install, then run the test suite (gpu tests skip where no GPU is usable)"
 	@echo "make test-gpu     install offline (no deps, no build isolation), run only the tests marked gpu"
 	@echo "make test-gpu-standin  install, run every gpu test on the CPU through the CuPy stand-in (none may"
@@ -54,7 +54,9 @@ bench-distributed: install
 bench: install
 	$(PYTHON) bench/jacobians.py --json $(BENCH_ARGS)
 
-demo: install
+# the demo needs the package alone (no test extra, no compiler): numpy, scipy, click, pyyaml
+demo:
+	$(PYTHON) -m pip install -e .
 	$(PYTHON) bench/jacobians.py --quick
 	$(PYTHON) -m sparse_scan.cli run data/lenet5.yaml --random 16 --method blelloch --check
 	$(PYTHON) -m sparse_scan.cli flops data/vgg11-pruned.yaml --method hybrid --levels 1
