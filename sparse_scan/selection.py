@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from ._host_kernels import kernels, launch, parts, rows2d
+from ._scaled_gather import THREAD_MIN_VALUES
+from ._threads import cpu_threads
 from .csr import Pattern
 
 __all__ = ["SelectionGather", "live_multiply_adds", "multiply_live", "plan_selection_gather"]
@@ -162,29 +165,19 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Any, b_data: An
     """Values of ``C`` (host arrays): zeros, then the live entries' multiply-adds.
 
     The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.
-    Returns ``(B, nnz_C)`` (a view of a buffer with one more, dummy, column per sample). The gathers
-    run on flat indices through ``take`` (``mode="clip"``: the plan's indices are valid by
-    construction) and the scatter on flat indices: NumPy's indexing along an axis of a batch is
-    several times slower.
+    Returns ``(B, nnz_C)``. Compiled (:func:`sparse_scan._numba_kernels.live_products`): per sample,
+    each column's live window position (its first non-zero entry, else the first) picks a row of the
+    slot tables, and each slot writes one product (exact: the live weight times the other operand's
+    entry). Large batches run one run of samples per core.
     """
     selection, other = (a_data, b_data) if gather.operand == "a" else (b_data, a_data)
+    dtype = np.result_type(a_data, b_data)
     batch = selection.shape[0]
-    window_values = np.take(selection, gather.entries, axis=1, mode="clip")  # (B, window, columns)
-    window_values *= gather.valid
-    live = np.argmax(window_values != 0, axis=1)  # a column without a live entry picks a zero
-    weight = np.take_along_axis(window_values, live[:, None, :], axis=1)[:, 0, :]
-    slots = gather.out_pos.shape[1]
-    flat = np.take(live.astype(gather.out_pos.dtype), gather.column_of_slot, axis=1, mode="clip")
-    flat *= slots
-    flat += np.arange(slots, dtype=flat.dtype)  # (B, slots): the slot in its live row
-    other_pos = np.take(gather.other_pos, flat, mode="clip")
-    if other.ndim == 2:
-        other_pos += np.arange(0, other.size, other.shape[1], dtype=other_pos.dtype)[:, None]
-    values = np.take(other, other_pos, mode="clip")
-    if not np.all(weight == 1):  # max-pool's live entries are ones: nothing to scale
-        values = values * np.take(weight, gather.column_of_slot, axis=1, mode="clip")
-    target = np.take(gather.out_pos, flat, mode="clip").astype(np.intp)
-    target += np.arange(0, batch * (out_nnz + 1), out_nnz + 1, dtype=np.intp)[:, None]
-    out = np.zeros((batch, out_nnz + 1), dtype=np.result_type(a_data, b_data))
-    out.reshape(-1)[target] = values
-    return out[:, :out_nnz]
+    out = np.empty((batch, out_nnz), dtype=dtype)
+    work = batch * (out_nnz + gather.live_multiply_adds)
+    workers = cpu_threads() if work >= THREAD_MIN_VALUES else 1
+    pieces = [(s0, s1) for s0, s1, _, _ in parts(batch, 1, workers)]
+    launch(kernels().live_products,
+           (rows2d(selection, dtype), rows2d(other, dtype), gather.entries, gather.valid,
+            gather.column_of_slot, gather.out_pos, gather.other_pos, out), pieces)
+    return out

@@ -40,6 +40,7 @@ import numpy as np
 import scipy.sparse
 
 from . import backend as _backend
+from ._host_kernels import kernels, launch, parts, rows2d
 from ._scaled_gather import THREAD_MIN_VALUES, scaled_gather
 from ._threads import cpu_threads, even_parts, kernel_pool, run_parts
 from .blocks import BlockProduct, block_layout, multiply_blocks, plan_block_product
@@ -50,7 +51,7 @@ __all__ = ["PlanBudgetError", "ProductPlan", "count_multiply_adds", "matvec", "m
 
 
 SCRATCH_BYTES = 256 * 2**20
-"""Default bound on the numeric phase's temporary products (per call, all samples together)."""
+"""Default bound on a ``block`` product's temporary GEMM operands (per call, all samples together)."""
 
 PRODUCT_PLAN_BYTES = 12
 """Stored bytes per multiply-add of a ``general`` plan (two int32 positions, a share of ``starts``)."""
@@ -326,24 +327,16 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: 
     return plan
 
 
-def _chunk_size(batch: int, itemsize: int, scratch_bytes: int) -> int:
-    """Multiply-adds per numeric chunk: their values for every sample, plus index work."""
-    return max(1, scratch_bytes // (batch * itemsize * 3 + PRODUCT_BUILD_BYTES))
-
-
-def _stored_chunk_size(itemsize: int, scratch_bytes: int) -> int:
-    """Multiply-adds per chunk of :func:`_multiply_stored`: one matrix's values and indices."""
-    return max(1, scratch_bytes // (itemsize + 16))
-
-
 def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
              scratch_bytes: int = SCRATCH_BYTES) -> Any:
     """Numeric phase of ``A @ B``: values of ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
     ``(nnz_C,)`` when both are shared, else ``(B, nnz_C)``. A diagonal operand's data holds its
-    diagonal. Temporary products stay within ``scratch_bytes`` (on the host). CuPy operands (both on
-    the GPU) run the scan's RawKernel or batched GEMMs (``_scan_gpu.multiply_gpu``).
+    diagonal. On the host, scalings, gathers and scalar products run compiled kernels
+    (:mod:`sparse_scan._host_kernels`) with no temporaries; ``block`` products keep their temporary
+    GEMM operands within ``scratch_bytes``. CuPy operands (both on the GPU) run the scan's RawKernel
+    or batched GEMMs (``_scan_gpu.multiply_gpu``).
     """
     devices = {_backend.of(a_data).name, _backend.of(b_data).name}
     if devices != {"cpu"}:
@@ -365,11 +358,13 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
     lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
     dtype = np.result_type(a_data, b_data)
     out = np.empty(lead + (plan.out.nnz,), dtype=dtype)
-    if plan.method in ("general", "gather"):
-        _multiply_stored(plan, a_data, b_data, out, _stored_chunk_size(dtype.itemsize, scratch_bytes))
-    else:
-        batch = int(np.prod(lead)) if lead else 1
-        _multiply_rowwise(plan, a_data, b_data, out, _chunk_size(batch, dtype.itemsize, scratch_bytes))
+    if out.size:
+        rows = out.reshape(-1, plan.out.nnz)
+        a, b = rows2d(a_data, dtype), rows2d(b_data, dtype)
+        if plan.method in ("general", "gather"):
+            _multiply_stored(plan, a, b, rows)
+        else:
+            _multiply_rowwise(plan, a, b, rows)
     return out
 
 
@@ -387,66 +382,50 @@ def _single_products(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
     return scaled_gather(b_data, a_data, plan.a_pos, values_index=plan.b_pos)
 
 
-def _multiply_stored(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limit: int) -> None:
-    """Stored multiply-adds as sparse matrix-vector products through SciPy's compiled kernels.
+def _workers(work: int) -> int:
+    """Threads for a kernel call of ``work`` multiply-adds (one below :data:`THREAD_MIN_VALUES`)."""
+    return cpu_threads() if work >= THREAD_MIN_VALUES else 1
 
-    With one operand's values fixed, ``C``'s values are linear in the other's: ``c = M x`` where
-    ``M`` (``nnz_C`` rows, one column per entry of ``x``'s operand) has the plan's pattern (row
-    ``e``: the multiply-adds of ``C`` entry ``e``, column: their ``x`` entry) and holds the fixed
-    operand's values at the multiply-adds (one gather). The vector operand is the per-sample one, so
-    a shared operand (conv weights) is gathered once and all samples go through one multi-vector
-    product; two per-sample operands take one product per sample. ``M`` is stored whole, explicit
-    zeros included, so ``C``'s pattern stays the symbolic one. ``limit`` bounds ``M``'s entries
-    held at once (chunks of ``C`` entries). Gathers go through ``take(mode="clip")`` (the plan's
-    positions are valid by construction): NumPy's fancy indexing is slower.
+
+def _multiply_stored(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """The stored multiply-adds, summed per ``C`` entry (compiled:
+    :func:`sparse_scan._numba_kernels.stored_products`).
+
+    ``a``/``b`` are ``(1 or B, nnz)``, ``out`` ``(B, nnz_C)``. Each entry is summed from zero in the
+    plan's order, as SciPy's CSR kernels sum a row, so the values equal those of the former SciPy
+    matrix-vector formulation bit for bit. Batches run one run of samples per core; one sample (or
+    operands shared by the batch) runs of ``C`` entries of about equal multiply-adds.
     """
-    swap = a_data.ndim == 2 and b_data.ndim == 1  # the vectors: the per-sample operand
-    vectors, fixed = (a_data, b_data) if swap else (b_data, a_data)
-    vector_pos, fixed_pos = (plan.a_pos, plan.b_pos) if swap else (plan.b_pos, plan.a_pos)
     starts, total = plan.starts, plan.multiply_adds
-    columns = vectors.shape[-1]
-    stacked = np.ascontiguousarray(vectors.T) if vectors.ndim == 2 and fixed.ndim == 1 else None
-    workers = cpu_threads() if total * (out.shape[0] if out.ndim == 2 else 1) >= THREAD_MIN_VALUES else 1
-    limit = max(1, min(limit // workers, -(-total // workers)))  # a chunk per core, within the scratch
-    chunks, entry = [], 0
-    while entry < plan.out.nnz:
-        stop = max(int(np.searchsorted(starts, int(starts[entry]) + limit, side="right")), entry + 1)
-        chunks.append((entry, stop))
-        entry = stop
-
-    def run(entry: int, stop: int) -> None:  # C entries entry .. stop - 1
-        first = int(starts[entry])
-        last = int(starts[stop]) if stop < plan.out.nnz else total
-        indptr = np.append(starts[entry:stop], starts.dtype.type(last)) - starts.dtype.type(first)
-        pattern = Pattern(indptr, vector_pos[first:last], (stop - entry, columns))
-        positions = fixed_pos[first:last]
-        if fixed.ndim == 1:
-            matrix = _scipy_matrix(pattern, np.take(fixed, positions, mode="clip"))
-            result = matrix @ (vectors if stacked is None else stacked)
-            out[..., entry:stop] = result if stacked is None else result.T
-        else:
-            for sample in range(out.shape[0]):
-                matrix = _scipy_matrix(pattern, np.take(fixed[sample], positions, mode="clip"))
-                out[sample, entry:stop] = matrix @ (vectors if vectors.ndim == 1 else vectors[sample])
-
-    run_parts(kernel_pool(), run, chunks)
+    batch, nnz = out.shape
+    pieces = parts(batch, nnz, _workers(total * batch))
+    if len(pieces) > 1 and batch < len(pieces):  # cut by multiply-adds, not by entries
+        targets = np.linspace(0, total, len(pieces) + 1)[1:-1].astype(starts.dtype)
+        cuts = np.concatenate(([0], np.searchsorted(starts, targets), [nnz]))  # same dtype: no copy
+        pieces = [(0, batch, int(e0), int(e1)) for e0, e1 in zip(cuts[:-1], cuts[1:], strict=True)
+                  if e1 > e0]
+    launch(kernels().stored_products, (a, b, plan.a_pos, plan.b_pos, starts, total, out),
+           [piece + (nnz,) for piece in pieces])
 
 
-def _multiply_rowwise(plan: ProductPlan, a_data: Any, b_data: Any, out: Any, limit: int) -> None:
-    a, b = plan.operands
-    c_indptr = np.asarray(plan.out.indptr, dtype=np.int64)
-    bounds = _row_chunks(_products_per_row(a, b), limit)  # plain arithmetic, no pattern search
-    for row_start, row_stop in zip(bounds[:-1], bounds[1:], strict=True):
-        a_pos, b_pos, keys = _expand(a, b, int(row_start), int(row_stop))
-        first, last = int(c_indptr[row_start]), int(c_indptr[row_stop])
-        if first == last:
-            continue
-        # products sorted by C entry: their keys then run through the chunk's entries in order
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        sums_at = np.flatnonzero(np.concatenate(([True], sorted_keys[1:] != sorted_keys[:-1])))
-        products = a_data[..., a_pos[order]] * b_data[..., b_pos[order]]
-        out[..., first:last] = np.add.reduceat(products, sums_at, axis=-1)
+def _multiply_rowwise(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """The lean method: every row of ``C`` expanded from the operands' patterns and summed into its
+    stored entries (compiled: :func:`sparse_scan._numba_kernels.rowwise_products`), nothing stored
+    per multiply-add. Batches run one run of samples per core; one sample runs of rows."""
+    pa, pb = plan.operands
+    c = plan.out
+    batch = out.shape[0]
+    rows = c.shape[0]
+    pieces = parts(batch, rows, _workers(plan.multiply_adds * batch))
+    if len(pieces) > 1 and batch < len(pieces):  # cut rows by C entries
+        indptr = np.asarray(c.indptr)
+        targets = np.linspace(0, c.nnz, len(pieces) + 1)[1:-1].astype(indptr.dtype)
+        cuts = np.concatenate(([0], np.searchsorted(indptr, targets), [rows]))
+        pieces = [(0, batch, int(r0), int(r1)) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True)
+                  if r1 > r0]
+    launch(kernels().rowwise_products,
+           (np.asarray(pa.indptr), np.asarray(pa.indices), np.asarray(pb.indptr), np.asarray(pb.indices),
+            np.asarray(c.indptr), np.asarray(c.indices), c.shape[1], a, b, out), pieces)
 
 
 MATVEC_THREAD_MIN = 2**21
@@ -471,7 +450,8 @@ def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
     if data.ndim == 1:
         stacked = np.ascontiguousarray(vectors.T)
         indptr = np.asarray(pattern.indptr)
-        cuts = np.searchsorted(indptr, np.linspace(0, pattern.nnz, workers + 1)[1:-1])
+        targets = np.linspace(0, pattern.nnz, workers + 1)[1:-1].astype(indptr.dtype)
+        cuts = np.searchsorted(indptr, targets)  # same dtype: NumPy would copy indptr to convert it
         bounds = np.concatenate(([0], cuts, [rows])).astype(np.int64)
 
         def rows_run(first: int, last: int) -> None:

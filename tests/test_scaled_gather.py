@@ -1,4 +1,5 @@
-"""The host scaling kernel against NumPy's one-shot expression, on every operand layout."""
+"""The host scaling kernel (compiled) against NumPy's one-shot expression, on every operand layout:
+bit for bit."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from sparse_scan._scaled_gather import scaled_gather
 
 @pytest.fixture(params=["inline", "pieces on threads"])
 def pieces(request, monkeypatch):
-    """Run small inputs through many pieces and the thread pool too (as large ones would)."""
+    """Run small inputs through blocks and the thread pool too (as large ones would): runs of samples
+    for a batch, runs of entries for one sample."""
     if request.param == "pieces on threads":
-        monkeypatch.setattr(_scaled_gather, "PIECE_ENTRIES", 7)
+        monkeypatch.setattr(_scaled_gather, "BLOCK_ENTRIES", 7)
         monkeypatch.setattr(_scaled_gather, "THREAD_MIN_VALUES", 1)
         monkeypatch.setattr(_scaled_gather, "cpu_threads", lambda: 3)
     return request.param

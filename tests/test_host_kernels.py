@@ -1,0 +1,215 @@
+"""The compiled host kernels (numba) against independent oracles, and how they are loaded.
+
+Oracles: SciPy's ``A @ B`` per sample (its CSR product sums every entry from zero in the order
+(A entry, B entry), as the compiled general and row-wise products do: equal bit for bit), NumPy's
+one-shot expressions for scalings, dense products for selection gathers, and a reshape-argmax for the
+2x2 max-pool values.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from sparse_scan import _host_kernels, spgemm
+from sparse_scan.csr import Pattern
+from sparse_scan.layers import Conv2d, MaxPool2d
+from sparse_scan.spgemm import multiply, plan_product
+
+DTYPES = [np.float32, np.float64]
+INDEX_DTYPES = [np.int32, np.int64]
+
+
+def random_operand(rng, rows, cols, density, index_dtype):
+    """A random CSR pattern."""
+    m = sp.random(rows, cols, density=density, format="csr", random_state=rng)
+    return Pattern(m.indptr.astype(index_dtype), m.indices.astype(index_dtype), m.shape)
+
+
+def values_for(rng, pattern, batch, per_sample, dtype, zeros=0.2):
+    """Values on ``pattern``, shared or per sample, a share of them explicit zeros."""
+    shape = (batch, pattern.nnz) if per_sample else (pattern.nnz,)
+    values = rng.standard_normal(shape)
+    values[rng.random(shape) < zeros] = 0.0  # explicit zeros: they stay in the pattern
+    return values.astype(dtype)
+
+
+def scipy_product(pa, a_values, pb, b_values):
+    a = sp.csr_matrix((a_values, pa.indices, pa.indptr), pa.shape)
+    b = sp.csr_matrix((b_values, pb.indices, pb.indptr), pb.shape)
+    return (a @ b).toarray()
+
+
+def dense(pattern, values):
+    out = np.zeros(pattern.shape, dtype=values.dtype)
+    rows = np.repeat(np.arange(pattern.shape[0]), np.diff(np.asarray(pattern.indptr, np.int64)))
+    out[rows, pattern.indices] = values
+    return out
+
+
+def sample(values, s):
+    return values if values.ndim == 1 else values[s]
+
+
+def threads(monkeypatch, on):
+    if on:  # every call large enough to cut over (more workers than samples, or fewer)
+        monkeypatch.setattr(spgemm, "THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(spgemm, "cpu_threads", lambda: 3)
+
+
+@pytest.mark.parametrize("method", ["general", "rowwise"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("per_sample", ["neither", "a", "b", "both"])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_scalar_products_equal_scipy_bit_for_bit(monkeypatch, method, dtype, index_dtype, per_sample,
+                                                 threaded):
+    threads(monkeypatch, threaded)
+    rng = np.random.default_rng([len(method), np.dtype(dtype).itemsize, np.dtype(index_dtype).itemsize])
+    batch = 4
+    pa = random_operand(rng, 37, 29, 0.2, index_dtype)
+    pb = random_operand(rng, 29, 41, 0.25, index_dtype)
+    a_values = values_for(rng, pa, batch, per_sample in ("a", "both"), dtype)
+    b_values = values_for(rng, pb, batch, per_sample in ("b", "both"), dtype)
+    stored = plan_product(pa, pb, "general", "general", index_dtype=index_dtype)
+    plan = stored if method == "general" else plan_product(
+        pa, pb, "general", "general", index_dtype=index_dtype, budget_bytes=stored.multiply_adds * 11)
+    assert plan.method == method and plan.starts is not None or method == "rowwise"
+    assert plan.out.index_dtype == index_dtype
+    got = multiply(plan, a_values, b_values)
+    assert got.dtype == dtype and got.shape[-1] == plan.out.nnz == stored.out.nnz
+    assert got.shape == ((plan.out.nnz,) if per_sample == "neither" else (batch, plan.out.nnz))
+    for s in range(1 if got.ndim == 1 else batch):
+        want = scipy_product(pa, sample(a_values, s), pb, sample(b_values, s))
+        np.testing.assert_array_equal(dense(plan.out, sample(got, s)), want)
+
+
+def test_explicit_zeros_stay_in_the_pattern():
+    a = Pattern(np.array([0, 2]), np.array([0, 1]), (1, 2))
+    b = Pattern(np.array([0, 1, 2]), np.array([0, 0]), (2, 1))
+    for plan in (plan_product(a, b, "general", "general"),
+                 plan_product(a, b, "general", "general", budget_bytes=23)):
+        got = multiply(plan, np.array([1.0, -1.0]), np.array([[2.0, 2.0], [0.0, 0.0]]))
+        assert plan.out.nnz == 1 and got.shape == (2, 1)
+        np.testing.assert_array_equal(got, [[0.0], [0.0]])  # SciPy would drop both
+
+
+@pytest.mark.parametrize("kind", ["scale_rows", "scale_columns"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("per_sample", ["neither", "diagonal", "other", "both"])
+def test_scalings_equal_the_dense_products(kind, dtype, index_dtype, per_sample):
+    rng = np.random.default_rng(3)
+    batch, n = 3, 23
+    other = random_operand(rng, n, n, 0.3, index_dtype)
+    diagonal = Pattern(np.arange(n + 1, dtype=index_dtype), np.arange(n, dtype=index_dtype), (n, n))
+    d_values = values_for(rng, diagonal, batch, per_sample in ("diagonal", "both"), dtype)
+    o_values = values_for(rng, other, batch, per_sample in ("other", "both"), dtype)
+    if kind == "scale_rows":
+        plan = plan_product(diagonal, other, "diagonal", "general")
+        got = multiply(plan, d_values, o_values)
+    else:
+        plan = plan_product(other, diagonal, "general", "diagonal")
+        got = multiply(plan, o_values, d_values)
+    assert plan.method == kind and plan.out.same_as(other)
+    for s in range(1 if got.ndim == 1 else batch):
+        d, o = np.diag(sample(d_values, s)), dense(other, sample(o_values, s))
+        want = d @ o if kind == "scale_rows" else o @ d
+        np.testing.assert_array_equal(dense(plan.out, sample(got, s)), want)
+
+
+@pytest.mark.parametrize("pool_first", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("per_sample_other", [False, True])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_selection_gathers_equal_the_dense_products(monkeypatch, pool_first, dtype, index_dtype,
+                                                    per_sample_other, threaded):
+    threads(monkeypatch, threaded)
+    monkeypatch.setattr("sparse_scan.selection.THREAD_MIN_VALUES", 1 if threaded else 2**18)
+    monkeypatch.setattr("sparse_scan.selection.cpu_threads", lambda: 3)
+    rng = np.random.default_rng(11)
+    batch = 5
+    pool = MaxPool2d(2)
+    if pool_first:
+        x = rng.standard_normal((batch, 2, 6, 8)).astype(dtype)
+        conv = Conv2d(2, 3, 3, padding=1, dtype=dtype, rng=1)
+        a = pool.transposed_jacobian(x, index_dtype=index_dtype)
+        b = conv.transposed_jacobian(pool.forward(x), index_dtype=index_dtype)
+    else:
+        conv = Conv2d(3, 2, 3, padding=1, dtype=dtype, rng=1)
+        x = rng.standard_normal((batch, 3, 6, 8)).astype(dtype)
+        a = conv.transposed_jacobian(x, index_dtype=index_dtype)
+        b = pool.transposed_jacobian(conv.forward(x), index_dtype=index_dtype)
+    a_values, b_values = a.data, b.data
+    if per_sample_other:
+        if pool_first:
+            b_values = (np.broadcast_to(b_values, (batch, b.nnz)) * rng.standard_normal((batch, b.nnz))
+                        ).astype(dtype)
+        else:
+            a_values = (np.broadcast_to(a_values, (batch, a.nnz)) * rng.standard_normal((batch, a.nnz))
+                        ).astype(dtype)
+    kinds = ("selection", "general") if pool_first else ("general", "selection")
+    plan = plan_product(a.pattern, b.pattern, *kinds, index_dtype=index_dtype)
+    assert plan.method == "gather" and (plan.selection is None) == pool_first
+    assert plan.out.index_dtype == index_dtype
+    got = multiply(plan, a_values, b_values)
+    assert got.dtype == dtype and got.shape == (batch, plan.out.nnz)
+    for s in range(batch):
+        want = dense(a.pattern, sample(a_values, s)) @ dense(b.pattern, sample(b_values, s))
+        np.testing.assert_array_equal(dense(plan.out, got[s]), want)  # one product per entry: exact
+
+
+def test_stored_products_cut_by_multiply_adds_not_entries(monkeypatch):
+    threads(monkeypatch, True)
+    calls = []
+    real = _host_kernels.launch
+
+    def record(kernel, args, pieces):
+        calls.append(pieces)
+        return real(kernel, args, pieces)
+
+    monkeypatch.setattr(spgemm, "launch", record)
+    rows = np.array([0, 30, 31, 32, 33, 34, 35])  # the first row of A is dense: most of the work
+    a = Pattern(rows, np.concatenate((np.arange(30), np.zeros(5, int))), (6, 30))
+    b = Pattern(np.arange(31), np.zeros(30, int), (30, 1))
+    plan = plan_product(a, b, "general", "general")
+    assert plan.out.nnz == 6
+    got = multiply(plan, np.ones(35), np.ones(30))
+    np.testing.assert_array_equal(got, [30, 1, 1, 1, 1, 1])
+    assert calls[-1][0][:4] == (0, 1, 0, 1)  # the first entry alone is about a third of the work
+
+
+def test_numba_is_not_imported_by_the_package_or_the_cli():
+    code = ("import sys, sparse_scan, sparse_scan.cli.app, sparse_scan.spgemm, sparse_scan.layers; "
+            "assert 'numba' not in sys.modules, 'numba imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cache_directory_falls_back_only_when_the_package_folder_is_read_only(tmp_path, monkeypatch):
+    package = tmp_path / "package"
+    package.mkdir()
+    assert _host_kernels.cache_directory({}, package) is None  # numba's default: __pycache__ there
+    assert _host_kernels.cache_directory({"NUMBA_CACHE_DIR": "/x"}, package) is None
+    real = _host_kernels._writable
+    monkeypatch.setattr(_host_kernels, "_writable",
+                        lambda folder: not str(folder).startswith(str(package)) and real(folder))
+    chosen = _host_kernels.cache_directory({"XDG_CACHE_HOME": str(tmp_path / "cache")}, package)
+    assert chosen == str(tmp_path / "cache" / "sparse-scan" / "numba")
+    assert _host_kernels.cache_directory({"NUMBA_CACHE_DIR": "/x"}, package) is None
+
+
+def test_kernels_load_from_a_fallback_cache_in_a_fresh_process(tmp_path):
+    # numba reads NUMBA_CACHE_DIR: a process pointed at an empty folder compiles there, the next loads
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = ("import numpy as np; from sparse_scan._scaled_gather import scaled_gather; "
+            "assert (scaled_gather(np.ones(3), np.arange(2.0), np.array([0, 1, 1])) == [0, 1, 1]).all()")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    assert any(p.suffix == ".nbi" for p in pathlib.Path(tmp_path).rglob("*"))
