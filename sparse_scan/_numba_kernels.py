@@ -121,3 +121,58 @@ def live_products(selection, other, entries, valid, column_of_slot, out_pos, oth
             p = out_pos[live, t]
             if p < out_nnz:
                 o[p] = ov[u(other_pos[live, t])] * weight
+
+
+@njit(**_OPTIONS, inline="always")
+def _max_pool_window(x, top, bottom, out, top_out, bottom_out):
+    """One 2x2 window: inputs ``x[top:top + 2]`` over ``x[bottom:bottom + 2]``, values likewise in
+    ``out``. The first maximum in PyTorch's order (a, b / p, q) as selects on a column-first
+    comparison: the left column's winner (p only if p > a), the right column's (q only if q > b),
+    then the right one if it is greater, or equal while it is on top and the left one is not.
+    Returns the window's NaN count."""
+    a, b = x[u(top)], x[u(top + 1)]
+    p, q = x[u(bottom)], x[u(bottom + 1)]
+    bottom_left = p > a
+    bottom_right = q > b
+    left = max(p, a)
+    right = max(q, b)
+    take_right = (right > left) | ((right == left) & (not bottom_right) & bottom_left)
+    out[u(top_out)] = (not take_right) & (not bottom_left)
+    out[u(top_out + 1)] = take_right & (not bottom_right)
+    out[u(bottom_out)] = (not take_right) & bottom_left
+    out[u(bottom_out + 1)] = take_right & bottom_right
+    return (a != a) + (b != b) + (p != p) + (q != q)
+
+
+@njit(**_OPTIONS, inline="always")
+def _max_pool_row_pair(x, top, bottom, out, top_out, bottom_out, windows):
+    """One row of 2x2 windows (flat arrays and offsets: views would cost reference counting per
+    row), eight windows at a time with a constant trip count (rows are short: a loop vectoriser
+    would leave them to its scalar remainder; unrolled, the SLP vectoriser packs them)."""
+    nans = 0
+    w = 0
+    while w + 8 <= windows:
+        for k in range(8):
+            nans += _max_pool_window(x, top + 2 * (w + k), bottom + 2 * (w + k), out,
+                                     top_out + 2 * (w + k), bottom_out + 2 * (w + k))
+        w += 8
+    for k in range(w, windows):
+        nans += _max_pool_window(x, top + 2 * k, bottom + 2 * k, out, top_out + 2 * k, bottom_out + 2 * k)
+    return nans
+
+
+@njit(**_OPTIONS)
+def max_pool_2x2(x, out, planes, height, width, out_height, out_width, p0, p1):
+    """Max-pool values of 2x2 windows of stride 2 without padding, every window full, for the
+    (sample, channel) planes ``p0:p1``: ``x`` is the flat ``(B, C, H, W)`` input, ``out`` the flat
+    ``(B, C, 2 Ho, 2 Wo)`` values (the JT's entries in input order), 1 at each window's first maximum
+    and 0 elsewhere. Returns whether a window holds a NaN. Branch-free per window (a generic loop
+    over window offsets does not vectorise)."""
+    nans = 0
+    row, row_out = width, 2 * out_width
+    for plane in range(p0, p1):
+        base, base_out = plane * height * width, plane * 4 * out_height * out_width
+        for oh in range(out_height):
+            top, top_out = base + 2 * oh * row, base_out + 2 * oh * row_out
+            nans += _max_pool_row_pair(x, top, top + row, out, top_out, top_out + row_out, out_width)
+    return nans > 0

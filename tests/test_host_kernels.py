@@ -213,3 +213,34 @@ def test_kernels_load_from_a_fallback_cache_in_a_fresh_process(tmp_path):
     for _ in range(2):
         subprocess.run([sys.executable, "-c", code], check=True, env=env)
     assert any(p.suffix == ".nbi" for p in pathlib.Path(tmp_path).rglob("*"))
+
+
+def max_pool_oracle(x):
+    """1 at each 2x2 window's first maximum (row-major order), on the windows' inputs in input order."""
+    batch, channels, height, width = x.shape
+    ho, wo = height // 2, width // 2
+    windows = x[:, :, :2 * ho, :2 * wo].reshape(batch, channels, ho, 2, wo, 2).transpose(0, 1, 2, 4, 3, 5)
+    first = windows.reshape(batch, channels, ho, wo, 4).argmax(axis=-1)  # argmax: the first maximum
+    ones = np.eye(4, dtype=x.dtype)[first].reshape(batch, channels, ho, wo, 2, 2)
+    return ones.transpose(0, 1, 2, 4, 3, 5).reshape(batch, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [(8, 8), (7, 9), (4, 34), (2, 2)])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_two_by_two_max_pool_values_equal_the_first_maximum(monkeypatch, dtype, size, threaded):
+    from sparse_scan.layers import pooling
+
+    if threaded:
+        monkeypatch.setattr(pooling, "THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(pooling, "cpu_threads", lambda: 3)
+    rng = np.random.default_rng(size)
+    x = rng.integers(-2, 3, (3, 2) + size).astype(dtype)  # many ties
+    x[0, 0, :2, :2] = [[0.0, -0.0], [-0.0, 0.0]]  # signed zeros tie
+    layer = MaxPool2d(2)
+    got = layer.transposed_jacobian(x).data
+    np.testing.assert_array_equal(got, max_pool_oracle(x))
+    assert np.signbit(got).sum() == 0
+    x[2, 1, size[0] // 2 * 2 - 1, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        layer.transposed_jacobian(x)

@@ -39,6 +39,9 @@ import numpy as np
 from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag
+from .._host_kernels import kernels, launch
+from .._scaled_gather import THREAD_MIN_VALUES
+from .._threads import cpu_threads, even_parts
 from ..csr import Pattern, choose_index_dtype
 from ._base import Layer, Shape
 from ._geometry import IntPair, output_size, pair
@@ -236,7 +239,10 @@ def _window_max(xp: Any, x: Any, g: PoolGeometry) -> Any:
 def _max_selection_cpu(
     be: _backend.Backend, x: np.ndarray, aux: dict[str, Any], nnz: int
 ) -> tuple[np.ndarray, bool]:
-    """NumPy twin: 1 at each window's first maximum; also whether some window's maximum is NaN.
+    """CPU twin: 1 at each window's first maximum; also whether some window's maximum is NaN.
+
+    2x2 windows of stride 2 (VGG's pools) run a compiled kernel (:func:`_max_selection_2x2`); other
+    geometries the NumPy passes below (a generic compiled port measured no faster than them).
 
     One pass per window offset, tracking the selected JT entry itself. It starts at the window's
     first real element and moves only to a strictly greater element (padding is -inf and never
@@ -247,6 +253,8 @@ def _max_selection_cpu(
     zeroed buffer through flat indices.
     """
     g = aux["geometry"]
+    if _two_by_two(g):
+        return _max_selection_2x2(x, g, nnz)
     slot = aux["slot"]
     views = _window_views(np, x, g, -np.inf)
     best = next(views).copy()
@@ -266,6 +274,34 @@ def _max_selection_cpu(
     data = np.zeros((batch, nnz), dtype=x.dtype)
     data.reshape(-1)[flat] = 1
     return data, bool(np.isnan(best).any())
+
+
+def _two_by_two(g: PoolGeometry) -> bool:
+    """2x2 windows of stride 2, no padding or dilation, every window inside the input."""
+    return (g.kernel == (2, 2) and g.stride == (2, 2) and g.padding == (0, 0) and g.dilation == (1, 1)
+            and 2 * g.out_height <= g.height and 2 * g.out_width <= g.width)
+
+
+def _max_selection_2x2(x: np.ndarray, g: PoolGeometry, nnz: int) -> tuple[np.ndarray, bool]:
+    """The compiled 2x2 case (:func:`sparse_scan._numba_kernels.max_pool_2x2`): each input row pair
+    holds a row of windows, and the JT's entries are the windows' inputs in input order, so the
+    values are ``(B, C, 2 Ho, 2 Wo)``; runs of (sample, channel) planes per core."""
+    batch = x.shape[0]
+    data = np.empty((batch, nnz), dtype=x.dtype)
+    planes = batch * g.channels
+    workers = cpu_threads() if data.size >= THREAD_MIN_VALUES else 1
+    pieces = even_parts(planes, workers)
+    flags = [False] * len(pieces)
+    flat_x, flat_data = np.ascontiguousarray(x).reshape(-1), data.reshape(-1)
+    kernel = kernels().max_pool_2x2
+
+    def run(index: int) -> None:
+        p0, p1 = pieces[index]
+        flags[index] = kernel(flat_x, flat_data, planes, g.height, g.width, g.out_height, g.out_width,
+                              p0, p1)
+
+    launch(run, (), [(i,) for i in range(len(pieces))])
+    return data, any(flags)
 
 
 def _max_selection_gpu(
