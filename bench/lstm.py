@@ -1,0 +1,205 @@
+"""LSTM backward through BPPSA against PyTorch autograd at the paper's RNN sizes, and its bitstream
+training curve against PyTorch's.
+
+The paper's RNN setting (H=20, input 1, 10 classes, loss on the last hidden state, bitstream data) with
+an LSTM cell: a T sweep at B=16 and a B sweep at T=1000. Per configuration, the median over repeats of
+one backward pass per iteration:
+
+- ``blelloch``, ``hybrid-auto`` and ``linear``: our ``LSTM.backward`` (the ``(h, c)`` state's
+  ``2H×2H`` blocks, the scan, input and parameter gradients); on the CPU back-propagation's schedule
+  (``linear``, or ``hybrid-auto`` at depth 0) fills no block: it applies the factored block, one
+  ``(B, 4H) × (4H, H)`` GEMM per step. The scan alone and the block fill are reported beside;
+- ``torch``: ``loss.backward()`` through ``nn.LSTM`` with the same weights, in a fresh process of
+  its own (PyTorch's OpenMP threads slow NumPy work in a shared process, and are slowed by it), with
+  the largest relative difference of our gradients from its.
+
+Our contenders are timed in turn within each round (medians over the rounds), after a warm-up round.
+``--curve`` trains the paper's classifier with an LSTM for ``--iterations`` (100) Adam steps with
+BPPSA (``blelloch``) and with PyTorch on the same batches and reports both loss curves and their
+largest relative difference. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+from common import machine
+from rnn import interleaved, repeats_for, timed
+
+from sparse_scan import backend
+from sparse_scan.dense_scan import dense_scan
+from sparse_scan.optim import Adam
+from sparse_scan.recurrent import LSTM, Bitstream, RecurrentClassifier, train_recurrent
+from sparse_scan.scan import depth
+
+SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
+HIDDEN = 20
+
+
+def problem(steps: int, batch: int) -> tuple[LSTM, np.ndarray, np.ndarray]:
+    """The LSTM (seeded weights), bitstream inputs and the gradient w.r.t. the last hidden state: the
+    same in every process."""
+    x, _ = Bitstream(steps, samples=batch, seed=0).batch(np.arange(batch))
+    seed = np.random.default_rng(steps * 1000 + batch).standard_normal((batch, HIDDEN)).astype(np.float32)
+    return LSTM(1, HIDDEN, batch_first=True, rng=0), x, seed
+
+
+def torch_worker(steps: int, batch: int, repeats: int, out: pathlib.Path) -> dict[str, Any]:
+    """PyTorch's forward and autograd's backward in this process alone; the gradients go to ``out``."""
+    import torch
+
+    lstm, x, seed = problem(steps, batch)
+    module = torch.nn.LSTM(1, HIDDEN, batch_first=True)
+    with torch.no_grad():
+        for key, value in module.named_parameters():
+            value.copy_(torch.from_numpy(getattr(lstm, key)))
+    inputs, grad_last = torch.from_numpy(x), torch.from_numpy(seed)
+
+    def loss() -> Any:
+        module.zero_grad()
+        return (module(inputs)[0][:, -1] * grad_last).sum()
+
+    seconds = interleaved({"forward_s": timed(lambda: module(inputs), lambda: None),
+                           "backward_s": lambda: timed(loss().backward, lambda: None)()}, repeats)
+    loss().backward()
+    np.savez(out, **{key: value.grad.numpy() for key, value in module.named_parameters()})
+    return seconds
+
+
+def torch_baseline(steps: int, batch: int, repeats: int, grads: pathlib.Path) -> dict[str, Any] | None:
+    command = [sys.executable, __file__, "--worker", "--steps", str(steps), "--batches", str(batch),
+               "--repeats", str(repeats), "--out", str(grads)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        if "ModuleNotFoundError" in result.stderr:
+            return None
+        raise RuntimeError(f"torch baseline failed:\n{result.stderr}")
+    return json.loads(result.stdout)
+
+
+def measure(steps: int, batch: int) -> dict[str, Any]:
+    lstm, x, seed = problem(steps, batch)
+    repeats = repeats_for(steps, batch)
+    lstm.forward(x)
+    run = lstm._single_run()
+    blocks = lstm.transposed_jacobians()
+    resolved = {label: (None if levels is None else
+                        lstm_levels(steps, batch)) for label, _, levels in SCHEDULES}
+    timers = {"forward": timed(lambda: lstm.forward(x), lambda: None),
+              "blocks": timed(lstm.transposed_jacobians, lambda: None)}
+    state_seed = np.concatenate([seed, np.zeros_like(seed)], axis=1)
+    for label, method, levels in SCHEDULES:
+        timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: lstm.backward(seed, m, lv),
+                                            lambda: None)
+        level = resolved[label]
+        if method == "linear" or level == 0:
+            timers[f"{label}_scan"] = timed(lambda: run.factored_chain(state_seed), lambda: None)
+        else:
+            timers[f"{label}_scan"] = timed(lambda m=method, lv=level: dense_scan(blocks, state_seed, m, lv),
+                                            lambda: None)
+    seconds = interleaved(timers, repeats)
+    with tempfile.TemporaryDirectory() as folder:
+        grads_file = pathlib.Path(folder) / "torch.npz"
+        baseline = torch_baseline(steps, batch, repeats, grads_file)
+        torch_grads = dict(np.load(grads_file)) if baseline is not None else None
+    row: dict[str, Any] = {"model": "lstm", "T": steps, "B": batch, "input": 1, "H": HIDDEN,
+                           "state": 2 * HIDDEN, "repeats": repeats, "auto_levels": resolved["hybrid-auto"],
+                           "depth": depth(steps),
+                           "forward_s": seconds["forward"], "blocks_s": seconds["blocks"]}
+    for label, method, levels in SCHEDULES:
+        entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"]}
+        if baseline is not None:
+            result = lstm.backward(seed, method, levels)
+            entry["max_rel_error_vs_torch"] = max(
+                float(np.abs(result[key.removesuffix("_l0")] - value).max() / max(np.abs(value).max(), 1e-30))
+                for key, value in torch_grads.items())
+            entry["speedup_vs_torch"] = baseline["backward_s"] / entry["backward_s"]
+        row[label] = entry
+    if baseline is not None:
+        row["torch"] = baseline
+    return row
+
+
+def lstm_levels(steps: int, batch: int) -> int:
+    from sparse_scan.dense_scan import auto_levels  # noqa: PLC0415
+
+    return auto_levels(steps, batch, 2 * HIDDEN, "cpu", factored=True)
+
+
+def curve(steps: int, iterations: int, batch: int, lr: float) -> dict[str, Any]:
+    """BPPSA's and PyTorch's bitstream training curves on the same batches."""
+    import torch
+
+    data = Bitstream(steps=steps, samples=max(32000 // max(steps // 100, 1), 4 * batch), seed=0)
+    model = RecurrentClassifier(LSTM(1, HIDDEN, rng=0), classes=10, rng=1)
+    module, head = torch.nn.LSTM(1, HIDDEN, batch_first=True), torch.nn.Linear(HIDDEN, 10)
+    with torch.no_grad():
+        for key, value in module.named_parameters():
+            value.copy_(torch.from_numpy(getattr(model.recurrent, key)))
+        head.weight.copy_(torch.from_numpy(model.fc.weight))
+        head.bias.copy_(torch.from_numpy(model.fc.bias))
+    ours = [r["loss"] for r in train_recurrent(model, data, Adam(model, lr=lr), iterations, batch,
+                                               method="blelloch", seed=1)]
+    optimizer = torch.optim.Adam(list(module.parameters()) + list(head.parameters()), lr=lr)
+    order, position, theirs = np.random.default_rng(1), 0, []
+    permutation = order.permutation(len(data))
+    for _ in range(iterations):
+        if position + batch > len(permutation):
+            permutation, position = order.permutation(len(data)), 0
+        x, labels = data.batch(permutation[position:position + batch])
+        position += batch
+        out, _ = module(torch.from_numpy(x))
+        loss = torch.nn.functional.cross_entropy(head(out[:, -1]), torch.from_numpy(labels))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        theirs.append(loss.item())
+    difference = np.abs(np.array(ours) - theirs) / np.abs(theirs)
+    return {"T": steps, "B": batch, "lr": lr, "iterations": iterations, "bppsa_losses": ours,
+            "torch_losses": theirs, "max_rel_difference": float(difference.max())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, nargs="*", default=[10, 100, 1000, 10000])
+    parser.add_argument("--batches", type=int, nargs="*", default=[2, 16, 64])
+    parser.add_argument("--curve", action="store_true", help="the bitstream training curves only")
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="Adam's (the paper's 1e-5 barely moves the loss in 100 steps)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=pathlib.Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:  # one baseline measurement, in a process of its own
+        print(json.dumps(torch_worker(args.steps[0], args.batches[0], args.repeats, args.out)))
+        return 0
+    info = machine(backend.get("cpu"))
+    if args.curve:
+        print(json.dumps({"machine": info, "curve": curve(args.steps[0], args.iterations, 16, args.lr)},
+                         indent=1))
+        return 0
+    rows = []
+    sweep = [("T", steps, 16) for steps in args.steps] + [("B", 1000, batch) for batch in args.batches
+                                                           if batch != 16 or 1000 not in args.steps]
+    for name, steps, batch in sweep:
+        row = measure(steps, batch)
+        row["sweep"] = name
+        rows.append(row)
+        print(f"lstm T={steps} B={batch}: " + ", ".join(
+            f"{label} {row[label]['backward_s'] * 1e3:.2f} ms" for label, _, _ in SCHEDULES)
+            + (f", torch {row['torch']['backward_s'] * 1e3:.2f} ms" if "torch" in row else ""),
+            file=sys.stderr)
+    print(json.dumps({"machine": info, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
