@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import sparse_scan.train as training
 from sparse_scan import load_model
 from sparse_scan.cli import app
-import sparse_scan.train as training
 from sparse_scan.loss import softmax_cross_entropy
 from sparse_scan.optim import SGD, Adam
 from sparse_scan.train import DataError, Dataset, load_dataset, train
