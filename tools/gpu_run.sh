@@ -44,7 +44,8 @@ export NVIDIA_TF32_OVERRIDE=0 SPARSE_SCAN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 SANITIZED_TESTS=(tests/test_gpu_paths.py tests/test_conv.py tests/test_pooling.py
                  "tests/test_scan_gpu.py::test_gpu_backward_equals_cpu_for_every_schedule"
                  "tests/test_dense_scan_kernel.py::test_gpu_recurrent_backward_equals_numpy")
-BARRIER_TESTS=("tests/test_dense_scan_kernel.py::test_gpu_dense_scan_equals_numpy" -k "float32 and not 21")
+# The kernels with barriers (the dense scan's tiled and chain kernels), for racecheck and synccheck.
+BARRIER_TESTS="tests/test_dense_scan_kernel.py::test_gpu_dense_scan_equals_numpy -k 'float32 and not 21'"
 
 steps=()   # "name|limit|output files|command"
 step() { steps+=("$1|$2|$3|$4"); }
@@ -66,10 +67,9 @@ case $part in
         step install 45 "" "$PYTHON -m pip install --quiet --no-deps --no-build-isolation -e ."
         step memcheck 255 "memcheck.log" "SPARSE_SCAN_NO_MEMPOOL=1 $sanitizer --tool memcheck $pytest_gpu \
 ${SANITIZED_TESTS[*]} > \$OUT/memcheck.log 2>&1"
-        step racecheck 90 "racecheck.log" "$sanitizer --tool racecheck $pytest_gpu ${BARRIER_TESTS[*]:0:2} \
-'${BARRIER_TESTS[2]}' > \$OUT/racecheck.log 2>&1"
-        step synccheck 90 "synccheck.log" "$sanitizer --tool synccheck $pytest_gpu ${BARRIER_TESTS[*]:0:2} \
-'${BARRIER_TESTS[2]}' > \$OUT/synccheck.log 2>&1"
+        for tool in racecheck synccheck; do
+            step $tool 90 "$tool.log" "$sanitizer --tool $tool $pytest_gpu $BARRIER_TESTS > \$OUT/$tool.log 2>&1"
+        done
         files="env.txt parts.txt memcheck.log racecheck.log synccheck.log"
         ;;
     *)
