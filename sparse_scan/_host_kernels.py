@@ -52,21 +52,16 @@ def _writable(folder: pathlib.Path) -> bool:
 def cache_directory(environ: dict[str, str] | None = None, package: pathlib.Path = PACKAGE) -> str | None:
     """The ``NUMBA_CACHE_DIR`` to set before numba is imported, or None to keep numba's choice.
 
-    None when ``NUMBA_CACHE_DIR`` is set already, or when the package's ``__pycache__`` (numba's
-    default place for this package's kernels) is writable. Otherwise the first writable of
-    ``$XDG_CACHE_HOME/sparse-scan/numba`` (``~/.cache`` by default) and
-    ``<tempdir>/sparse-scan-numba-<uid>``.
+    numba caches a package's kernels in its ``__pycache__`` and, where that is read-only, in its own
+    user cache (``$XDG_CACHE_HOME/numba``, ``~/.cache/numba`` by default). None when
+    ``NUMBA_CACHE_DIR`` is set already or either of those is writable; else
+    ``<tempdir>/sparse-scan-numba-<uid>`` (without it, ``cache=True`` would fail to compile at all).
     """
     environ = os.environ if environ is None else environ
-    if environ.get("NUMBA_CACHE_DIR") or _writable(package / "__pycache__"):
+    user_cache = pathlib.Path(environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "numba"
+    if environ.get("NUMBA_CACHE_DIR") or _writable(package / "__pycache__") or _writable(user_cache):
         return None
-    base = environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
-    candidates = [pathlib.Path(base) / "sparse-scan" / "numba",
-                  pathlib.Path(tempfile.gettempdir()) / f"sparse-scan-numba-{os.getuid()}"]
-    for candidate in candidates:
-        if _writable(candidate):
-            return str(candidate)
-    return str(candidates[-1])  # numba will say why it cannot cache there
+    return str(pathlib.Path(tempfile.gettempdir()) / f"sparse-scan-numba-{os.getuid()}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -192,17 +192,20 @@ def test_numba_is_not_imported_by_the_package_or_the_cli():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_cache_directory_falls_back_only_when_the_package_folder_is_read_only(tmp_path, monkeypatch):
-    package = tmp_path / "package"
+def test_cache_directory_falls_back_only_where_numba_could_not_cache(tmp_path, monkeypatch):
+    package, cache = tmp_path / "package", tmp_path / "cache"
     package.mkdir()
-    assert _host_kernels.cache_directory({}, package) is None  # numba's default: __pycache__ there
-    assert _host_kernels.cache_directory({"NUMBA_CACHE_DIR": "/x"}, package) is None
+    environ = {"XDG_CACHE_HOME": str(cache)}
+    assert _host_kernels.cache_directory(environ, package) is None  # numba's default: __pycache__ there
     real = _host_kernels._writable
+    read_only = [str(package)]
     monkeypatch.setattr(_host_kernels, "_writable",
-                        lambda folder: not str(folder).startswith(str(package)) and real(folder))
-    chosen = _host_kernels.cache_directory({"XDG_CACHE_HOME": str(tmp_path / "cache")}, package)
-    assert chosen == str(tmp_path / "cache" / "sparse-scan" / "numba")
-    assert _host_kernels.cache_directory({"NUMBA_CACHE_DIR": "/x"}, package) is None
+                        lambda folder: not str(folder).startswith(tuple(read_only)) and real(folder))
+    assert _host_kernels.cache_directory(environ, package) is None  # numba's own user cache
+    read_only.append(str(cache))
+    chosen = _host_kernels.cache_directory(environ, package)
+    assert chosen is not None and pathlib.Path(chosen).name.startswith("sparse-scan-numba-")
+    assert _host_kernels.cache_directory({"NUMBA_CACHE_DIR": "/x", **environ}, package) is None
 
 
 def test_kernels_load_from_a_fallback_cache_in_a_fresh_process(tmp_path):
