@@ -258,7 +258,8 @@ class Sequential:
             return ("linear", None) if k == 0 else ("blelloch", None) if k == full - 1 else ("hybrid", k)
 
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
-        depths = range(full + 1) if method == "hybrid" else range(max(full, 1))
+        # hybrid at depth(n) - 1 and at depth(n) is the same schedule as blelloch: build it once
+        depths = range(max(full, 1))
         # depth 0 is back-propagation: no product, it never fails
         best = self.plan(shape, *schedule_of(0), max_step_flops=max_step_flops, progress=progress)
         figures: list[ScanPlan] = [best]
