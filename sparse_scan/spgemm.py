@@ -387,6 +387,13 @@ def _workers(work: int) -> int:
     return cpu_threads() if work >= THREAD_MIN_VALUES else 1
 
 
+def _balanced_cuts(offsets: np.ndarray, total: int, pieces: int, count: int) -> np.ndarray:
+    """Bounds ``0 = c_0 <= ... <= c_pieces = count`` of ``pieces`` runs of items of about equal work,
+    ``offsets`` being the items' cumulative work (an ``indptr`` or a plan's ``starts``)."""
+    targets = np.linspace(0, total, pieces + 1)[1:-1].astype(offsets.dtype)  # same dtype: no copy
+    return np.concatenate(([0], np.searchsorted(offsets, targets), [count])).astype(np.int64)
+
+
 def _multiply_stored(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """The stored multiply-adds, summed per ``C`` entry (compiled:
     :func:`sparse_scan._numba_kernels.stored_products`).
@@ -400,8 +407,7 @@ def _multiply_stored(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.nd
     batch, nnz = out.shape
     pieces = parts(batch, nnz, _workers(total * batch))
     if len(pieces) > 1 and batch < len(pieces):  # cut by multiply-adds, not by entries
-        targets = np.linspace(0, total, len(pieces) + 1)[1:-1].astype(starts.dtype)
-        cuts = np.concatenate(([0], np.searchsorted(starts, targets), [nnz]))  # same dtype: no copy
+        cuts = _balanced_cuts(starts, total, len(pieces), nnz)
         pieces = [(0, batch, int(e0), int(e1)) for e0, e1 in zip(cuts[:-1], cuts[1:], strict=True)
                   if e1 > e0]
     launch(kernels().stored_products, (a, b, plan.a_pos, plan.b_pos, starts, total, out),
@@ -418,9 +424,7 @@ def _multiply_rowwise(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.n
     rows = c.shape[0]
     pieces = parts(batch, rows, _workers(plan.multiply_adds * batch))
     if len(pieces) > 1 and batch < len(pieces):  # cut rows by C entries
-        indptr = np.asarray(c.indptr)
-        targets = np.linspace(0, c.nnz, len(pieces) + 1)[1:-1].astype(indptr.dtype)
-        cuts = np.concatenate(([0], np.searchsorted(indptr, targets), [rows]))
+        cuts = _balanced_cuts(np.asarray(c.indptr), c.nnz, len(pieces), rows)
         pieces = [(0, batch, int(r0), int(r1)) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True)
                   if r1 > r0]
     launch(kernels().rowwise_products,
@@ -450,9 +454,7 @@ def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
     if data.ndim == 1:
         stacked = np.ascontiguousarray(vectors.T)
         indptr = np.asarray(pattern.indptr)
-        targets = np.linspace(0, pattern.nnz, workers + 1)[1:-1].astype(indptr.dtype)
-        cuts = np.searchsorted(indptr, targets)  # same dtype: NumPy would copy indptr to convert it
-        bounds = np.concatenate(([0], cuts, [rows])).astype(np.int64)
+        bounds = _balanced_cuts(indptr, pattern.nnz, workers, rows)
 
         def rows_run(first: int, last: int) -> None:
             if (first, last) == (0, rows):  # the whole matrix: no re-based copy of indptr
