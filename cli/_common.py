@@ -1,4 +1,5 @@
-"""Helpers shared by the ``sparse-scan`` subcommands: option types, output checks, one-line errors.
+"""Helpers shared by the ``sparse-scan`` subcommands: one-line errors, input and output checks, loading
+and writing files, and the text that states a scan's schedule (the options are in :mod:`._options`).
 
 Importing this module costs only click: the library (NumPy, SciPy) is imported inside the helpers that
 need it, so that ``sparse-scan --help`` starts at once and ``--threads`` takes effect before NumPy
@@ -8,17 +9,15 @@ loads its BLAS.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import pathlib
 import sys
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import IO, Any, Callable, Iterator, NoReturn, Sequence
 
 import click
 
-__all__ = ["FiniteFloat", "backend_or_fail", "check_outputs", "fail", "load_npy", "load_weights",
-           "max_step_flops_option", "model_errors", "parse_levels", "plan_progress", "pyplot",
-           "scan_cost_hint", "set_threads", "threads_option", "write_gradients", "write_or_fail"]
+__all__ = ["backend_or_fail", "check_outputs", "echo_error", "fail", "load_dataset_for", "load_npy",
+           "load_weights", "model_errors", "parse_levels", "plan_progress", "pyplot", "schedule_label",
+           "schedule_lines", "size_text", "write_gradients", "write_or_fail"]
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 """File types ``--plot`` writes (matplotlib would append ``.png`` to a name without a suffix, past the
@@ -29,35 +28,14 @@ OUTPUT_SUFFIXES = {"plot": PLOT_SUFFIXES, "out": (".npz",)}
 another name a user would not know what it holds)."""
 
 
-class FiniteFloat(click.ParamType):
-    """A finite float (click's ``FloatRange`` lets NaN through), above ``minimum`` (or at it, when
-    ``inclusive``)."""
+def echo_error(message: str, file: IO[str] | None = None) -> None:
+    """Print ``sparse-scan: error: message`` on ``file`` (default: stderr)."""
+    click.echo(f"sparse-scan: error: {message}", file=file, err=file is None)
 
-    name = "float"
-
-    def __init__(self, minimum: float, inclusive: bool = False) -> None:
-        self.minimum, self.inclusive = minimum, inclusive
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        if number < self.minimum or (number == self.minimum and not self.inclusive):
-            self.fail(f"{value!r} must be {'>=' if self.inclusive else '>'} {self.minimum:g}", param, ctx)
-        return number
-
-
-max_step_flops_option = click.option(
-    "--max-step-flops", type=FiniteFloat(0), default=1e10, show_default=True,
-    help="give up before planning a costlier product (deep scans of big networks need billions)")
-"""``--max-step-flops`` of every command that plans a scan (run, train, flops)."""
 
 def fail(message: str) -> NoReturn:
     """Print ``sparse-scan: error: message`` on stderr and exit with status 2."""
-    click.echo(f"sparse-scan: error: {message}", err=True)
+    echo_error(message)
     sys.exit(2)
 
 
@@ -144,6 +122,18 @@ def load_weights(network: Any, path: pathlib.Path) -> None:
         fail(f"--weights {path}: {error}")
 
 
+def load_dataset_for(network: Any, model: pathlib.Path, data: str, needs: str) -> Any:
+    """``--data`` for the classifier ``network`` (from ``model``): the dataset
+    (:func:`sparse_scan.train.load_dataset`) of its input shape and classes, or a one-line error when
+    its output is not flat (``needs`` names what needs it: ``training``, ``eval``)."""
+    from sparse_scan.train import load_dataset  # noqa: PLC0415 - imports NumPy
+
+    classes = network.shapes(network.input_shape)[-1]
+    if len(classes) != 1:
+        fail(f"{model}: {needs} needs a flat (classes,) output, the model gives {list(classes)}")
+    return load_dataset(data, network.input_shape, classes[0])
+
+
 def write_or_fail(option: str, path: pathlib.Path, write: Callable[[], object]) -> None:
     """Run ``write`` (which writes ``path``); an OS error is one line naming the option and file."""
     try:
@@ -166,16 +156,17 @@ def backend_or_fail(device: str) -> Any:
 def model_errors(model: pathlib.Path) -> Iterator[None]:
     """Errors of loading, planning and running MODEL, one line each: a spec or data error names its
     own file, a product over the FLOP limit says what to try, running out of memory says so."""
-    from sparse_scan.scan import ScanCostError, ScanMemoryError  # noqa: PLC0415 - imports NumPy
-    from sparse_scan.spec import SpecError  # noqa: PLC0415
+    from sparse_scan import ScanCostError, ScanMemoryError, SpecError  # noqa: PLC0415 - imports NumPy
     from sparse_scan.train import DataError  # noqa: PLC0415
 
     try:
         yield
     except (SpecError, DataError) as error:
         fail(str(error))
-    except (ScanCostError, ScanMemoryError, ValueError) as error:
-        fail(f"{model}: {scan_cost_hint(error)}")
+    except ScanCostError as error:
+        fail(f"{model}: {error} (raise --max-step-flops, or use --method linear or auto, the default)")
+    except (ScanMemoryError, ValueError) as error:
+        fail(f"{model}: {error}")
     except MemoryError as error:
         fail(f"{model}: out of memory: {error}")
 
@@ -190,15 +181,6 @@ def pyplot() -> Any:
     except ImportError:
         fail("--plot needs matplotlib: pip install 'sparse-scan[plot]'")
     return plt
-
-
-def scan_cost_hint(error: Exception) -> str:
-    """The message of a planning error, with what to try for a product over the FLOP limit."""
-    from sparse_scan.scan import ScanCostError  # noqa: PLC0415 - imports NumPy
-
-    if isinstance(error, ScanCostError):
-        return f"{error} (raise --max-step-flops, or use --method linear or auto, the default)"
-    return str(error)
 
 
 def write_gradients(path: Any, layers: Sequence[Any], grads: Sequence[Any], parameters: dict[str, Any],
@@ -223,22 +205,37 @@ def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:
     return show
 
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-"""What sizes the BLAS thread pool when NumPy loads (OpenBLAS, MKL or OpenMP builds)."""
+def schedule_label(method: str, levels: int | str | None) -> str:
+    """A schedule as every command states it: ``linear``, ``blelloch``, ``hybrid N`` (or, where the
+    request is stated rather than the plan, ``auto`` or ``hybrid auto``)."""
+    return method if levels is None else f"{method} {levels}"
 
 
-def set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    """``--threads N``: ``SPARSE_SCAN_THREADS`` (the engine's worker threads, read by
-    :func:`sparse_scan._threads.cpu_threads`) and the BLAS pool's variables, set as the option is
-    parsed: before the command imports NumPy, which reads them once, when it loads."""
-    if value is not None:
-        for name in ("SPARSE_SCAN_THREADS",) + THREAD_VARIABLES:
-            os.environ[name] = str(value)
-    return value
+def size_text(nbytes: float) -> str:
+    """Bytes in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:,.1f} GiB"
 
 
-threads_option = click.option(
-    "--threads", type=click.IntRange(min=1), default=None, callback=set_threads, expose_value=False,
-    is_eager=True, help="CPU threads: the BLAS pool and the scan's workers (default: "
-    "SPARSE_SCAN_THREADS, else every core this process may use)")
-"""``--threads`` of every command that computes (run, train, eval)."""
+def schedule_lines(schedule: dict[str, Any]) -> list[str]:
+    """Text lines of :meth:`sparse_scan.ScanPlan.explain`: the schedule and its figures, then
+    every other schedule an automatic choice considered, with why it was set aside."""
+    label = schedule_label(schedule["method"], schedule["levels"])
+    requested = schedule["requested"]
+    why = ("as requested" if "candidates" not in schedule
+           else f"chosen by --method {requested}: {schedule['reason']}" if requested == "auto"
+           else f"depth chosen by --method hybrid: {schedule['reason']}")
+    lines = [f"  schedule: {label} ({why})",
+             f"    critical path {schedule['critical_flops']:,} FLOPs in {schedule['critical_steps']} "
+             f"steps, work {schedule['work_flops']:,} FLOPs, peak memory {size_text(schedule['peak_bytes'])} "
+             f"+ plan {size_text(schedule['plan_bytes'])}"]
+    for candidate in schedule.get("candidates", []):
+        if candidate["verdict"] == "chosen":
+            continue
+        estimated = "~" if candidate["estimated"] else ""
+        lines.append(f"    {schedule_label(candidate['method'], candidate['levels']):10} critical path "
+                     f"{estimated}{candidate['critical_flops']:.3g} FLOPs: {candidate['verdict']}")
+    return lines

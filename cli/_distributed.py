@@ -4,6 +4,9 @@ Every rank parses the same options and loads the same spec and arrays (so bad in
 rank alike); rank 0 alone prints (the other ranks' stderr is silenced) and writes ``--out``. A rank
 that fails tells the others (:mod:`sparse_scan.distributed`); a rank that is stuck makes the others
 time out, and rank 0 then ends the job with ``MPI_Abort``.
+
+Importing this module costs only click: :mod:`sparse_scan.distributed` (NumPy, mpi4py) is imported
+inside the functions, so that ``sparse-scan run`` can import this module before ``--threads`` is read.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import click
-import numpy as np
 
-from sparse_scan import distributed
+from ._common import echo_error, fail, schedule_label, write_gradients, write_or_fail
 
-from ._common import fail, write_gradients, write_or_fail
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["parse_split", "run_distributed", "world"]
 
@@ -29,6 +32,8 @@ def world() -> Any:
 
     Ranks other than 0 stop writing to stderr: rank 0 reports for all.
     """
+    from sparse_scan import distributed  # noqa: PLC0415 - imports NumPy
+
     try:
         if not distributed.launched():
             distributed.launcher()  # one process would run, but a launcher is how to start several
@@ -53,7 +58,9 @@ def parse_split(split: str | None) -> list[int] | None:
 
 def _abort(comm: Any, message: str) -> NoReturn:
     """Rank 0: print ``message`` and end every rank (some may be stuck)."""
-    click.echo(f"sparse-scan: error: {message}", err=True)
+    from sparse_scan import distributed  # noqa: PLC0415 - imports NumPy
+
+    echo_error(message)
     distributed.abort(comm, 2)
     raise SystemExit(2)  # not reached: Abort ends this process too
 
@@ -63,6 +70,8 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
                     levels: Any, dtype: str, split: list[int] | None, combine: str, timeout: float,
                     check: bool, out: pathlib.Path | None, as_json: bool) -> None:
     """Run the distributed backward pass and report on rank 0 (arguments as ``sparse-scan run``)."""
+    from sparse_scan import distributed  # noqa: PLC0415 - imports NumPy
+
     rank, size = comm.Get_rank(), comm.Get_size()
     losses: list[float | None] = []
 
@@ -79,7 +88,7 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
         if rank == 0 and stuck:
             _abort(comm, str(error))  # a stuck rank would never exit
         if rank != 0 and stuck and error.rank == 0:  # rank 0 cannot report itself
-            click.echo(f"sparse-scan: error: {error}", file=sys.__stderr__)
+            echo_error(str(error), file=sys.__stderr__)
         fail(str(error))  # silent on ranks other than 0
     except Exception as error:  # noqa: BLE001 - one line on rank 0; the other ranks were told
         fail(f"{model_path}: {error}" if isinstance(error, ValueError)
@@ -105,9 +114,8 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    levels_text = "" if levels is None else f" (levels {levels})"
-    click.echo(f"{model_path}: {method}{levels_text} on {size} MPI ranks ({combine}), batch {x.shape[0]}, "
-               f"{dtype}")
+    click.echo(f"{model_path}: {schedule_label(method, levels)} on {size} MPI ranks ({combine}), "
+               f"batch {x.shape[0]}, {dtype}")
     for stats in result.stats["ranks"]:
         times = stats["timings"]
         first, last = stats["layers"]

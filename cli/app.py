@@ -3,9 +3,10 @@
 Each subcommand lives in its own module (``run``, ``flops``, ``train``, ``evaluate``), which only reads
 its input, calls :mod:`sparse_scan` and prints the result. The group loads a subcommand's module the
 first time the command is asked for (to run it, or for its line of ``--help``) and registers it with
-``main.add_command``; the modules import click and :mod:`._common` only, the library inside the
-command functions, so ``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy. Nothing
-here imports a subcommand at import time, and no subcommand imports this module.
+``main.add_command``; the modules import click, :mod:`._common` and :mod:`._options` only (and
+:data:`sparse_scan.SCHEDULES`, which needs no NumPy), the library inside the command functions, so
+``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy. Nothing here imports a
+subcommand at import time, and no subcommand imports this module.
 
 Errors are one line on stderr and exit code 2 (:func:`._common.fail`), never a traceback.
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import click
 
-from sparse_scan._version import __version__
+from sparse_scan import __version__
 
 from ._common import fail
 

@@ -13,35 +13,39 @@ from typing import Any
 
 import click
 
-from ._common import backend_or_fail, fail, load_weights, model_errors, threads_option
+from ._common import backend_or_fail, load_dataset_for, load_weights, model_errors
+from ._options import (
+    batch_size_option,
+    data_option,
+    device_option,
+    file_option,
+    json_option,
+    model_argument,
+    threads_option,
+)
 
 
 @click.command(name="eval")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
-@click.option("--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, "
-              "x_test, y_test")
-@click.option("--weights", "weights_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="the weights to evaluate (.npz by state_dict name, e.g. train --out)")
-@click.option("--batch-size", type=click.IntRange(min=1), default=512, show_default=True,
-              help="samples per forward pass")
-@click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True)
+@model_argument
+@data_option
+@file_option("--weights", "weights_path",
+             help="the weights to evaluate (.npz by state_dict name, e.g. train --out)")
+@batch_size_option(default=512, help="samples per forward pass")
+@device_option(default="cpu")
 @threads_option
-@click.option("--json", "as_json", is_flag=True, help="print JSON only")
+@json_option()
 def eval_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | None, batch_size: int,
                  device: str, as_json: bool) -> None:
     """Loss (mean softmax cross-entropy) and accuracy of MODEL on the training and test split."""
     from sparse_scan import load_model  # noqa: PLC0415 - not at import: --help and --threads come first
-    from sparse_scan.train import evaluate, load_dataset  # noqa: PLC0415
+    from sparse_scan.train import evaluate  # noqa: PLC0415
 
     backend_or_fail(device)
     with model_errors(model):
         network = load_model(model)
         if weights_path is not None:
             load_weights(network, weights_path)
-        classes = network.shapes(network.input_shape)[-1]
-        if len(classes) != 1:
-            fail(f"{model}: eval needs a flat (classes,) output, the model gives {list(classes)}")
-        dataset = load_dataset(data, network.input_shape, classes[0])
+        dataset = load_dataset_for(network, model, data, "eval")
         report: dict[str, Any] = {"model": str(model), "data": data,
                                   "weights": None if weights_path is None else str(weights_path)}
         for split in ("train", "test"):

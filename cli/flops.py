@@ -12,18 +12,27 @@ from typing import Any
 
 import click
 
-from sparse_scan._schedules import SCHEDULES
-
 from ._common import (
     check_outputs,
-    max_step_flops_option,
     model_errors,
     parse_levels,
     plan_progress,
     pyplot,
+    schedule_label,
+    schedule_lines,
     write_or_fail,
 )
-from ._schedule import METHOD_HELP, schedule_label, schedule_lines
+from ._options import (
+    dtype_option,
+    file_option,
+    force_option,
+    json_option,
+    levels_option,
+    max_step_flops_option,
+    method_option,
+    model_argument,
+    quiet_option,
+)
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -75,18 +84,17 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 
 
 @click.command(name="flops")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
-@click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
-@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
+@model_argument
+@method_option
+@levels_option
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="samples assumed for peak memory")
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@dtype_option
 @max_step_flops_option
-@click.option("--json", "as_json", is_flag=True, help="print JSON only")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=pathlib.Path), default=None,
-              help="write the paper's Fig. 10 (needs matplotlib)")
-@click.option("--force", is_flag=True, help="overwrite an existing --plot file")
-@click.option("--quiet", is_flag=True, help="no progress line while the plan is built")
+@json_option()
+@file_option("--plot", help="write the paper's Fig. 10 (needs matplotlib)")
+@force_option(help="overwrite an existing --plot file")
+@quiet_option()
 def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtype: str,
           max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool,
           quiet: bool) -> None:

@@ -14,24 +14,36 @@ from typing import Any
 
 import click
 
-from sparse_scan._schedules import SCHEDULES
-
+from . import _distributed
 from ._common import (
-    FiniteFloat,
     backend_or_fail,
     check_outputs,
     fail,
     load_npy,
     load_weights,
-    max_step_flops_option,
     model_errors,
     parse_levels,
     plan_progress,
-    threads_option,
+    schedule_label,
+    schedule_lines,
     write_gradients,
     write_or_fail,
 )
-from ._schedule import METHOD_HELP, schedule_label, schedule_lines
+from ._options import (
+    FiniteFloat,
+    device_option,
+    dtype_option,
+    file_option,
+    force_option,
+    json_option,
+    levels_option,
+    max_step_flops_option,
+    method_option,
+    model_argument,
+    quiet_option,
+    seed_option,
+    threads_option,
+)
 
 COMBINES = ("chain", "exscan", "relay")
 """``--combine`` choices: :data:`sparse_scan.distributed.COMBINES` (repeated here, where NumPy is not
@@ -90,29 +102,27 @@ def _upstream(output: Any, grad_path: pathlib.Path | None,
 
 
 @click.command(name="run")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
-@click.option("--weights", "weights_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="use these weights (.npz by state_dict name, e.g. train --out) instead of the spec's")
-@click.option("--input", "input_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="inputs (N, *input_shape) as .npy")
+@model_argument
+@file_option("--weights", "weights_path",
+             help="use these weights (.npz by state_dict name, e.g. train --out) instead of the spec's")
+@file_option("--input", "input_path", help="inputs (N, *input_shape) as .npy")
 @click.option("--random", type=click.IntRange(min=1), help="N seeded random inputs instead of --input")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="seed of --random")
-@click.option("--grad", "grad_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="gradient w.r.t. the output as .npy (default: ones, i.e. L = sum of outputs)")
-@click.option("--labels", "labels_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="integer class labels as .npy: softmax cross-entropy (mean over the batch)")
-@click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
-@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
+@seed_option(help="seed of --random")
+@file_option("--grad", "grad_path",
+             help="gradient w.r.t. the output as .npy (default: ones, i.e. L = sum of outputs)")
+@file_option("--labels", "labels_path",
+             help="integer class labels as .npy: softmax cross-entropy (mean over the batch)")
+@method_option
+@levels_option
 @max_step_flops_option
-@click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@device_option(default="auto")
+@dtype_option
 @threads_option
 @click.option("--check", is_flag=True, help="compare with the linear scan (back-propagation)")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="write the gradients (.npz)")
-@click.option("--force", is_flag=True, help="overwrite an existing --out file")
-@click.option("--json", "as_json", is_flag=True, help="print JSON only")
-@click.option("--quiet", is_flag=True, help="no progress line while the plan is built")
+@file_option("--out", help="write the gradients (.npz)")
+@force_option(help="overwrite an existing --out file")
+@json_option()
+@quiet_option()
 @click.option("--distributed", is_flag=True,
               help="split the layers over MPI ranks: mpirun -n P sparse-scan run ... --distributed")
 @click.option("--split", help="--distributed: layers per rank, e.g. 3,4,5 (default: balanced by FLOPs)")
@@ -133,10 +143,7 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     """
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
-    from sparse_scan import load_model  # noqa: PLC0415
-    from sparse_scan._threads import cpu_threads  # noqa: PLC0415
-
-    from . import _distributed  # noqa: PLC0415 - imports the MPI glue
+    from sparse_scan import cpu_threads, load_model  # noqa: PLC0415
 
     comm = _distributed.world() if distributed else None
     if comm is None and (split is not None or combine != "chain"):

@@ -18,22 +18,35 @@ from typing import IO, Any
 
 import click
 
-from sparse_scan._schedules import SCHEDULES
-
 from ._common import (
-    FiniteFloat,
     backend_or_fail,
     check_outputs,
     fail,
+    load_dataset_for,
     load_weights,
-    max_step_flops_option,
     model_errors,
     parse_levels,
     pyplot,
-    threads_option,
+    schedule_label,
+    schedule_lines,
     write_or_fail,
 )
-from ._schedule import METHOD_HELP, schedule_label, schedule_lines
+from ._options import (
+    FiniteFloat,
+    batch_size_option,
+    data_option,
+    device_option,
+    file_option,
+    force_option,
+    json_option,
+    levels_option,
+    max_step_flops_option,
+    method_option,
+    model_argument,
+    quiet_option,
+    seed_option,
+    threads_option,
+)
 
 DEFAULT_LR = 0.003
 """``--lr`` default: Adam's (the default optimizer) rate that trains the bundled LeNet-5 on digits to
@@ -102,36 +115,32 @@ class _Log:
 
 
 @click.command(name="train")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=pathlib.Path))
-@click.option("--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, "
-              "x_test, y_test")
-@click.option("--weights", "weights_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="start from these weights (.npz by state_dict name, e.g. an earlier --out)")
-@click.option("--method", type=click.Choice(SCHEDULES), default="auto", show_default=True, help=METHOD_HELP)
-@click.option("--levels", default=None, help="up-sweep levels of hybrid: an int or 'auto' (the default)")
+@model_argument
+@data_option
+@file_option("--weights", "weights_path",
+             help="start from these weights (.npz by state_dict name, e.g. an earlier --out)")
+@method_option
+@levels_option
 @max_step_flops_option
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@batch_size_option(default=64)
 @click.option("--optimizer", "optimizer_name", type=click.Choice(["adam", "sgd"]), default="adam",
               show_default=True)
 @click.option("--lr", type=FiniteFloat(0), default=DEFAULT_LR, show_default=True,
               help="learning rate (SGD usually wants 0.01-0.1)")
 @click.option("--momentum", type=FiniteFloat(0, inclusive=True), default=0.0, show_default=True,
               help="SGD only")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="shuffling of the batches")
-@click.option("--device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True)
+@seed_option(help="shuffling of the batches")
+@device_option(default="cpu")
 @threads_option
 @click.option("--compare-bp", is_flag=True, help="train a copy with back-propagation on the same batches")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="write the trained weights (.npz, state_dict names) after every epoch")
-@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="write the losses and accuracies per iteration (CSV, appended as it goes)")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=pathlib.Path),
-              help="plot the losses per iteration (PNG, needs matplotlib)")
-@click.option("--force", is_flag=True, help="overwrite existing --out/--log/--plot files")
-@click.option("--json", "as_json", is_flag=True, help="print a JSON summary only (epoch lines on stderr)")
-@click.option("--quiet", is_flag=True, help="no schedule or epoch lines, only the summary")
+@file_option("--out", help="write the trained weights (.npz, state_dict names) after every epoch")
+@file_option("--log", "log_path",
+             help="write the losses and accuracies per iteration (CSV, appended as it goes)")
+@file_option("--plot", help="plot the losses per iteration (PNG, needs matplotlib)")
+@force_option(help="overwrite existing --out/--log/--plot files")
+@json_option(help="print a JSON summary only (epoch lines on stderr)")
+@quiet_option(help="no schedule or epoch lines, only the summary")
 def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | None, method: str,
                   levels: str | None, max_step_flops: float, epochs: int, batch_size: int,
                   optimizer_name: str, lr: float, momentum: float, seed: int, device: str,
@@ -155,10 +164,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         for net in (network, baseline):
             if net is not None and weights_path is not None:
                 load_weights(net, weights_path)
-        classes = network.shapes(network.input_shape)[-1]
-        if len(classes) != 1:
-            fail(f"{model}: training needs a flat (classes,) output, the model gives {list(classes)}")
-        dataset = training.load_dataset(data, network.input_shape, classes[0])
+        dataset = load_dataset_for(network, model, data, "training")
         plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
     schedule = schedule_label(plan.method, plan.levels)
     lines: IO[str] | None = None if quiet else (sys.stderr if as_json else sys.stdout)

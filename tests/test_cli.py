@@ -1,6 +1,11 @@
-"""The ``sparse-scan`` click group: help, version, and room for subcommands."""
+"""The ``sparse-scan`` click group: help, version, room for subcommands, and the layout of ``cli/``
+(the library's public API only, no import loop, no function-level import of a sibling module)."""
 
 from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
 
 import click
 import pytest
@@ -110,7 +115,7 @@ def test_threads_option_sets_the_blas_pool_and_the_engine(monkeypatch):
     import os
     import pathlib
 
-    from sparse_scan._threads import cpu_threads
+    from sparse_scan import cpu_threads
 
     for name in ("SPARSE_SCAN_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(name, "7")  # restored after the test
@@ -137,3 +142,57 @@ def test_the_combine_choices_are_the_librarys():
     from sparse_scan.distributed import COMBINES
 
     assert run.COMBINES == COMBINES
+
+
+CLI = pathlib.Path(app.__file__).resolve().parent
+OLD_PATHS = ("sparse_scan.scan", "sparse_scan.spgemm", "sparse_scan.dense_scan")
+"""Import paths of the engine that remain only as deprecated re-exports."""
+
+
+def _imports(path):
+    """(imported module or name, inside a function?) for every import in the file at ``path``, relative
+    imports made absolute (``from . import _common`` is ``sparse_scan.cli._common``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    in_function = {id(node) for function in ast.walk(tree)
+                   if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for node in ast.walk(function)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, id(node) in in_function) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = ".".join(filter(None, ["sparse_scan.cli" if node.level else None, node.module]))
+            yield from ((f"{module}.{alias.name}", id(node) in in_function) for alias in node.names)
+
+
+def _cli_modules():
+    return sorted(CLI.glob("*.py"))
+
+
+def test_the_cli_uses_the_librarys_public_api_only():
+    for path in _cli_modules():
+        for name, _ in _imports(path):
+            if not name.startswith("sparse_scan.") or name.startswith("sparse_scan.cli."):
+                continue
+            private = [part for part in name.split(".") if part.startswith("_") and not part.endswith("__")]
+            assert not private, (path.name, name)
+            assert not any(name == old or name.startswith(f"{old}.") for old in OLD_PATHS), (path.name, name)
+
+
+def test_no_import_loop_and_no_function_level_import_of_a_sibling():
+    subcommands = {f"sparse_scan.cli.{module}" for module, _ in app.SUBCOMMANDS.values()}
+    for path in _cli_modules():
+        siblings = [(name, in_function) for name, in_function in _imports(path)
+                    if name.startswith("sparse_scan.cli.")]
+        assert not [name for name, in_function in siblings if in_function], path.name
+        if path.stem == "app":
+            assert not [name for name, _ in siblings if name.rpartition(".")[0] in subcommands
+                        or name in subcommands]
+        elif path.stem != "__main__":  # `python -m sparse_scan.cli` runs the group
+            assert not [name for name, _ in siblings if name.startswith("sparse_scan.cli.app")], path.name
+
+
+def test_every_command_is_registered_from_its_module():
+    for name, (module, attribute) in app.SUBCOMMANDS.items():
+        command = app.main.get_command(click.Context(app.main), name)
+        assert command.name == name
+        assert command is getattr(importlib.import_module(f"sparse_scan.cli.{module}"), attribute)
