@@ -53,7 +53,7 @@ from common import machine
 
 from sparse_scan import backend, load_model
 from sparse_scan.distributed import COMBINES, balanced_split, launcher, layer_costs
-from sparse_scan.scan import Element
+from sparse_scan.engine.schedule import Element
 from sparse_scan.weights import state_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -32,9 +32,10 @@ from common import machine, median_time
 from vgg import vgg11_features
 
 from sparse_scan import backend
+from sparse_scan.engine.products import count_multiply_adds, plan_product
+from sparse_scan.engine.run import multiply
+from sparse_scan.engine.schedule import Element, schedule
 from sparse_scan.layers import MaxPool2d
-from sparse_scan.scan import Element, schedule
-from sparse_scan.spgemm import count_multiply_adds, multiply, plan_product
 
 TARGETS = {"scale_rows": (3, 10), "scale_columns": (3, 10), "gather": (3, 10), "general": (2, 4),
            "rowwise": (2, 4), "block": (2, 4)}

@@ -34,10 +34,10 @@ from common import machine
 from rnn import interleaved, repeats_for, timed
 
 from sparse_scan import backend
-from sparse_scan.dense_scan import dense_scan
+from sparse_scan.engine.run import dense_scan
+from sparse_scan.engine.schedule import depth
 from sparse_scan.optim import Adam
 from sparse_scan.recurrent import LSTM, Bitstream, RecurrentClassifier, train_recurrent
-from sparse_scan.scan import depth
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
 HIDDEN = 20
@@ -128,7 +128,7 @@ def measure(steps: int, batch: int) -> dict[str, Any]:
 
 
 def lstm_levels(steps: int, batch: int) -> int:
-    from sparse_scan.dense_scan import auto_levels  # noqa: PLC0415
+    from sparse_scan.engine.dense_plan import auto_levels  # noqa: PLC0415
 
     return auto_levels(steps, batch, 2 * HIDDEN, "cpu", factored=True)
 

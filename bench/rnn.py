@@ -37,9 +37,10 @@ import numpy as np
 from common import machine
 
 from sparse_scan import backend
-from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
+from sparse_scan.engine.dense_plan import auto_levels, dense_plan
+from sparse_scan.engine.run import dense_scan
+from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import GRU, RNN, Bitstream, chain_through_factors
-from sparse_scan.scan import depth
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
 GRU_SHAPES = {"S": (259, 38), "M": (517, 24), "L": (1034, 12)}

@@ -25,7 +25,8 @@ from common import machine, median_time, no_sync
 from vgg import vgg11_features
 
 from sparse_scan import backend
-from sparse_scan.scan import ScanCostError, ScanMemoryError, depth
+from sparse_scan.engine.plan import ScanCostError, ScanMemoryError
+from sparse_scan.engine.schedule import depth
 
 
 def torch_backward_time(model, x: np.ndarray, grad: np.ndarray, repeats: int,

@@ -29,9 +29,10 @@ from common import machine, median_time
 from vgg import vgg11_features
 
 from sparse_scan import backend
-from sparse_scan.blocks import block_layout
-from sparse_scan.scan import Element, schedule
-from sparse_scan.spgemm import count_multiply_adds, multiply, plan_product
+from sparse_scan.engine._blocks import block_layout
+from sparse_scan.engine.products import count_multiply_adds, plan_product
+from sparse_scan.engine.run import multiply
+from sparse_scan.engine.schedule import Element, schedule
 
 
 def scipy_matrix(pattern, data, sample: int, be: backend.Backend):

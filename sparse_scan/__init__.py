@@ -2,14 +2,17 @@
 
 Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed Jacobians),
 :mod:`sparse_scan.csr` (the batched CSR type), :mod:`sparse_scan.backend` (CPU/GPU selection),
-:class:`Sequential` (a chain whose backward pass is a planned scan, :mod:`sparse_scan.scan`) and
-:func:`load_model` (a ``Sequential`` from a YAML model spec, :mod:`sparse_scan.spec`),
-:mod:`sparse_scan.recurrent` (RNN and GRU whose backward is a scan over dense blocks,
-:mod:`sparse_scan.dense_scan`).
+:class:`Sequential` (a chain whose backward pass is a planned scan) and :func:`load_model` (a
+``Sequential`` from a YAML model spec, :mod:`sparse_scan.spec`), :mod:`sparse_scan.recurrent` (RNN,
+GRU and LSTM whose backward is a scan over dense blocks), :mod:`sparse_scan.engine` (the scan engine
+itself: schedules, plans and their executors), :mod:`sparse_scan.optim`, :mod:`sparse_scan.train`,
+:mod:`sparse_scan.weights`, :mod:`sparse_scan.flops` and :mod:`sparse_scan.distributed`. Every other
+module is private by name (``_...``); ``sparse_scan.scan``, ``sparse_scan.spgemm`` and
+``sparse_scan.dense_scan`` are deprecated aliases of parts of :mod:`sparse_scan.engine`.
 
 The names load on first use (PEP 562): ``import sparse_scan`` imports neither NumPy nor SciPy, so the
 command line's ``--help`` and ``--version`` start at once, and ``--threads`` can size the BLAS pool
-before NumPy loads it.
+before NumPy loads it (:data:`SCHEDULES` and :func:`cpu_threads` import no NumPy either).
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ from typing import Any
 
 from ._version import __version__
 
-__all__ = ["BatchedCSR", "Pattern", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "csr",
-           "distributed", "export_torch", "layers", "load_model", "recurrent"]
+__all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
+           "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads", "csr",
+           "distributed", "engine", "export_torch", "flops", "layers", "load_model", "optim", "recurrent",
+           "train", "weights"]
 
-_MODULES = ("backend", "csr", "distributed", "layers", "recurrent")
+_MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "optim", "recurrent", "train",
+            "weights")
 _NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "export", "Sequential": "model",
-          "ScanPlan": "scan", "SpecError": "spec", "load_model": "spec"}
+          "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",
+          "SCHEDULES": "engine.schedule", "GPUUnavailableError": "backend", "SpecError": "spec",
+          "load_model": "spec", "cpu_threads": "_threads"}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,8 +11,6 @@ import math
 import numbers
 from typing import Any
 
-import numpy as np
-
 __all__ = ["MAX_SIZE", "flag", "integer", "is_int", "number"]
 
 MAX_SIZE = 2**31 - 1
@@ -53,6 +51,8 @@ def number(value: Any, name: str, minimum: float = -math.inf, below: float = mat
 
 def flag(value: Any, name: str) -> bool:
     """``value`` if it is a bool (NumPy's too): ``"false"`` or ``0`` are errors, not truth values."""
+    import numpy as np  # noqa: PLC0415 - not at import: the schedules' checks run before NumPy loads
+
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}: must be true or false, got {value!r}")
     return bool(value)

@@ -26,9 +26,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from .csr import BatchedCSR, Pattern
+from .engine._cpu import matvec, multiply  # the ranks multiply on the host: no GPU twin to dispatch to
+from .engine.plan import ScanCostError
+from .engine.products import ProductPlan, count_multiply_adds, plan_product
 from .layers import Layer
-from .scan import ScanCostError
-from .spgemm import ProductPlan, count_multiply_adds, matvec, multiply, plan_product
 
 __all__ = ["SliceMatrix", "SliceProduct", "apply", "combine"]
 

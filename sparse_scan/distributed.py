@@ -74,9 +74,9 @@ from ._mpi import (
     launcher,
 )
 from ._slice_product import SliceMatrix, SliceProduct, apply, combine
+from .engine.plan import ScanCostError
+from .engine.products import PlanBudgetError
 from .model import Sequential, default_memory_budget
-from .scan import ScanCostError
-from .spgemm import PlanBudgetError
 
 __all__ = ["CHAIN_PRODUCT_FACTOR", "COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError",
            "RankTimeoutError", "RemoteRankError", "abort", "backward", "balanced_split", "launched",

@@ -27,11 +27,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 from . import backend as _backend
 from . import weights as _weights
-from ._scan_gpu import run_plan_gpu
 from .csr import BatchedCSR
-from .layers import Layer
-from .layers._weighted import held_structure_keys, sharing_held_keys
-from .scan import (
+from .engine.plan import (
     Candidate,
     ElementInfo,
     ScanCostError,
@@ -39,12 +36,13 @@ from .scan import (
     ScanPlan,
     ScheduleChoice,
     build_plan,
-    checked_levels,
-    depth,
     estimate_plan,
-    run_plan,
 )
-from .spgemm import ProductPlan
+from .engine.products import ProductPlan
+from .engine.run import run_plan
+from .engine.schedule import checked_levels, depth
+from .layers import Layer
+from .layers._weighted import held_structure_keys, sharing_held_keys
 
 __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
 
@@ -62,10 +60,6 @@ are over-estimates)."""
 
 Shape = tuple[int, ...]
 
-_run_plan = _backend.twin(
-    cpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan(plan, grad_out, jacobians,
-                                                                      dense_matvecs=dense_matvecs),
-    gpu=lambda be, plan, grad_out, jacobians, dense_matvecs: run_plan_gpu(plan, grad_out, jacobians))
 # the JTs a run needs no values for, being applied through their layers' weights: on the CPU, those
 # only dense steps read, and those only mv steps read whose layers multiply faster through CSR weights
 # at this batch size (heavily pruned convolutions at small batches); the GPU runs every mv as an SpMV
@@ -439,8 +433,8 @@ class Sequential:
             if timings is not None:
                 be.synchronize()  # the fills are asynchronous on a GPU
             lap("values_s")
-            flat = _run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
-                             self._dense_matvecs(shapes)[::-1])
+            flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
+                            dense_matvecs=self._dense_matvecs(shapes)[::-1])
             if timings is not None:
                 be.synchronize()
             lap("scan_s")

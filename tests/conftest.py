@@ -27,7 +27,8 @@ import sys
 import cupy_standin
 import pytest
 
-from sparse_scan import backend, spgemm
+from sparse_scan import backend
+from sparse_scan.engine import products as product_planning
 
 _PROBE = "import cupy, sys; sys.exit(0 if cupy.cuda.is_available() else 1)"
 
@@ -141,6 +142,6 @@ def be(request):
 def block_products(request, monkeypatch):
     """Plan dense-block products as usual, or for every dense-block pair however small."""
     if request.param == "all":
-        monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
-        monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
+        monkeypatch.setattr(product_planning, "BLOCK_MIN_INNER", 1)
+        monkeypatch.setattr(product_planning, "BLOCK_MIN_OUTER", 1)
     return request.param

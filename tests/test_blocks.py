@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparse_scan.blocks import block_layout, multiply_blocks, plan_block_product
+from sparse_scan.engine._blocks import block_layout, multiply_blocks, plan_block_product
+from sparse_scan.engine.products import plan_product
+from sparse_scan.engine.run import multiply
 from sparse_scan.layers import Conv2d, Linear, ReLU
-from sparse_scan.spgemm import multiply, plan_product
 
 
 def conv_jt(c_in, c_out, shape, seed, **kwargs):

@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from sparse_scan import dense_scan as dense_scan_module
-from sparse_scan.dense_scan import auto_levels, dense_plan, dense_scan
-from sparse_scan.scan import depth
+from sparse_scan.engine import _dense_cpu as dense_host
+from sparse_scan.engine.dense_plan import auto_levels, dense_plan
+from sparse_scan.engine.run import dense_scan
+from sparse_scan.engine.schedule import depth
 
 SCHEDULES = [("linear", None), ("blelloch", None)]
 
@@ -59,7 +60,7 @@ def test_threads_split_large_levels_without_changing_results(monkeypatch):
     splits = []
     original = ThreadPoolExecutor.map
     monkeypatch.setattr(ThreadPoolExecutor, "map", lambda pool, *a: splits.append(1) or original(pool, *a))
-    monkeypatch.setattr(dense_scan_module, "SPLIT_MIN_VALUES", 64)  # split even these small levels
+    monkeypatch.setattr(dense_host, "SPLIT_MIN_VALUES", 64)  # split even these small levels
     np.testing.assert_allclose(dense_scan(blocks, direct, "blelloch", threads=3), one, rtol=1e-12, atol=1e-14)
     assert splits
     np.testing.assert_allclose(one, reference(blocks, direct), rtol=1e-10, atol=1e-12)

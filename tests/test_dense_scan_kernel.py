@@ -1,4 +1,4 @@
-"""The GPU dense-block scan: ``rawkernels/dense_scan.cu`` and ``sparse_scan._dense_scan_gpu``.
+"""The GPU dense-block scan: ``rawkernels/dense_scan.cu`` and ``sparse_scan.engine._dense_gpu``.
 
 Three layers of evidence (GPU.md): the kernel source compiled for the CPU on hand-built descriptor
 tables against NumPy's batched matmul, with odd grid and block sizes; the whole GPU orchestration
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from cuda_on_cpu import compile_for_cpu, pointer
 
-from sparse_scan import _dense_scan_gpu, _kernels, _staging, backend
-from sparse_scan import dense_scan as dense_scan_module
-from sparse_scan._dense_scan_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS, run_dense_plan_gpu
-from sparse_scan.dense_scan import dense_plan, dense_scan
+from sparse_scan import _kernels, _staging, backend
+from sparse_scan.engine import _dense_gpu, run
+from sparse_scan.engine._dense_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS
+from sparse_scan.engine.dense_plan import dense_plan
+from sparse_scan.engine.run import dense_scan
+from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import GRU, RNN
 from sparse_scan.recurrent import _base as recurrent_base
-from sparse_scan.scan import depth
 
 VALUE_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 TOLERANCE = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-12}
@@ -215,7 +216,7 @@ def test_chain_kernel_runs_every_step_on_the_last_one(kernels, grid, block, size
 
 
 def test_chain_blocks_hold_whole_warps_up_to_1024_threads():
-    assert [_dense_scan_gpu.chain_threads(h) for h in (1, 20, 32, 33, 1000, 1025, 5000)] == [
+    assert [_dense_gpu.chain_threads(h) for h in (1, 20, 32, 33, 1000, 1025, 5000)] == [
         32, 32, 32, 64, 1024, 1024, 1024]
 
 
@@ -270,7 +271,7 @@ def dense_launches(monkeypatch):
                 launches.append(("tiled", int(steps)))
         launch_blocks(compiled, blocks, threads, args)
 
-    monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_dense_gpu, "_WORKSPACES", {})
     monkeypatch.setattr(_kernels, "function", named)
     monkeypatch.setattr(_kernels, "launch", checked_launch)
     monkeypatch.setattr(_kernels, "launch_blocks", checked_launch_blocks)
@@ -316,7 +317,7 @@ def expected_launches(plan, size=1):
         if stop is None:
             groups = plan.levels_of_groups[index]
             steps = sum(len(group.ops) for group in groups)
-            tiled = size >= _dense_scan_gpu.TILED_MIN_SIZE and any(group.kind == "mm" for group in groups)
+            tiled = size >= _dense_gpu.TILED_MIN_SIZE and any(group.kind == "mm" for group in groups)
             launches.append(("tiled", steps) if tiled else steps)
             index += 1
         else:
@@ -337,12 +338,12 @@ def test_gpu_every_schedule_launches_per_level_and_equals_numpy(dense_launches, 
         device_blocks, device_direct = on_device(blocks, direct)
         for method, levels in schedules(n):
             plan = dense_plan(n, method, levels)
-            got = run_dense_plan_gpu(plan, device_blocks, device_direct)
+            got = _dense_gpu.run_dense_plan(plan, device_blocks, device_direct)
             assert_close(to_host(got), dense_scan(blocks, direct, method, levels, threads=1),
                          TOLERANCE[np.dtype(dtype)] * 10)
             # one launch per level or chain of levels, then the gather
             assert dense_launches == expected_launches(plan)
-            assert len(dense_launches) == _dense_scan_gpu.launch_count(plan)
+            assert len(dense_launches) == _dense_gpu.launch_count(plan)
             dense_launches.clear()
 
 
@@ -352,12 +353,12 @@ def test_gpu_every_schedule_launches_per_level_and_equals_numpy(dense_launches, 
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
 def test_gpu_tiled_levels_equal_numpy(dense_launches, monkeypatch, n, size, affine):
     """Levels of block products through ``dense_scan_tiled`` (its threshold lowered to these sizes)."""
-    monkeypatch.setattr(_dense_scan_gpu, "TILED_MIN_SIZE", 2)
+    monkeypatch.setattr(_dense_gpu, "TILED_MIN_SIZE", 2)
     blocks, direct = chain(np.random.default_rng(n + size), n, 2, size, np.float64, affine)
     device_blocks, device_direct = on_device(blocks, direct)
     for method, levels in [("blelloch", None), ("hybrid", 1), ("linear", None)]:
         plan = dense_plan(n, method, levels)
-        assert_close(to_host(run_dense_plan_gpu(plan, device_blocks, device_direct)),
+        assert_close(to_host(_dense_gpu.run_dense_plan(plan, device_blocks, device_direct)),
                      dense_scan(blocks, direct, method, levels), 1e-12)
         assert dense_launches == expected_launches(plan, size)
         assert method == "linear" or any(isinstance(launch, tuple) and launch[0] == "tiled"
@@ -371,9 +372,9 @@ def test_gpu_dense_scan_twin_is_a_launch_per_level(dense_launches):
     rng = np.random.default_rng(5)
     blocks, direct = chain(rng, 5, 2, 3, np.float64, affine=True)
     plan = dense_plan(5, "blelloch")
-    gpu_twin = dense_scan_module._scan.twins["gpu"]
+    gpu_twin = run._run_dense_plan.twins["gpu"]
     got = gpu_twin(gpu, plan, *on_device(blocks, direct), None)
-    assert len(dense_launches) == plan.critical_steps + 1 == _dense_scan_gpu.launch_count(plan)  # no chain
+    assert len(dense_launches) == plan.critical_steps + 1 == _dense_gpu.launch_count(plan)  # no chain
     assert_close(to_host(got), dense_scan(blocks, direct), 1e-12)
 
 
@@ -404,28 +405,28 @@ def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uplo
     plan = dense_plan(13, "hybrid", 2)
     blocks, direct = chain(rng, 13, 2, 5, np.float64, affine=True)
     device_blocks, device_direct = on_device(blocks, direct)
-    first = run_dense_plan_gpu(plan, device_blocks, device_direct)
+    first = _dense_gpu.run_dense_plan(plan, device_blocks, device_direct)
     kept = to_host(first)
-    workspace = next(iter(_dense_scan_gpu._workspaces(plan).values()))
+    workspace = next(iter(_dense_gpu._workspaces(plan).values()))
     assert len(table_uploads) == 1
-    second = run_dense_plan_gpu(plan, device_blocks, 2 * device_direct)  # same blocks: no new upload
+    second = _dense_gpu.run_dense_plan(plan, device_blocks, 2 * device_direct)  # same blocks: no new upload
     assert len(table_uploads) == 1
     np.testing.assert_allclose(to_host(second), 2 * kept, rtol=1e-12)
     new_blocks, new_direct = chain(rng, 13, 2, 5, np.float64, affine=True)
-    third = run_dense_plan_gpu(plan, *on_device(new_blocks, new_direct))
+    third = _dense_gpu.run_dense_plan(plan, *on_device(new_blocks, new_direct))
     assert len(table_uploads) == 2  # the blocks moved: their pointers are patched and uploaded once
-    assert list(_dense_scan_gpu._workspaces(plan).values()) == [workspace]
+    assert list(_dense_gpu._workspaces(plan).values()) == [workspace]
     assert_close(to_host(third), dense_scan(new_blocks, new_direct, "hybrid", 2), 1e-12)
     assert_close(to_host(first), kept, 0.0)  # returned gradients are not workspace buffers
     buffers = [workspace.inputs, workspace.result, *workspace.blocks.values(), *workspace.vectors.values()]
     assert not any(overlap(got, buffer) for got in (first, second, third) for buffer in buffers)
-    run_dense_plan_gpu(plan, device_blocks[:, :1], device_direct[:, :1])
-    run_dense_plan_gpu(plan, device_blocks, device_direct[-1])
-    run_dense_plan_gpu(plan, *on_device(blocks.astype(np.float32), direct.astype(np.float32)))
-    assert len(_dense_scan_gpu._workspaces(plan)) == 4  # per batch, affine flag and dtype
+    _dense_gpu.run_dense_plan(plan, device_blocks[:, :1], device_direct[:, :1])
+    _dense_gpu.run_dense_plan(plan, device_blocks, device_direct[-1])
+    _dense_gpu.run_dense_plan(plan, *on_device(blocks.astype(np.float32), direct.astype(np.float32)))
+    assert len(_dense_gpu._workspaces(plan)) == 4  # per batch, affine flag and dtype
     monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU
-    assert_close(to_host(run_dense_plan_gpu(plan, device_blocks, device_direct)), kept, 1e-12)
-    assert len(_dense_scan_gpu._workspaces(plan)) == 5  # its own device memory
+    assert_close(to_host(_dense_gpu.run_dense_plan(plan, device_blocks, device_direct)), kept, 1e-12)
+    assert len(_dense_gpu._workspaces(plan)) == 5  # its own device memory
 
 
 @pytest.mark.gpu
@@ -436,7 +437,7 @@ def test_gpu_non_contiguous_blocks(dense_launches):
     plan = dense_plan(8, "blelloch")
     transposed = gpu.xp.swapaxes(gpu.asarray(np.swapaxes(blocks, 2, 3).copy()), 2, 3)  # F-order blocks
     assert not transposed.flags.c_contiguous
-    got = run_dense_plan_gpu(plan, transposed, gpu.asarray(direct))
+    got = _dense_gpu.run_dense_plan(plan, transposed, gpu.asarray(direct))
     assert_close(to_host(got), dense_scan(blocks, direct), 1e-12)
 
 
@@ -445,9 +446,9 @@ def test_gpu_intermediates_share_memory_across_levels(dense_launches):
     rng = np.random.default_rng(2)
     plan = dense_plan(21, "blelloch")
     blocks, direct = chain(rng, 21, 2, 3, np.float64, affine=True)
-    assert_close(to_host(run_dense_plan_gpu(plan, *on_device(blocks, direct))), dense_scan(blocks, direct),
-                 1e-12)
-    workspace = next(iter(_dense_scan_gpu._workspaces(plan).values()))
+    assert_close(to_host(_dense_gpu.run_dense_plan(plan, *on_device(blocks, direct))),
+                 dense_scan(blocks, direct), 1e-12)
+    workspace = next(iter(_dense_gpu._workspaces(plan).values()))
     buffers = [(buffer, array) for values in (workspace.blocks, workspace.vectors)
                for buffer, array in values.items()]
     level = {group.buffer: index for index, groups in enumerate(plan.levels_of_groups) for group in groups}
@@ -465,16 +466,16 @@ def test_gpu_rejects_other_dtypes_and_shapes():
     xp = backend.get("gpu").xp
     plan = dense_plan(3, "blelloch")
     with pytest.raises(TypeError, match="float32 or float64"):
-        run_dense_plan_gpu(plan, xp.zeros((3, 1, 2, 2), np.float16), xp.zeros((3, 1, 2), np.float16))
+        _dense_gpu.run_dense_plan(plan, xp.zeros((3, 1, 2, 2), np.float16), xp.zeros((3, 1, 2), np.float16))
     with pytest.raises(ValueError, match=r"\(3, B, H, H\)"):
-        run_dense_plan_gpu(plan, xp.zeros((4, 1, 2, 2)), xp.zeros((4, 1, 2)))
+        _dense_gpu.run_dense_plan(plan, xp.zeros((4, 1, 2, 2)), xp.zeros((4, 1, 2)))
 
 
 def test_module_imports_without_cupy():
     import subprocess
     import sys
 
-    code = "import sys, sparse_scan._dense_scan_gpu, sparse_scan.dense_scan; print('cupy' in sys.modules)"
+    code = "import sys, sparse_scan.engine._dense_gpu, sparse_scan.engine.run; print('cupy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -484,17 +485,17 @@ def test_module_imports_without_cupy():
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "last-only"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("tiled_from", [_dense_scan_gpu.TILED_MIN_SIZE, 2], ids=["default", "all-tiled"])
+@pytest.mark.parametrize("tiled_from", [_dense_gpu.TILED_MIN_SIZE, 2], ids=["default", "all-tiled"])
 def test_gpu_dense_scan_equals_numpy(n, affine, dtype, tiled_from, monkeypatch):
     gpu = backend.get("gpu")
-    monkeypatch.setattr(_dense_scan_gpu, "TILED_MIN_SIZE", tiled_from)
-    monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_dense_gpu, "TILED_MIN_SIZE", tiled_from)
+    monkeypatch.setattr(_dense_gpu, "_WORKSPACES", {})
     launches = []
-    launch = _dense_scan_gpu._kernels.launch
-    launch_blocks = _dense_scan_gpu._kernels.launch_blocks
-    monkeypatch.setattr(_dense_scan_gpu._kernels, "launch",
+    launch = _dense_gpu._kernels.launch
+    launch_blocks = _dense_gpu._kernels.launch_blocks
+    monkeypatch.setattr(_dense_gpu._kernels, "launch",
                         lambda *args: (launches.append(args[1]), launch(*args)))
-    monkeypatch.setattr(_dense_scan_gpu._kernels, "launch_blocks",
+    monkeypatch.setattr(_dense_gpu._kernels, "launch_blocks",
                         lambda *args: (launches.append(args[1]), launch_blocks(*args)))
     rng = np.random.default_rng(n)
     for size in SIZES + [70]:  # 70: tiled by default, partial tiles
@@ -505,7 +506,7 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, tiled_from, monkeypatch):
                 got = dense_scan(gpu.asarray(blocks), gpu.asarray(direct), method, levels)
                 assert backend.of(got).name == "gpu"
                 assert_close(gpu.to_host(got), want, TOLERANCE[np.dtype(dtype)] * 10)
-                assert len(launches) == _dense_scan_gpu.launch_count(dense_plan(n, method, levels))
+                assert len(launches) == _dense_gpu.launch_count(dense_plan(n, method, levels))
                 launches.clear()
 
 

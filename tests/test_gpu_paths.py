@@ -14,8 +14,10 @@ from test_dense_scan_kernel import chain
 from test_scan import random_chain, schedules
 from test_scan_gpu import assert_close
 
-from sparse_scan import _dense_scan_gpu, _kernels, _scan_gpu, backend, spgemm
-from sparse_scan.dense_scan import dense_scan
+from sparse_scan import _kernels, backend
+from sparse_scan.engine import _dense_gpu, _gpu, run
+from sparse_scan.engine import products as product_planning
+from sparse_scan.engine.run import dense_scan
 from sparse_scan.layers import Conv2d, MaxPool2d
 
 pytestmark = pytest.mark.gpu
@@ -33,14 +35,14 @@ def _backward_on_both(model, in_shape, method, levels, dtype=np.float64, batch=3
 
 
 def test_scan_level_with_int64_indices_equals_the_cpu(monkeypatch):
-    monkeypatch.setattr(_scan_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
-    monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
+    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
     model, in_shape = random_chain(8, seed=13, dtype=np.float64)
     for method, levels in schedules(8):
         got, want = _backward_on_both(model, in_shape, method, levels)
         assert_close(got, want, 1e-10)
         plan = model.plan(in_shape, method, levels)
-        assert {w.index_dtype for w in _scan_gpu._workspaces(plan).values()} == {np.dtype(np.int64)}
+        assert {w.index_dtype for w in _gpu._workspaces(plan).values()} == {np.dtype(np.int64)}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -56,8 +58,8 @@ def test_conv_jt_kernels_with_int64_indices_equal_the_cpu(dtype):
 
 
 def test_the_block_product_fallback_of_the_gpu_scan(monkeypatch):
-    monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
-    monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
+    monkeypatch.setattr(product_planning, "BLOCK_MIN_INNER", 1)
+    monkeypatch.setattr(product_planning, "BLOCK_MIN_OUTER", 1)
     model, in_shape = random_chain(13, seed=33, dtype=np.float64)
     plan = model.plan(in_shape, "blelloch")
     assert "block" in {step.method for step in plan.steps}
@@ -68,15 +70,15 @@ def test_the_block_product_fallback_of_the_gpu_scan(monkeypatch):
         rng = np.random.default_rng(step.level)
         a = rng.standard_normal((2, step.product.blocks.a.gather.size))
         b = rng.standard_normal(step.product.blocks.b.gather.size)
-        np.testing.assert_allclose(gpu.to_host(spgemm.multiply(step.product, gpu.asarray(a), gpu.asarray(b))),
-                                   spgemm.multiply(step.product, a, b), rtol=1e-12)
+        np.testing.assert_allclose(gpu.to_host(run.multiply(step.product, gpu.asarray(a), gpu.asarray(b))),
+                                   run.multiply(step.product, a, b), rtol=1e-12)
 
 
 def test_grids_above_the_block_cap_wrap_in_every_kernel(monkeypatch, request):
     """With ``MAX_BLOCKS = 2`` every launch covers its work with a grid-stride loop that wraps."""
     monkeypatch.setattr(_kernels, "MAX_BLOCKS", 2)
-    monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
-    monkeypatch.setattr(_dense_scan_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_dense_gpu, "_WORKSPACES", {})
     stats = request.getfixturevalue("device_stats") if STANDIN else None
     model, in_shape = random_chain(6, seed=3, dtype=np.float64)
     got, want = _backward_on_both(model, in_shape, "blelloch", None, batch=5)
@@ -101,7 +103,7 @@ def test_grids_above_the_block_cap_wrap_in_every_kernel(monkeypatch, request):
 
 def test_the_1024_thread_chain_launch(request):
     size = 1000  # chain_threads rounds 1000 entries up to 1024 threads
-    assert _dense_scan_gpu.chain_threads(size) == _dense_scan_gpu.MAX_THREADS == 1024
+    assert _dense_gpu.chain_threads(size) == _dense_gpu.MAX_THREADS == 1024
     stats = request.getfixturevalue("device_stats") if STANDIN else None
     gpu = backend.get("gpu")
     rng = np.random.default_rng(7)
@@ -158,9 +160,9 @@ def test_a_warm_numeric_scan_never_waits_for_the_host(device_stats):
     jts = model.transposed_jacobians()[::-1]
     for method, levels in schedules(8):
         plan = model.plan(in_shape, method, levels)
-        _scan_gpu.run_plan_gpu(plan, grad_out, jts)
+        _gpu.run_plan(plan, grad_out, jts)
         device_stats.clear()
-        _scan_gpu.run_plan_gpu(plan, grad_out, jts)
+        _gpu.run_plan(plan, grad_out, jts)
         assert device_stats.syncs == [] and device_stats.uploads <= 1, (method, levels)
     blocks, direct = chain(np.random.default_rng(2), 9, 3, 12, np.float32, True)
     blocks, direct = gpu.asarray(blocks), gpu.asarray(direct)

@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparse_scan import _host_kernels, spgemm
+from sparse_scan import _host_kernels
 from sparse_scan.csr import Pattern
+from sparse_scan.engine import _cpu as host
+from sparse_scan.engine.products import plan_product
+from sparse_scan.engine.run import multiply
 from sparse_scan.layers import Conv2d, MaxPool2d
-from sparse_scan.spgemm import multiply, plan_product
 
 DTYPES = [np.float32, np.float64]
 INDEX_DTYPES = [np.int32, np.int64]
@@ -59,8 +61,8 @@ def sample(values, s):
 
 def threads(monkeypatch, on):
     if on:  # every call large enough to cut over (more workers than samples, or fewer)
-        monkeypatch.setattr(spgemm, "THREAD_MIN_VALUES", 1)
-        monkeypatch.setattr(spgemm, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(host, "THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(host, "cpu_threads", lambda: 3)
 
 
 @pytest.mark.parametrize("method", ["general", "rowwise"])
@@ -132,8 +134,8 @@ def test_scalings_equal_the_dense_products(kind, dtype, index_dtype, per_sample)
 def test_selection_gathers_equal_the_dense_products(monkeypatch, pool_first, dtype, index_dtype,
                                                     per_sample_other, threaded):
     threads(monkeypatch, threaded)
-    monkeypatch.setattr("sparse_scan.selection.THREAD_MIN_VALUES", 1 if threaded else 2**18)
-    monkeypatch.setattr("sparse_scan.selection.cpu_threads", lambda: 3)
+    monkeypatch.setattr("sparse_scan.engine._selection.THREAD_MIN_VALUES", 1 if threaded else 2**18)
+    monkeypatch.setattr("sparse_scan.engine._selection.cpu_threads", lambda: 3)
     rng = np.random.default_rng(11)
     batch = 5
     pool = MaxPool2d(2)
@@ -175,7 +177,7 @@ def test_stored_products_cut_by_multiply_adds_not_entries(monkeypatch):
         calls.append(pieces)
         return real(kernel, args, pieces)
 
-    monkeypatch.setattr(spgemm, "launch", record)
+    monkeypatch.setattr(host, "launch", record)
     rows = np.array([0, 30, 31, 32, 33, 34, 35])  # the first row of A is dense: most of the work
     a = Pattern(rows, np.concatenate((np.arange(30), np.zeros(5, int))), (6, 30))
     b = Pattern(np.arange(31), np.zeros(30, int), (30, 1))
@@ -187,7 +189,7 @@ def test_stored_products_cut_by_multiply_adds_not_entries(monkeypatch):
 
 
 def test_numba_is_not_imported_by_the_package_or_the_cli():
-    code = ("import sys, sparse_scan, sparse_scan.cli.app, sparse_scan.spgemm, sparse_scan.layers; "
+    code = ("import sys, sparse_scan, sparse_scan.cli.app, sparse_scan.engine.products, sparse_scan.layers; "
             "assert 'numba' not in sys.modules, 'numba imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

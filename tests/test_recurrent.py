@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparse_scan.dense_scan import auto_levels, dense_scan
+from sparse_scan.engine.dense_plan import auto_levels
+from sparse_scan.engine.run import dense_scan
+from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import GRU, RNN, Bitstream, chain_through_factors
-from sparse_scan.scan import depth
 
 CELLS = [("rnn-tanh", lambda i, h, **kw: RNN(i, h, **kw)),
          ("rnn-relu", lambda i, h, **kw: RNN(i, h, nonlinearity="relu", **kw)),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from sparse_scan import backend
+from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import CellSequence, GRUCell, LSTMCell, RNNCell
-from sparse_scan.scan import depth
 
 torch = pytest.importorskip("torch")
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from sparse_scan import backend
-from sparse_scan.dense_scan import dense_scan
+from sparse_scan.engine.run import dense_scan
+from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import LSTM
-from sparse_scan.scan import depth
 
 torch = pytest.importorskip("torch")
 

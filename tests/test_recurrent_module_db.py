@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparse_scan import recurrent
-from sparse_scan.scan import depth
+from sparse_scan.engine.schedule import depth
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest")

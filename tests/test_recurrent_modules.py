@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from sparse_scan import backend
+from sparse_scan.engine.schedule import depth
 from sparse_scan.optim import Adam
 from sparse_scan.recurrent import GRU, RNN, Bitstream, RecurrentClassifier, train_recurrent
-from sparse_scan.scan import depth
 
 torch = pytest.importorskip("torch")
 

@@ -9,8 +9,14 @@ import pytest
 import scipy.sparse as sp
 from oracles import torch_modules
 
-from sparse_scan import Sequential, spgemm
+from sparse_scan import Sequential
 from sparse_scan.csr import Pattern
+from sparse_scan.engine import _cpu as host
+from sparse_scan.engine import products as product_planning
+from sparse_scan.engine.plan import ScanCostError
+from sparse_scan.engine.products import plan_product
+from sparse_scan.engine.run import multiply
+from sparse_scan.engine.schedule import depth
 from sparse_scan.layers import (
     AvgPool2d,
     Conv2d,
@@ -22,8 +28,6 @@ from sparse_scan.layers import (
     Sigmoid,
     Tanh,
 )
-from sparse_scan.scan import ScanCostError, depth, run_plan
-from sparse_scan.spgemm import multiply, plan_product
 
 POINTWISE = (ReLU, lambda: LeakyReLU(0.1), Tanh, Sigmoid)
 
@@ -209,8 +213,8 @@ def test_steps_of_a_level_run_concurrently_with_the_same_results(method, levels)
     plan = model.plan(in_shape, method, levels)
     assert max(len(level) for level in plan.levels_of_steps) > 1
     jts = model.transposed_jacobians()[::-1]
-    serial = run_plan(plan, grad, jts, threads=1)
-    for got, want in zip(run_plan(plan, grad, jts, threads=4), serial, strict=True):
+    serial = host.run_plan(plan, grad, jts, threads=1)
+    for got, want in zip(host.run_plan(plan, grad, jts, threads=4), serial, strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -327,7 +331,7 @@ def test_lean_and_chunked_products_equal_the_stored_plan(seed, per_sample):
     for plan in (chunked, lean):
         assert plan.out.same_as(stored.out)
         for scratch in (64, 10**9):  # a few products per chunk, or all at once
-            np.testing.assert_allclose(multiply(plan, a_data, b_data, scratch_bytes=scratch),
+            np.testing.assert_allclose(host.multiply(plan, a_data, b_data, scratch_bytes=scratch),
                                        expected, rtol=1e-12)
 
 
@@ -341,10 +345,10 @@ def test_stored_products_cut_over_threads_equal_one_piece(monkeypatch, per_sampl
     b_data = rng.standard_normal((4, b.nnz)) if per_sample == "both" else b.data
     plan = plan_product(pa, pb, "general", "general")
     whole = multiply(plan, a_data, b_data)
-    monkeypatch.setattr(spgemm, "THREAD_MIN_VALUES", 1)  # every product large enough to share out
-    monkeypatch.setattr(spgemm, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(host, "THREAD_MIN_VALUES", 1)  # every product large enough to share out
+    monkeypatch.setattr(host, "cpu_threads", lambda: 3)
     np.testing.assert_array_equal(multiply(plan, a_data, b_data), whole)
-    np.testing.assert_array_equal(multiply(plan, a_data, b_data, scratch_bytes=200), whole)
+    np.testing.assert_array_equal(host.multiply(plan, a_data, b_data, scratch_bytes=200), whole)
 
 
 def test_products_with_one_multiply_add_per_entry_skip_the_sums():
@@ -361,7 +365,7 @@ def test_products_with_one_multiply_add_per_entry_skip_the_sums():
 
 
 def test_memory_budget_selects_the_lean_method_and_names_the_step_when_nothing_fits(monkeypatch):
-    monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 10**9)  # scalar products only
+    monkeypatch.setattr(product_planning, "BLOCK_MIN_INNER", 10**9)  # scalar products only
     model, in_shape = random_chain(8, seed=11, dtype=np.float64)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3,) + in_shape)
@@ -396,7 +400,7 @@ def test_dense_steps_equal_spmvs_and_need_no_jt_values(monkeypatch):
         assert dense <= {n - index for index in weighted}
         if method == "linear":
             assert dense == plan.weights_only == {n - index for index in weighted}
-        spmv = run_plan(plan, grad_out.reshape(5, -1), jts)  # no dense matvecs: SpMVs
+        spmv = host.run_plan(plan, grad_out.reshape(5, -1), jts)  # no dense matvecs: SpMVs
         for got, want in zip(model.backward(grad_out, method=method, levels=levels), spmv, strict=True):
             np.testing.assert_allclose(got.reshape(5, -1), want, rtol=1e-12, atol=1e-12)
 
@@ -455,8 +459,8 @@ def test_a_chain_of_dense_mvs_plans_without_building_their_patterns():
 def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threaded, shared):
     """Rows cut at about equal non-zeros (empty rows included) or samples cut over the threads."""
     if threaded:
-        monkeypatch.setattr(spgemm, "MATVEC_THREAD_MIN", 1)
-        monkeypatch.setattr(spgemm, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(host, "MATVEC_THREAD_MIN", 1)
+        monkeypatch.setattr(host, "cpu_threads", lambda: 3)
     rng = np.random.default_rng(8)
     matrix = sp.random(40, 30, density=0.2, format="lil", random_state=rng)
     matrix[5:9] = 0  # empty rows
@@ -466,7 +470,7 @@ def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threa
     pattern = Pattern(matrix.indptr, matrix.indices, matrix.shape)
     vectors = rng.standard_normal((5, 30))
     data = matrix.data if shared else rng.standard_normal((5, matrix.nnz))
-    got = spgemm.matvec(pattern, data, vectors)
+    got = host.matvec(pattern, data, vectors)
     for sample in range(5):
         values = data if shared else data[sample]
         want = sp.csr_matrix((values, matrix.indices, matrix.indptr), shape=matrix.shape) @ vectors[sample]
@@ -477,10 +481,9 @@ def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threa
 def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_after(monkeypatch, method):
     """Once per pruned layer and backward, on the scan's step threads too (blelloch runs steps
     concurrently: two threads forced)."""
-    from sparse_scan import scan
     from sparse_scan.layers import _weighted
 
-    monkeypatch.setattr(scan, "cpu_threads", lambda: 2)
+    monkeypatch.setattr(host, "cpu_threads", lambda: 2)
 
     calls = []
     real = _weighted.WeightedLayer._zero_set_key
@@ -551,7 +554,7 @@ def test_estimates_are_the_built_figures_for_dense_and_diagonal_chains(method, l
         built.critical_flops, built.work_flops, built.critical_steps)
     assert estimate.peak_bytes(4, 8) == built.peak_bytes(4, 8, device="gpu")  # every JT held
     with pytest.raises(ValueError, match="estimated plan"):
-        run_plan(estimate, np.ones((1, 7)), [])
+        host.run_plan(estimate, np.ones((1, 7)), [])
 
 
 def test_auto_chooses_a_deeper_schedule_where_it_shortens_the_critical_path():

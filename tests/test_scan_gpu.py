@@ -1,4 +1,4 @@
-"""The GPU numeric phase of a scan plan: ``rawkernels/scan.cu`` and ``sparse_scan._scan_gpu``.
+"""The GPU numeric phase of a scan plan: ``rawkernels/scan.cu`` and ``sparse_scan.engine._gpu``.
 
 Three layers of evidence (GPU.md): the kernel source compiled for the CPU against the NumPy twins
 ``spgemm.multiply`` / ``spgemm.matvec``, with odd grid and block sizes; the whole GPU orchestration
@@ -19,11 +19,15 @@ import scipy.sparse as sp
 from cuda_on_cpu import compile_for_cpu, pointer
 from test_scan import random_chain, schedules
 
-from sparse_scan import _kernels, _scan_gpu, backend, spgemm
-from sparse_scan._scan_gpu import FIELDS, PRODUCT, ROWWISE, SPMV, run_plan_gpu
+from sparse_scan import _kernels, backend
 from sparse_scan.csr import Pattern
-from sparse_scan.scan import ScanPlan, run_plan
-from sparse_scan.spgemm import matvec, multiply, plan_product
+from sparse_scan.engine import _cpu as host
+from sparse_scan.engine import _gpu
+from sparse_scan.engine import products as product_planning
+from sparse_scan.engine._gpu import FIELDS, PRODUCT, ROWWISE, SPMV
+from sparse_scan.engine.plan import ScanPlan
+from sparse_scan.engine.products import plan_product
+from sparse_scan.engine.run import multiply
 
 INDEX_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 VALUE_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -106,7 +110,7 @@ class Table:
         self._add(SPMV, pattern.shape[0], False,
                   [self.ptr(pattern.indptr), self.ptr(pattern.indices), self.ptr(data), stride,
                    self.ptr(vec), pattern.shape[1], self.ptr(out)],
-                  out, matvec(pattern, data, vec))
+                  out, host.matvec(pattern, data, vec))
 
     def product(self, plan, a, b, index_dtype):
         shared = a.ndim == b.ndim == 1
@@ -244,8 +248,8 @@ def scan_launches(monkeypatch):
             launches.append(int(steps))
         launch(compiled, work_items, args)
 
-    monkeypatch.setattr(_scan_gpu, "_DEVICE_INDEX", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_gpu, "_DEVICE_INDEX", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
     monkeypatch.setattr(_kernels, "function", named)
     monkeypatch.setattr(_kernels, "launch", checked)
     return launches
@@ -278,7 +282,7 @@ def test_gpu_multiply_is_one_launch_per_product(scan_launches, index_dtype, valu
     rng = np.random.default_rng(11)
     products = random_products(rng, index_dtype, value_dtype, batch=3)
     for plan, a, b in products:
-        got = _scan_gpu.multiply_gpu(plan, gpu.asarray(a), gpu.asarray(b))
+        got = _gpu.multiply(plan, gpu.asarray(a), gpu.asarray(b))
         want = multiply(plan, a, b)
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(to_host([got])[0], want, rtol=TOLERANCE[np.dtype(value_dtype)], atol=1e-6)
@@ -288,19 +292,19 @@ def test_gpu_multiply_is_one_launch_per_product(scan_launches, index_dtype, valu
 @pytest.mark.gpu
 def test_gpu_multiply_block_products_and_bad_dtypes(scan_launches, monkeypatch):
     gpu = backend.get("gpu")
-    monkeypatch.setattr(spgemm, "BLOCK_MIN_INNER", 1)
-    monkeypatch.setattr(spgemm, "BLOCK_MIN_OUTER", 1)
+    monkeypatch.setattr(product_planning, "BLOCK_MIN_INNER", 1)
+    monkeypatch.setattr(product_planning, "BLOCK_MIN_OUTER", 1)
     model, in_shape, _, _ = chain_inputs(13, seed=33, batch=2, dtype=np.float64)
     products = [step.product for step in model.plan(in_shape, "blelloch").steps if step.method == "block"]
     assert products
     for product in products:  # block products go to batched GEMMs, no launch of the scan kernel
         a, b = rng_values(product.blocks.a.gather.size, 2), rng_values(product.blocks.b.gather.size, 3)
-        got = _scan_gpu.multiply_gpu(product, gpu.asarray(a), gpu.asarray(b[:2]))
+        got = _gpu.multiply(product, gpu.asarray(a), gpu.asarray(b[:2]))
         np.testing.assert_allclose(to_host([got])[0], multiply(product, a, b[:2]), rtol=1e-12)
     assert scan_launches == []
     plan, a, b = random_products(np.random.default_rng(1), np.int32, np.float64, batch=2)[0]
     with pytest.raises(TypeError, match="float32 or float64"):
-        _scan_gpu.multiply_gpu(plan, gpu.asarray(a.astype(np.float16)), gpu.asarray(b.astype(np.float16)))
+        _gpu.multiply(plan, gpu.asarray(a.astype(np.float16)), gpu.asarray(b.astype(np.float16)))
 
 
 def rng_values(nnz, batch):
@@ -334,8 +338,8 @@ def test_gpu_run_plan_equals_run_plan_for_every_schedule(scan_launches, block_pr
     methods = set()
     for method, levels in schedules(n):
         plan = model.plan(in_shape, method, levels)
-        got = run_plan_gpu(plan, device_grad, device_jts)
-        assert_close(to_host(got), run_plan(plan, grad_out, jts), TOLERANCE[np.dtype(dtype)])
+        got = _gpu.run_plan(plan, device_grad, device_jts)
+        assert_close(to_host(got), host.run_plan(plan, grad_out, jts), TOLERANCE[np.dtype(dtype)])
         assert len(scan_launches) <= plan.critical_steps  # one launch per level or fewer
         scan_launches.clear()
         methods.update(step.method for step in plan.steps)
@@ -352,14 +356,14 @@ def test_gpu_int64_indices_and_lean_products(scan_launches, monkeypatch):
     model.memory_budget = max(s.product.multiply_adds for s in general) * 12 - 1
     plan = model.plan(in_shape, "blelloch")
     assert {"rowwise", "general", "scale_rows"} <= {step.method for step in plan.steps}
-    want = run_plan(plan, grad_out, jts)
+    want = host.run_plan(plan, grad_out, jts)
     device_grad, device_jts = gpu.asarray(grad_out), on_device(jts)
-    assert_close(to_host(run_plan_gpu(plan, device_grad, device_jts)), want, 1e-10)
-    assert next(iter(_scan_gpu._workspaces(plan).values())).index_dtype == np.int32
-    monkeypatch.setattr(_scan_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
-    monkeypatch.setattr(_scan_gpu, "_WORKSPACES", {})
-    assert_close(to_host(run_plan_gpu(plan, device_grad, device_jts)), want, 1e-10)
-    assert next(iter(_scan_gpu._workspaces(plan).values())).index_dtype == np.int64
+    assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), want, 1e-10)
+    assert next(iter(_gpu._workspaces(plan).values())).index_dtype == np.int32
+    monkeypatch.setattr(_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
+    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
+    assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), want, 1e-10)
+    assert next(iter(_gpu._workspaces(plan).values())).index_dtype == np.int64
 
 
 @pytest.mark.gpu
@@ -379,23 +383,23 @@ def test_gpu_workspace_is_built_once_and_results_stay(scan_launches, monkeypatch
         model.forward(x)
         calls.append((grad_out, model.transposed_jacobians()[::-1], gpu.asarray(grad_out), device_jts))
     (_, _, grad_0, jts_0), (grad_out, jts, device_grad, device_jts) = calls
-    first = run_plan_gpu(plan, grad_0, jts_0)
+    first = _gpu.run_plan(plan, grad_0, jts_0)
     kept = to_host(first)
-    workspace = next(iter(_scan_gpu._workspaces(plan).values()))
-    second = run_plan_gpu(plan, device_grad, device_jts)
-    assert list(_scan_gpu._workspaces(plan).values()) == [workspace]
-    assert_close(to_host(second), run_plan(plan, grad_out, jts), 1e-10)
+    workspace = next(iter(_gpu._workspaces(plan).values()))
+    second = _gpu.run_plan(plan, device_grad, device_jts)
+    assert list(_gpu._workspaces(plan).values()) == [workspace]
+    assert_close(to_host(second), host.run_plan(plan, grad_out, jts), 1e-10)
     assert_close(to_host(first), kept, 0.0)  # returned gradients are not workspace buffers
     assert not any(overlap(g, buffer) for g in first + second for buffer in workspace.buffers.values())
-    run_plan_gpu(plan, device_grad[:2], [jt if jt.shared else dataclasses.replace(jt, data=jt.data[:2])
+    _gpu.run_plan(plan, device_grad[:2], [jt if jt.shared else dataclasses.replace(jt, data=jt.data[:2])
                                          for jt in device_jts])
-    assert len(_scan_gpu._workspaces(plan)) == 2  # one per batch size
-    indices = len(_scan_gpu._DEVICE_INDEX)
+    assert len(_gpu._workspaces(plan)) == 2  # one per batch size
+    indices = len(_gpu._DEVICE_INDEX)
     monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU: its own memory
-    assert_close(to_host(run_plan_gpu(plan, device_grad, device_jts)), to_host(second), 0.0)
-    assert len(_scan_gpu._workspaces(plan)) == 3
-    assert all(any(key[-1] == 1 for key in arrays) for arrays in _scan_gpu._DEVICE_INDEX.values())
-    assert len(_scan_gpu._DEVICE_INDEX) == indices
+    assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), to_host(second), 0.0)
+    assert len(_gpu._workspaces(plan)) == 3
+    assert all(any(key[-1] == 1 for key in arrays) for arrays in _gpu._DEVICE_INDEX.values())
+    assert len(_gpu._DEVICE_INDEX) == indices
 
 
 @pytest.mark.gpu
@@ -403,9 +407,9 @@ def test_gpu_intermediates_share_memory_across_levels(scan_launches):
     gpu = backend.get("gpu")
     model, in_shape, grad_out, jts = chain_inputs(21, seed=2, batch=2, dtype=np.float64)
     plan = model.plan(in_shape, "blelloch")
-    got = run_plan_gpu(plan, gpu.asarray(grad_out), on_device(jts))
-    assert_close(to_host(got), run_plan(plan, grad_out, jts), 1e-10)
-    buffers = next(iter(_scan_gpu._workspaces(plan).values())).buffers
+    got = _gpu.run_plan(plan, gpu.asarray(grad_out), on_device(jts))
+    assert_close(to_host(got), host.run_plan(plan, grad_out, jts), 1e-10)
+    buffers = next(iter(_gpu._workspaces(plan).values())).buffers
     starts = {buffer.data.ptr for buffer in buffers.values()}
     assert len(starts) < len(buffers)
     level = {step.out: step.level for step in plan.steps}
@@ -431,7 +435,7 @@ def test_gpu_unknown_product_methods_go_to_the_fallbacks(scan_launches, monkeypa
     custom = with_method(plan, "custom")
     assert "custom" in {step.method for step in custom.steps}
     with pytest.raises(NotImplementedError, match="'custom'"):
-        run_plan_gpu(custom, device_grad, device_jts)
+        _gpu.run_plan(custom, device_grad, device_jts)
     calls = []
 
     def fallback(product, a_data, b_data):
@@ -439,8 +443,9 @@ def test_gpu_unknown_product_methods_go_to_the_fallbacks(scan_launches, monkeypa
         assert backend.of(a_data).name == backend.of(b_data).name == "gpu"
         return multiply(dataclasses.replace(product, method="general"), a_data, b_data)
 
-    monkeypatch.setitem(_scan_gpu.PRODUCT_FALLBACKS, "custom", fallback)
-    assert_close(to_host(run_plan_gpu(custom, device_grad, device_jts)), run_plan(plan, grad_out, jts), 1e-10)
+    monkeypatch.setitem(_gpu.PRODUCT_FALLBACKS, "custom", fallback)
+    assert_close(to_host(_gpu.run_plan(custom, device_grad, device_jts)), host.run_plan(plan, grad_out, jts),
+                 1e-10)
     assert calls and set(calls) == {"custom"}
 
 
@@ -448,7 +453,7 @@ def test_module_imports_without_cupy():
     import subprocess
     import sys
 
-    code = "import sys, sparse_scan._scan_gpu, sparse_scan.model; print('cupy' in sys.modules)"
+    code = "import sys, sparse_scan.engine._gpu, sparse_scan.model; print('cupy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -499,10 +504,10 @@ def test_gpu_lean_products_and_fallbacks(monkeypatch):
     model.memory_budget = max(s.product.multiply_adds for s in general) * 12 - 1
     plan = model.plan(in_shape, "blelloch")
     assert "rowwise" in {step.method for step in plan.steps}
-    want = run_plan(plan, flat, jts)
+    want = host.run_plan(plan, flat, jts)
     model.forward(gpu.asarray(x))
     gpu_jts = model.transposed_jacobians()[::-1]
-    assert_close([gpu.to_host(g) for g in run_plan_gpu(plan, gpu.asarray(flat), gpu_jts)], want, 1e-10)
+    assert_close([gpu.to_host(g) for g in _gpu.run_plan(plan, gpu.asarray(flat), gpu_jts)], want, 1e-10)
 
     def fallback(product, a_data, b_data):
         general = dataclasses.replace(product, method="general")
@@ -510,9 +515,9 @@ def test_gpu_lean_products_and_fallbacks(monkeypatch):
 
     model.memory_budget = None
     plan = model.plan(in_shape, "blelloch")
-    monkeypatch.setitem(_scan_gpu.PRODUCT_FALLBACKS, "custom", fallback)
-    got = run_plan_gpu(with_method(plan, "custom"), gpu.asarray(flat), gpu_jts)
-    assert_close([gpu.to_host(g) for g in got], run_plan(plan, flat, jts), 1e-10)
+    monkeypatch.setitem(_gpu.PRODUCT_FALLBACKS, "custom", fallback)
+    got = _gpu.run_plan(with_method(plan, "custom"), gpu.asarray(flat), gpu_jts)
+    assert_close([gpu.to_host(g) for g in got], host.run_plan(plan, flat, jts), 1e-10)
 
 
 @pytest.mark.gpu
@@ -527,7 +532,7 @@ def test_gpu_second_backward_reuses_the_workspace():
         got = model.backward(gpu.asarray(grad_out), method="blelloch")
         model.forward(x)
         results.append((got, model.backward(grad_out, method="blelloch")))
-        workspaces = _scan_gpu._workspaces(model.plan(in_shape, "blelloch"))
+        workspaces = _gpu._workspaces(model.plan(in_shape, "blelloch"))
         if len(results) == 1:
             first = list(workspaces.values())
     assert list(workspaces.values()) == first and len(first) == 1

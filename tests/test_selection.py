@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sparse_scan.engine.products import plan_product
+from sparse_scan.engine.run import multiply
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
-from sparse_scan.spgemm import multiply, plan_product
 
 # (arguments, whether windows overlap)
 POOLS = [

@@ -7,10 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-import sparse_scan.dense_scan as dense_scan_module
-from sparse_scan import _threads, scan
+from sparse_scan import _threads
 from sparse_scan._threads import cpu_threads, kernel_pool, step_pool, worker_pool
-from sparse_scan.dense_scan import dense_scan
+from sparse_scan.engine import _cpu as host
+from sparse_scan.engine import _dense_cpu as dense_host
+from sparse_scan.engine.run import dense_scan
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
 from sparse_scan.layers._weighted import held_structure_keys
 from sparse_scan.model import Sequential
@@ -30,8 +31,8 @@ def test_step_pool_is_shared_at_the_core_count_and_owned_otherwise():
 
 def test_only_schedules_with_concurrent_steps_take_step_threads(monkeypatch):
     calls = []
-    real = scan.step_pool
-    monkeypatch.setattr(scan, "step_pool", lambda workers: (calls.append(workers), real(workers))[1])
+    real = host.step_pool
+    monkeypatch.setattr(host, "step_pool", lambda workers: (calls.append(workers), real(workers))[1])
     model = Sequential(Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(), MaxPool2d(2),
                        Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1), ReLU(), input_shape=(2, 6, 6))
     x = np.random.default_rng(0).standard_normal((2, 2, 6, 6))
@@ -63,10 +64,10 @@ def test_worker_pool_honours_an_explicit_thread_count_on_one_core(monkeypatch):
     rng = np.random.default_rng(0)
     blocks, direct = rng.standard_normal((9, 2, 3, 3)) / 2, rng.standard_normal((9, 2, 3))
     serial = dense_scan(blocks, direct, method="blelloch", threads=1)
-    monkeypatch.setattr(dense_scan_module, "SPLIT_MIN_VALUES", 1)  # split even these small products
+    monkeypatch.setattr(dense_host, "SPLIT_MIN_VALUES", 1)  # split even these small products
     cuts = []
-    real = dense_scan_module.run_parts
-    monkeypatch.setattr(dense_scan_module, "run_parts",
+    real = dense_host.run_parts
+    monkeypatch.setattr(dense_host, "run_parts",
                         lambda pool, run, parts: (cuts.append((pool, len(parts))), real(pool, run, parts))[1])
     np.testing.assert_allclose(dense_scan(blocks, direct, method="blelloch", threads=3), serial, rtol=1e-12)
     assert cuts and all(pool is not None and count > 1 for pool, count in cuts)

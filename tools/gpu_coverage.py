@@ -3,7 +3,7 @@
     python -m coverage run --source=sparse_scan -m pytest -m gpu
     python tools/gpu_coverage.py [--data-file .coverage] [--fail-under 95]
 
-The GPU glue is every module whose whole job is the GPU (``_scan_gpu``, ``_dense_scan_gpu``,
+The GPU glue is every module whose whole job is the GPU (``engine/_gpu``, ``engine/_dense_gpu``,
 ``_kernels``, ``_staging``) plus every GPU twin elsewhere in ``sparse_scan/`` (functions named
 ``*_gpu`` and ``BatchedCSR.to_cupyx``, found by parsing the sources). Prints one line per unit and the
 total; exits 1 below ``--fail-under`` percent.
@@ -18,7 +18,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sparse_scan"
-GPU_MODULES = ("_scan_gpu.py", "_dense_scan_gpu.py", "_kernels.py", "_staging.py")
+GPU_MODULES = ("engine/_gpu.py", "engine/_dense_gpu.py", "_kernels.py", "_staging.py")
 
 
 def _statements(path: pathlib.Path) -> set[int]:
@@ -34,7 +34,7 @@ def gpu_units() -> list[tuple[str, pathlib.Path, set[int]]]:
     units = []
     for path in sorted(PACKAGE.rglob("*.py")):
         statements = _statements(path)
-        if path.name in GPU_MODULES:
+        if path.relative_to(PACKAGE).as_posix() in GPU_MODULES:
             units.append((str(path.relative_to(ROOT)), path, statements))
             continue
         for node in ast.walk(ast.parse(path.read_text())):

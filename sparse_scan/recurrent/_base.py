@@ -27,7 +27,8 @@ import numpy as np
 
 from .. import backend as _backend
 from .._threads import cpu_threads, even_parts, run_parts, worker_pool
-from ..dense_scan import auto_levels, dense_scan
+from ..engine.dense_plan import auto_levels
+from ..engine.run import dense_scan
 
 __all__ = ["Cell", "Run", "chain_through_factors", "fill_blocks", "resolve_levels"]
 
@@ -71,7 +72,7 @@ def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, dire
     ``G_{t-1} = d_{t-1} + A_t G_t`` with ``A_t = Σ_k weights_t[k] diag(coefficients[t-1, :, k])
     (+ diag(diagonal[t-1]))``, applied to the samples' vectors as one GEMM per step:
     ``(G_t ⊙ c_{t,k})_k`` stacked ``(B, K·H)`` times the stacked ``W_k`` ``(K·H, H)``. The result
-    equals :func:`~sparse_scan.dense_scan.dense_scan` of the filled blocks with ``method="linear"``.
+    equals :func:`~sparse_scan.engine.run.dense_scan` of the filled blocks with ``method="linear"``.
 
     Parameters
     ----------
@@ -79,7 +80,7 @@ def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, dire
     coefficients : ndarray, shape (T, B, K, H)
     diagonal : ndarray, shape (T, B, H), or None
     direct : ndarray, shape (T, B, H) or (B, H)
-        As in :func:`~sparse_scan.dense_scan.dense_scan`.
+        As in :func:`~sparse_scan.engine.run.dense_scan`.
 
     Returns
     -------

@@ -27,8 +27,8 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import flag, integer, number
+from ..engine.schedule import checked_levels
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
-from ..scan import checked_levels
 from ._base import Cell, Run, resolve_levels
 
 __all__ = ["RecurrentModule", "as_real_array", "copy_parameters", "legacy_alias"]

@@ -1,4 +1,4 @@
-"""GPU numeric phase of a :class:`~sparse_scan.scan.ScanPlan`: one RawKernel launch per scan level.
+"""GPU numeric phase of a :class:`~sparse_scan.engine.plan.ScanPlan`: one RawKernel launch per scan level.
 
 The steps of a scan level are independent. Each becomes a descriptor (a row of ``FIELDS`` int64s:
 kind, first work item, samples, items per sample, device pointers and strides; layout in
@@ -30,14 +30,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _kernels
-from ._staging import StagedTable
-from .blocks import BlockProduct, multiply_blocks
-from .csr import Pattern, choose_index_dtype
-from .scan import Element, ScanPlan, Step
-from .spgemm import ProductPlan
+from .. import _kernels
+from .._staging import StagedTable
+from ..csr import Pattern, choose_index_dtype
+from ._blocks import BlockProduct, multiply_blocks
+from .plan import ScanPlan, Step
+from .products import ProductPlan
+from .schedule import Element
 
-__all__ = ["PRODUCT_FALLBACKS", "multiply_gpu", "run_plan_gpu"]
+__all__ = ["PRODUCT_FALLBACKS", "multiply", "run_plan"]
 
 KERNEL_FILE = "scan.cu"
 FIELDS = 16
@@ -48,7 +49,7 @@ VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 PRODUCT_FALLBACKS: dict[str, Callable[[ProductPlan, Any, Any], Any]] = {}
 """``method -> fn(product, a_data, b_data)`` for product methods the kernels do not implement.
 
-``fn`` returns ``C``'s values like :func:`sparse_scan.spgemm.multiply` (a CuPy array); they are
+``fn`` returns ``C``'s values like :func:`sparse_scan.engine.run.multiply` (a CuPy array); they are
 copied into the step's workspace buffer.
 """
 
@@ -359,7 +360,7 @@ def _run_fallback(step: Step, values: dict[Element, Any]) -> None:
     fallback = PRODUCT_FALLBACKS.get(method)
     if fallback is None:
         raise NotImplementedError(f"no GPU kernel for product method {method!r} and no entry for it "
-                                  "in sparse_scan._scan_gpu.PRODUCT_FALLBACKS")
+                                  "in sparse_scan.engine._gpu.PRODUCT_FALLBACKS")
     values[step.out][...] = fallback(step.product, values[step.right], values[step.left])
 
 
@@ -386,8 +387,9 @@ def _multiply_blocks_on_device(product: ProductPlan, a_data: Any, b_data: Any) -
 PRODUCT_FALLBACKS["block"] = _multiply_blocks_on_device
 
 
-def run_plan_gpu(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[Any]:
-    """Numeric phase of ``plan`` for one batch on the GPU (the contract of :func:`~.scan.run_plan`).
+def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[Any]:
+    """Numeric phase of ``plan`` for one batch on the GPU: the contract of
+    :func:`sparse_scan.engine.run.run_plan`.
 
     Parameters
     ----------
@@ -430,8 +432,8 @@ def run_plan_gpu(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> lis
     return [values[element] for element in plan.outputs]
 
 
-def multiply_gpu(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
-    """One numeric product on the GPU (the contract of :func:`sparse_scan.spgemm.multiply`).
+def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+    """One numeric product on the GPU (the contract of :func:`sparse_scan.engine.run.multiply`).
 
     A product the scan kernel knows (general, gather, scalings, row-wise) is one launch of
     ``scan_level`` over a one-row descriptor table; its index arrays go to the device once per plan.

@@ -1,4 +1,4 @@
-"""GPU numeric phase of a :class:`~sparse_scan.dense_scan.DenseScanPlan`: a RawKernel launch per level
+"""GPU numeric phase of a :class:`~sparse_scan.engine.dense_plan.DenseScanPlan`: a RawKernel launch per level
 (one per chain of matrix-vector levels).
 
 The steps of a level are independent. Each becomes a descriptor (a row of ``FIELDS`` int64s: kind,
@@ -9,7 +9,7 @@ output element of one step and sample, so any ``H`` runs with the same launch sh
 ``TILED_MIN_SIZE`` on, a level with block products runs ``dense_scan_tiled<T>`` instead: a thread
 block per ``16×16`` output tile, staging slabs of both operands in shared memory (each loaded value
 serves 16 multiply-adds instead of one). A run of chained levels
-(:attr:`~sparse_scan.dense_scan.DenseScanPlan.chains`: back-propagation, the linear middle of a
+(:attr:`~sparse_scan.engine.dense_plan.DenseScanPlan.chains`: back-propagation, the linear middle of a
 hybrid) is one launch of ``dense_scan_chain<T>``: a thread block per sample walks the run's rows with
 a barrier between steps, so back-propagation over T steps takes two launches, not T + 1. One more
 launch of ``dense_scan_level<T>`` (copy rows) gathers the outputs, wherever the levels left them, into
@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernels
-from ._staging import StagedTable
-from .dense_scan import INPUT, DenseGroup, DenseScanPlan, Location
+from .. import _kernels
+from .._staging import StagedTable
+from .dense_plan import INPUT, DenseGroup, DenseScanPlan, Location
 
-__all__ = ["TILED_MIN_SIZE", "chain_threads", "launch_count", "run_dense_plan_gpu"]
+__all__ = ["TILED_MIN_SIZE", "chain_threads", "launch_count", "run_dense_plan"]
 
 KERNEL_FILE = "dense_scan.cu"
 FIELDS = 18
@@ -297,8 +297,8 @@ def _workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
 
 
 # --- the numeric phase ------------------------------------------------------------------------------
-def run_dense_plan_gpu(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
-    """Numeric phase of ``plan`` on the GPU (the contract of ``dense_scan``'s NumPy twin).
+def run_dense_plan(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
+    """Numeric phase of ``plan`` on the GPU (the contract of :func:`sparse_scan.engine.run.dense_scan`).
 
     Parameters
     ----------

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from ._host_kernels import kernels, launch, parts, rows2d
-from ._scaled_gather import THREAD_MIN_VALUES
-from ._threads import cpu_threads
-from .csr import Pattern
+from .._host_kernels import kernels, launch, parts, rows2d
+from .._scaled_gather import THREAD_MIN_VALUES
+from .._threads import cpu_threads
+from ..csr import Pattern
 
 __all__ = ["SelectionGather", "live_multiply_adds", "multiply_live", "plan_selection_gather"]
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .csr import Pattern, choose_index_dtype
+from ..csr import Pattern, choose_index_dtype
 
 __all__ = ["BlockLayout", "BlockProduct", "block_layout", "multiply_blocks", "plan_block_product"]
 

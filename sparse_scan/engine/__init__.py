@@ -1,0 +1,51 @@
+"""The scan engine, in data-flow order.
+
+================================  =================================================================
+:mod:`.schedule`                  which products a scan computes, level by level (pure, no arrays)
+:mod:`.products`                  the symbolic phase of one sparse product (``plan_product``)
+:mod:`.plan`                      :class:`ScanPlan`: a schedule over sparse JTs with every product
+                                  planned (``build_plan``, ``estimate_plan``)
+:mod:`.dense_plan`                :class:`DenseScanPlan`: the schedule over dense blocks (recurrent)
+:mod:`.run`                       the numeric phase on the CPU or the GPU: the engine's one
+                                  dispatch (``run_plan``, ``multiply``, ``dense_scan``)
+================================  =================================================================
+
+Plans never import an executor; the executors (private: ``_cpu``, ``_dense_cpu`` on the host,
+``_gpu``, ``_dense_gpu`` on CuPy, sharing ``_tables``) import plan types only; :mod:`.run` alone sees
+both. Most users never come here: :class:`sparse_scan.Sequential` and :mod:`sparse_scan.recurrent`
+plan and run scans for them.
+
+The names below load on first use, so ``from sparse_scan.engine import SCHEDULES`` imports no NumPy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["METHODS", "SCHEDULES", "DenseScanPlan", "Element", "ElementInfo", "PlanBudgetError",
+           "ProductPlan", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "auto_levels",
+           "build_plan", "checked_levels", "count_multiply_adds", "dense_plan", "dense_scan", "depth",
+           "estimate_plan", "live_schedule", "multiply", "plan_product", "run_plan"]
+
+_HOMES = {
+    "schedule": ("METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule"),
+    "products": ("PlanBudgetError", "ProductPlan", "count_multiply_adds", "plan_product"),
+    "plan": ("ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "build_plan",
+             "estimate_plan"),
+    "dense_plan": ("DenseScanPlan", "auto_levels", "dense_plan"),
+    "run": ("dense_scan", "multiply", "run_plan"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,334 @@
+"""Plans of scans over dense blocks: the recurrent element kind of the scan engine.
+
+A recurrent network's backward pass is the chain ``G_t = d_t + A_{t+1} G_{t+1}`` over ``T`` steps,
+``A_t = (dh_t/dh_{t-1})^T`` a dense ``H×H`` block per sample and ``d_t`` the loss's direct gradient
+w.r.t. ``h_t``. Each step is an *affine* map ``x -> A x + d``, so the chain is the exclusive scan of
+``[d_T, F_1, ..., F_T]`` (``F_j: x -> A_{T-j+1} x + d_{T-j}``, ``d_0 = 0``) under "apply the left
+operand, then the right one", the operator ``◇`` of :mod:`sparse_scan.engine.schedule` with affine elements:
+
+``(M_r, v_r) ∘ (M_l, v_l) = (M_r M_l, M_r v_l + v_r)``, and on a vector ``v_l``: ``M_r v_l + v_r``.
+
+When only the last hidden state has a loss (the paper's RNN), every ``v`` of a block is zero and this
+is the paper's scan of plain products. The schedules are exactly the sparse engine's
+(:func:`sparse_scan.engine.schedule.live_schedule`): ``linear`` (BP: ``T`` sequential matrix-vector products),
+``blelloch`` (Algorithm 1) and ``hybrid`` (paper §5.3).
+
+A :class:`DenseScanPlan` depends on ``T``, the method and the levels only (not on ``H`` or the batch)
+and is cached. It groups the steps of every level by kind and output buffer, so that the numeric phase
+runs each level as a few batched array operations over all its pairs and samples: one ``matmul`` for
+all of a level's block products, instead of one call per step. Operands are read through strided
+views where the schedule is regular (the up- and down-sweeps of a power-of-two chain) and gathered
+otherwise. The executors (:func:`sparse_scan.engine.run.dense_scan`) run it on NumPy or CuPy
+arrays; this module imports neither executor.
+
+Examples
+--------
+>>> import numpy as np
+>>> from sparse_scan.engine.run import dense_scan
+>>> rng = np.random.default_rng(0)
+>>> blocks = rng.standard_normal((5, 2, 3, 3)) / 3     # T=5 steps, batch 2, H=3: A_1 .. A_5
+>>> direct = rng.standard_normal((5, 2, 3))           # d_1 .. d_5
+>>> scan = dense_scan(blocks, direct, method="blelloch")
+>>> bp = dense_scan(blocks, direct, method="linear")
+>>> scan.shape, bool(np.allclose(scan, bp))           # G_0 .. G_5
+((6, 2, 3), True)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .schedule import Element, checked_levels, depth, live_schedule, scan_outputs
+
+__all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "Location", "auto_levels", "dense_plan"]
+
+INPUT = 0  # buffer id of the scan input: blocks (T, B, H, H) and direct vectors (T + 1, B, H)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a scan value lives: a row of a buffer (``INPUT`` or a level group's result)."""
+
+    buffer: int
+    row: int
+
+
+@dataclass(frozen=True)
+class DenseOp:
+    """One step ``out = right ∘ left``: ``mm`` (left is a block) or ``mv`` (left is a vector)."""
+
+    phase: str
+    left: Location
+    right: Location
+
+
+class _Reader:
+    """Reads the rows of one operand side of a group: a strided view where the rows are regular."""
+
+    def __init__(self, locations: Sequence[Location]) -> None:
+        self.count = len(locations)
+        by_buffer: dict[int, tuple[list[int], list[int]]] = {}
+        for position, location in enumerate(locations):
+            positions, rows = by_buffer.setdefault(location.buffer, ([], []))
+            positions.append(position)
+            rows.append(location.row)
+        self.pieces = [(buffer, _compact(positions), _compact(rows))
+                       for buffer, (positions, rows) in by_buffer.items()]
+        self.buffers = tuple(by_buffer)
+
+    def read(self, xp: Any, arrays: dict[int, Any]) -> Any:
+        """The operand stack ``(count, ...)``: a view when one regular piece covers it."""
+        if len(self.pieces) == 1:
+            buffer, _, rows = self.pieces[0]
+            return arrays[buffer][rows]
+        first = arrays[self.pieces[0][0]]
+        out = xp.empty((self.count,) + first.shape[1:], dtype=first.dtype)
+        for buffer, positions, rows in self.pieces:
+            out[positions] = arrays[buffer][rows]
+        return out
+
+
+def _compact(values: Sequence[int]) -> slice | np.ndarray:
+    """An arithmetic progression as a slice (so indexing gives a view), anything else as indices."""
+    if len(values) == 1:
+        return slice(values[0], values[0] + 1)
+    step = values[1] - values[0]
+    if step != 0 and all(b - a == step for a, b in zip(values, values[1:], strict=False)):
+        stop = values[-1] + step
+        return slice(values[0], None if stop < 0 else stop, step)
+    return np.asarray(values, dtype=np.intp)
+
+
+@dataclass
+class DenseGroup:
+    """Steps of one level and one kind, written to rows ``0..len(ops)-1`` of buffer ``buffer``."""
+
+    kind: str
+    buffer: int
+    ops: list[DenseOp]
+
+    def __post_init__(self) -> None:
+        self.left = _Reader([op.left for op in self.ops])
+        self.right = _Reader([op.right for op in self.ops])
+
+
+@dataclass
+class DenseScanPlan:
+    """The schedule of a dense-block scan over ``n`` steps, grouped for batched numeric work.
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+        Up-sweep levels of a ``hybrid`` plan.
+    n : int
+        Number of blocks (time steps).
+    levels_of_groups : list of list of DenseGroup
+        Per level (in order), its groups; groups of one level are independent.
+    outputs : list of Location
+        ``outputs[i]`` holds the total gradient w.r.t. ``h_i`` (``i = 0..n``).
+    """
+
+    method: str
+    levels: int | None
+    n: int
+    levels_of_groups: list[list[DenseGroup]]
+    outputs: list[Location]
+
+    @functools.cached_property
+    def output_reader(self) -> _Reader:
+        return _Reader(self.outputs)
+
+    @functools.cached_property
+    def last_level(self) -> dict[int, int]:
+        """Per buffer, the last level that reads it (outputs are read after the last level)."""
+        last: dict[int, int] = {}
+        for index, groups in enumerate(self.levels_of_groups):
+            for group in groups:
+                for buffer in group.left.buffers + group.right.buffers:
+                    last[buffer] = index
+        for buffer in self.output_reader.buffers:
+            last[buffer] = len(self.levels_of_groups)
+        return last
+
+    @functools.cached_property
+    def releases(self) -> list[list[int]]:
+        """Per level, the buffers read for the last time there."""
+        released: list[list[int]] = [[] for _ in self.levels_of_groups]
+        for buffer, last in self.last_level.items():
+            if last < len(released):
+                released[last].append(buffer)
+        return released
+
+    @functools.cached_property
+    def chains(self) -> dict[int, int]:
+        """Runs of levels that are one matrix-vector product each, every one on the previous one's
+        result (BP, and the linear middle of a hybrid): first level -> the level after the run.
+        The numeric phase runs them as a tight loop."""
+        runs: dict[int, int] = {}
+        start = None
+        for index, groups in enumerate(self.levels_of_groups + [[]]):
+            single = len(groups) == 1 and groups[0].kind == "mv" and len(groups[0].ops) == 1
+            follows = single and start is not None and groups[0].ops[0].left == Location(
+                self.levels_of_groups[index - 1][0].buffer, 0)
+            if start is not None and not follows:
+                if index - start >= 4:
+                    runs[start] = index
+                start = None
+            if single and start is None:
+                start = index
+        return runs
+
+    @property
+    def steps(self) -> list[tuple[int, DenseGroup, DenseOp]]:
+        """Every step as ``(level, group, op)``."""
+        return [(index, group, op) for index, groups in enumerate(self.levels_of_groups)
+                for group in groups for op in group.ops]
+
+    @property
+    def critical_steps(self) -> int:
+        """Sequential levels."""
+        return len(self.levels_of_groups)
+
+    def step_flops(self, kind: str, size: int) -> int:
+        """FLOPs of one step for one sample (ARCHITECTURE.md convention on dense ``size×size``
+        blocks: ``mm`` is a block product plus its matrix-vector product, ``mv`` a matrix-vector
+        product; the additions of direct gradients, ``size`` per step as in BP, are not counted)."""
+        return 2 * size**3 + 2 * size**2 if kind == "mm" else 2 * size**2
+
+    def level_flops(self, size: int) -> list[int]:
+        """Per level, the FLOPs of all its steps for one sample."""
+        return [sum(len(group.ops) * self.step_flops(group.kind, size) for group in groups)
+                for groups in self.levels_of_groups]
+
+    def critical_flops(self, size: int) -> int:
+        """Sum over levels of the costliest step of the level (one sample)."""
+        return sum(max(self.step_flops(group.kind, size) for group in groups)
+                   for groups in self.levels_of_groups)
+
+    def work_flops(self, size: int) -> int:
+        """FLOPs of every step (one sample)."""
+        return sum(self.level_flops(size))
+
+    def peak_bytes(self, batch: int, size: int, itemsize: int) -> int:
+        """Peak bytes of live scan values: the input from the start, every group's result from its
+        level to the end of the level of its last read, the outputs to the end."""
+        block, vector = size * size * batch * itemsize, size * batch * itemsize
+        live = self.n * block + (self.n + 1) * vector
+        sizes = {INPUT: live}
+        peak = live
+        for index, groups in enumerate(self.levels_of_groups):
+            for group in groups:
+                sizes[group.buffer] = len(group.ops) * (vector + (block if group.kind == "mm" else 0))
+                live += sizes[group.buffer]
+            peak = max(peak, live)
+            live -= sum(sizes[buffer] for buffer, last in self.last_level.items() if last == index)
+        return peak
+
+    def report(self, batch: int, size: int, itemsize: int = 4) -> dict[str, Any]:
+        """Per-level figures and totals (JSON-friendly)."""
+        return {
+            "method": self.method, "levels": self.levels, "n": self.n,
+            "levels_detail": [
+                {"level": index, "phases": sorted({op.phase for group in groups for op in group.ops}),
+                 "mm": sum(len(g.ops) for g in groups if g.kind == "mm"),
+                 "mv": sum(len(g.ops) for g in groups if g.kind == "mv"), "flops": flops * batch}
+                for index, (groups, flops) in enumerate(zip(self.levels_of_groups,
+                                                            self.level_flops(size), strict=True))],
+            "totals": {"critical_flops": self.critical_flops(size) * batch,
+                       "work_flops": self.work_flops(size) * batch, "critical_steps": self.critical_steps,
+                       "peak_bytes": self.peak_bytes(batch, size, itemsize)},
+        }
+
+
+@functools.lru_cache(maxsize=64)
+def dense_plan(n: int, method: str = "blelloch", levels: int | None = None) -> DenseScanPlan:
+    """Plan a dense-block scan over ``n`` steps (cached per ``n``, method and levels).
+
+    Parameters
+    ----------
+    n : int
+        Number of blocks (time steps), at least 1.
+    method : {"linear", "blelloch", "hybrid"}
+    levels : int, optional
+        Up-sweep levels of ``hybrid`` (0 .. ``depth(n)``).
+    """
+    if n < 1:
+        raise ValueError(f"a dense scan needs at least one step; got n={n}")
+    levels = checked_levels(n, method, levels)
+    where: dict[Element, Location] = {Element(j, j): Location(INPUT, n - j) for j in range(n + 1)}
+    by_level: dict[int, list[tuple[str, Element, Element]]] = {}
+    for level, phase, left, right in live_schedule(n, method, levels):
+        by_level.setdefault(level, []).append((phase, left, right))
+    levels_of_groups: list[list[DenseGroup]] = []
+    buffer = INPUT
+    for level in sorted(by_level):  # operands come from earlier levels: place results per level
+        groups, placed = [], {}
+        for kind in ("mm", "mv"):
+            entries = [(phase, left, right) for phase, left, right in by_level[level]
+                       if (kind == "mv") == left.is_vector]
+            if not entries:
+                continue
+            buffer += 1
+            groups.append(DenseGroup(kind, buffer, [DenseOp(phase, where[left], where[right])
+                                                    for phase, left, right in entries]))
+            for row, (_, left, right) in enumerate(entries):
+                placed[Element(left.lo, right.hi)] = Location(buffer, row)
+        where.update(placed)
+        levels_of_groups.append(groups)
+    return DenseScanPlan(method, levels, n, levels_of_groups, [where[e] for e in scan_outputs(n)])
+
+
+# Cost model of `levels="auto"`: seconds per level (a launch on the GPU; on the CPU a level of
+# batched groups costs far more than one step of a chain's tight loop) and sustained FLOP/s of
+# batched small block products. CPU: NumPy's stacked matmul on 20x20 blocks, T=1000, measured on a
+# 2-core machine (the Blelloch scan's 19 levels took 5-9 ms at B=2 for 35 MFLOP, hybrid 3 about as
+# much; a chain step 3-6 us); GPU: a conservative fraction of an H100, and a chain step inside the one
+# launch of a chain (a block-wide barrier and an H-long dot product per thread) taken as less than a
+# launch. The GPU figures are estimates: no GPU has timed them yet.
+_LEVEL_SECONDS = {"cpu": 5e-4, "gpu": 5e-6}
+_CHAIN_STEP_SECONDS = {"cpu": 6e-6, "gpu": 2e-6}
+_FLOPS_PER_SECOND = {"cpu": 3e10, "gpu": 5e12}
+# Back-propagation with the blocks left in factored form (recurrent layers' `linear` on the CPU):
+# seconds per step (a few array calls: 2.6-4.4 us measured on 2 cores at H=20), and the block values
+# a scan of depth > 0 must fill first (1e9/s measured for the RNN on 2 cores, after about a
+# millisecond of setting up the fill's threads). On a GPU every depth fills the blocks (a few
+# launches), and back-propagation is one chain launch.
+_FACTORED_STEP_SECONDS = {"cpu": 4e-6}
+_FILL_VALUES_PER_SECOND = {"cpu": 1e9}
+_FILL_SECONDS = {"cpu": 1e-3}
+
+
+@functools.lru_cache(maxsize=256)
+def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False) -> int:
+    """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least modelled time.
+
+    Each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU
+    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not. With
+    ``factored`` (the blocks are not filled yet, and depth 0 would not need them: recurrent layers'
+    back-propagation on the CPU applies each block in factored form), depth 0 costs a factored step
+    per layer and every other depth also pays for filling the ``n * batch * size²`` block values;
+    ``factored`` is the CPU's only. The choice is cached per arguments.
+    """
+    if factored and device not in _FACTORED_STEP_SECONDS:
+        raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
+    best, best_cost = 0, None
+    for levels in range(depth(n) + 1):
+        plan = dense_plan(n, "hybrid", levels)
+        if factored and levels == 0:
+            work = plan.work_flops(size) * batch
+            cost = n * _FACTORED_STEP_SECONDS[device] + work / _FLOPS_PER_SECOND[device]
+        else:
+            chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
+            cost = sum((_CHAIN_STEP_SECONDS if index in chained else _LEVEL_SECONDS)[device]
+                       + flops * batch / _FLOPS_PER_SECOND[device]
+                       for index, flops in enumerate(plan.level_flops(size)))
+            if factored:
+                cost += _FILL_SECONDS[device] + n * batch * size * size / _FILL_VALUES_PER_SECOND[device]
+        if best_cost is None or cost < best_cost:
+            best, best_cost = levels, cost
+    return best

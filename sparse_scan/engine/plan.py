@@ -1,0 +1,538 @@
+"""Plans of scans over sparse transposed Jacobians: the schedule with every product's symbolic work done.
+
+:func:`build_plan` turns a schedule (:mod:`sparse_scan.engine.schedule`) into a :class:`ScanPlan`: a
+list of steps whose symbolic work (the pattern of every product and the index structure of its numeric
+phase, :mod:`sparse_scan.engine.products`) is done once; steps whose result nothing uses are dropped.
+The executors (:mod:`sparse_scan.engine.run`) run its numeric phase for every batch.
+
+:func:`estimate_plan` walks the same schedule with estimated figures only (shapes and ``nnz`` of the
+layers' JTs, no pattern arrays, no product): it lets a caller choose a schedule (``method="auto"`` of
+:meth:`sparse_scan.Sequential.plan`) before building anything costly.
+
+This module imports no executor: plans are plain data the CPU and GPU executors both read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..csr import Pattern
+from .products import PRODUCT_PLAN_BYTES, PlanBudgetError, ProductPlan, count_multiply_adds, plan_product
+from .schedule import Element, checked_levels, live_schedule, scan_outputs
+
+__all__ = ["Candidate", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "ScheduleChoice",
+           "Step", "build_plan", "estimate_plan"]
+
+
+class ScanMemoryError(MemoryError):
+    """A scan step cannot be planned within the memory budget, even with the lean method."""
+
+
+class ScanCostError(RuntimeError):
+    """A scan step would cost more FLOPs than the plan's ``max_step_flops`` allows.
+
+    Raised before the step's symbolic product is built (counting its multiply-adds is cheap,
+    expanding them is not), so a search over schedules can give up on one early.
+    """
+
+
+@dataclass(frozen=True)
+class ElementInfo:
+    """What planning needs of a scan matrix without its pattern's arrays: an mv step needs only this;
+    the operands of a product need the pattern too.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        ``(rows, cols)`` of the JT (or product).
+    nnz : int
+        Stored entries of its pattern.
+    kind : {"general", "diagonal", "selection"}
+    shared : bool
+        Whether its values are the same for every sample.
+    """
+
+    shape: tuple[int, int]
+    nnz: int
+    kind: str
+    shared: bool
+
+
+@dataclass
+class Step:
+    """One operation of a plan: ``out = right · left`` (``left ◇ right``), or a move.
+
+    Attributes
+    ----------
+    level : int
+        Position on the critical path: steps of one level are independent.
+    phase : {"up", "linear", "down", "final"}
+    kind : {"mm", "mv"}
+        Matrix-matrix (SpGEMM or scaling) or matrix-vector product.
+    left, right, out : Element
+        Operands and result, as segments of the scan input.
+    shape : tuple of int
+        ``(m, k, n)`` of ``right (m×k) · left (k×n)``; ``n`` is 1 for a vector.
+    flops : int
+        Over the pattern (ARCHITECTURE.md convention).
+    flops_live : int
+        Over the live entries only (selections count one entry per output, scalings one multiply).
+    out_nnz : int
+        Stored entries of the result (the vector length for mv).
+    plan_bytes : int
+        Index structure the numeric phase keeps for this step.
+    dense : bool
+        An mv by one layer's JT that the CPU runs as a dense GEMM over the layer's weights
+        (``Layer.dense_transposed_matvec``) instead of a CSR SpMV; the GPU scan runs it as an SpMV in
+        its level launch.
+    """
+
+    level: int
+    phase: str
+    kind: str
+    left: Element
+    right: Element
+    out: Element
+    shape: tuple[int, int, int] = (0, 0, 0)
+    flops: int = 0
+    flops_live: int = 0
+    out_nnz: int = 0
+    plan_bytes: int = 0
+    product: ProductPlan | None = None
+    scaling: bool = False
+    dense: bool = False
+
+    @property
+    def method(self) -> str:
+        """How the numeric phase computes it: ``scale`` (mv by a diagonal), ``gemm`` (mv through a
+        layer's dense weights), ``spmv`` or the product plan's method."""
+        if self.product is not None:
+            return self.product.method
+        if self.kind == "mm":  # a step of an estimate (:func:`estimate_plan`): no product planned
+            return "scale (estimate)" if self.scaling else "estimate"
+        return "scale" if self.scaling else "gemm" if self.dense else "spmv"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The step's report fields (JSON-friendly)."""
+        return {"level": self.level, "phase": self.phase, "kind": self.kind, "method": self.method,
+                "left": [self.left.lo, self.left.hi], "right": [self.right.lo, self.right.hi],
+                "mnk": list(self.shape), "flops": self.flops, "flops_live": self.flops_live,
+                "out_nnz": self.out_nnz, "plan_bytes": self.plan_bytes}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule ``method="auto"`` considered, with its figures and the verdict on it.
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+    critical_flops, work_flops, plan_bytes : int
+        The built plan's figures, or :func:`estimate_plan`'s where ``estimated``.
+    estimated : bool
+        Not built: the figures are estimates.
+    verdict : str
+        ``"chosen"``, or why not.
+    """
+
+    method: str
+    levels: int | None
+    critical_flops: int
+    work_flops: int
+    plan_bytes: int
+    estimated: bool
+    verdict: str
+
+    @property
+    def label(self) -> str:
+        """``linear``, ``blelloch`` or ``hybrid N``."""
+        return self.method if self.levels is None else f"{self.method} {self.levels}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields."""
+        return {"method": self.method, "levels": self.levels, "critical_flops": self.critical_flops,
+                "work_flops": self.work_flops, "plan_bytes": self.plan_bytes, "estimated": self.estimated,
+                "verdict": self.verdict}
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """How a schedule was chosen (``method="auto"``, or ``hybrid`` with ``levels="auto"``).
+
+    Attributes
+    ----------
+    requested : str
+        ``"auto"`` or ``"hybrid"`` (depth only).
+    criterion : str
+        What was minimised, in words.
+    candidates : tuple of Candidate
+        In the order considered; exactly one is ``chosen``.
+    """
+
+    requested: str
+    criterion: str
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def chosen(self) -> Candidate:
+        """The candidate chosen."""
+        return next(c for c in self.candidates if c.verdict == "chosen")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields."""
+        return {"requested": self.requested, "criterion": self.criterion,
+                "candidates": [c.as_dict() for c in self.candidates]}
+
+
+@dataclass
+class ScanPlan:
+    """A schedule with the symbolic work of every step done.
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+        Up-sweep levels of a ``hybrid`` plan.
+    n : int
+        Number of layers (JTs) in the chain.
+    steps : list of Step
+    outputs : list of Element
+        ``outputs[i]`` holds the gradient w.r.t. ``x_i`` (``i = 0..n``).
+    element_bytes : dict
+        Per scan value, its entries ``(shared, per sample)``.
+    estimated : bool
+        Figures of :func:`estimate_plan` (no product planned): not runnable.
+    symbolic_work : int
+        An estimate's symbolic work: the JT pattern entries and the general products' multiply-adds
+        that building the plan would enumerate (0 for a built plan).
+    choice : ScheduleChoice, optional
+        How ``method="auto"`` (or hybrid ``levels="auto"``) chose this plan.
+    """
+
+    method: str
+    levels: int | None
+    n: int
+    steps: list[Step]
+    outputs: list[Element]
+    element_bytes: dict[Element, tuple[int, int]] = field(default_factory=dict)
+    estimated: bool = False
+    symbolic_work: int = 0
+    choice: Any = None
+
+    @property
+    def critical_flops(self) -> int:
+        """Sum over levels of the most expensive step of the level."""
+        by_level: dict[int, int] = {}
+        for step in self.steps:
+            by_level[step.level] = max(by_level.get(step.level, 0), step.flops)
+        return sum(by_level.values())
+
+    @property
+    def work_flops(self) -> int:
+        """FLOPs of every step."""
+        return sum(step.flops for step in self.steps)
+
+    @property
+    def plan_bytes(self) -> int:
+        """Index structure held for the numeric phase."""
+        return sum(step.plan_bytes for step in self.steps)
+
+    @property
+    def critical_steps(self) -> int:
+        """Number of levels (sequential steps) on the critical path."""
+        return len({step.level for step in self.steps})
+
+    @functools.cached_property
+    def releases(self) -> list[list[Element]]:
+        """Per step, the values whose last use it is (outputs are kept to the end)."""
+        last_use: dict[Element, int] = {}
+        for index, step in enumerate(self.steps):
+            last_use[step.left] = index
+            last_use[step.right] = index
+        kept = set(self.outputs)
+        released: list[list[Element]] = [[] for _ in self.steps]
+        for element, index in last_use.items():
+            if element not in kept:
+                released[index].append(element)
+        return released
+
+    @functools.cached_property
+    def weights_only(self) -> frozenset[int]:
+        """Scan elements ``j`` (layer JTs) that only ``dense`` steps read: a CPU run needs no values
+        for them, only their layers' dense transposed matvecs."""
+        return self._layer_jts_read_only_by(lambda step: step.dense)
+
+    @functools.cached_property
+    def mv_only(self) -> frozenset[int]:
+        """Scan elements ``j`` (layer JTs) that only matrix-vector steps read (every one in
+        back-propagation's schedule): a CPU run may apply them through their layers' weights instead
+        (:attr:`weights_only` is the part the plan already marks ``dense``)."""
+        return self._layer_jts_read_only_by(lambda step: step.kind == "mv")
+
+    def _layer_jts_read_only_by(self, chosen: Callable[[Step], bool]) -> frozenset[int]:
+        """Layer JTs (elements ``j``) that no step outside ``chosen`` reads."""
+        inside, outside = set(), set()
+        for step in self.steps:
+            for element in (step.left, step.right):
+                if element.lo == element.hi >= 1:
+                    (inside if chosen(step) else outside).add(element.lo)
+        return frozenset(inside - outside)
+
+    @functools.cached_property
+    def levels_of_steps(self) -> list[list[int]]:
+        """Indices of the steps of every level, in level order."""
+        levels: dict[int, list[int]] = {}
+        for index, step in enumerate(self.steps):
+            levels.setdefault(step.level, []).append(index)
+        return [levels[level] for level in sorted(levels)]
+
+    def peak_bytes(self, batch: int, itemsize: int, device: str = "cpu") -> int:
+        """Peak bytes of live scan values for ``batch`` samples of ``itemsize``-byte values.
+
+        The inputs (``g_n`` and every JT) are live from the start; the results of a level from that
+        level (its steps may run at once); every value until the end of the level of its last use,
+        and the gradients to the end. On the CPU the JTs of :attr:`weights_only` hold no values; the
+        GPU (``device="gpu"``) holds them.
+        """
+        valueless = self.weights_only if device == "cpu" else frozenset()
+
+        def size(element: Element) -> int:
+            if element.lo == element.hi and element.lo in valueless:
+                return 0
+            shared, per_sample = self.element_bytes[element]
+            return (shared + per_sample * batch) * itemsize
+
+        live = sum(size(Element(j, j)) for j in range(self.n + 1))
+        peak = live
+        for level in self.levels_of_steps:
+            live += sum(size(self.steps[index].out) for index in level)
+            peak = max(peak, live)
+            live -= sum(size(element) for index in level for element in self.releases[index])
+        return peak
+
+    def explain(self, batch: int = 1, itemsize: int = 4, device: str = "cpu") -> dict[str, Any]:
+        """The schedule and why (JSON-friendly): ``method``, ``levels``, ``requested`` (``"auto"``,
+        ``"hybrid"`` for a chosen depth, or the method itself), ``reason`` (one line),
+        ``critical_flops``, ``work_flops``, ``critical_steps``, ``plan_bytes``, ``peak_bytes`` (for
+        ``batch`` samples of ``itemsize`` bytes on ``device``) and, for a chosen schedule, the
+        ``candidates`` considered (:class:`Candidate`)."""
+        out: dict[str, Any] = {
+            "method": self.method, "levels": self.levels,
+            "requested": self.method if self.choice is None else self.choice.requested,
+            "reason": "as requested" if self.choice is None else self.choice.criterion,
+            "critical_flops": self.critical_flops, "work_flops": self.work_flops,
+            "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
+            "peak_bytes": self.peak_bytes(batch, itemsize, device)}
+        if self.choice is not None:
+            out["candidates"] = [c.as_dict() for c in self.choice.candidates]
+        return out
+
+    def report(self, batch: int = 1, itemsize: int = 4, device: str = "cpu") -> dict[str, Any]:
+        """Per-step figures and totals (JSON-friendly); ``peak_bytes`` for ``device``."""
+        return {
+            "method": self.method, "levels": self.levels, "n": self.n,
+            "steps": [step.as_dict() for step in self.steps],
+            "totals": {"critical_flops": self.critical_flops, "work_flops": self.work_flops,
+                       "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
+                       "peak_bytes": self.peak_bytes(batch, itemsize, device)},
+        }
+
+
+def build_plan(
+    n: int,
+    method: str,
+    levels: int | None,
+    element_info: Callable[[int], ElementInfo],
+    element_pattern: Callable[[int], Pattern],
+    vector_size: Callable[[int], int],
+    product_cache: dict[tuple[Element, Element], ProductPlan],
+    budget_bytes: int | None = None,
+    describe: Callable[[Element], str] = lambda e: f"elements {e.lo}..{e.hi}",
+    vector_channels: Callable[[int], int] | None = None,
+    max_step_flops: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    dense_matvec: Callable[[int], bool] | None = None,
+) -> ScanPlan:
+    """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
+
+    Parameters
+    ----------
+    n : int
+        Number of layers.
+    method : {"linear", "blelloch", "hybrid"}
+    levels : int or None
+        Up-sweep levels for ``hybrid`` (0 .. ``depth(n)``).
+    element_info : callable
+        ``j -> ElementInfo`` of scan element ``j >= 1`` (cheap: no pattern arrays).
+    element_pattern : callable
+        ``j -> Pattern`` of scan element ``j``, asked for only where a product needs it (an mv needs
+        the shape and ``nnz`` alone, so a chain of mvs builds no pattern).
+    vector_size : callable
+        ``j -> `` length of the gradient w.r.t. the input of element ``j`` (``j = 0`` is ``g_n``).
+    product_cache : dict
+        Symbolic products shared between plans of one chain (keyed by operand segments).
+    budget_bytes : int, optional
+        Memory one product's plan may hold; past it the lean ``rowwise`` method is used, and a
+        :class:`ScanMemoryError` names the step when even that does not fit.
+    describe : callable
+        Names a segment of the scan input in error messages (e.g. by its layers).
+    vector_channels : callable, optional
+        ``j -> `` channels of that gradient (``C`` of ``(C, H, W)``, ``F`` of ``(F,)``): lets
+        products of dense channel blocks run as batched GEMMs (:mod:`sparse_scan.blocks`).
+    max_step_flops : int, optional
+        Give up with :class:`ScanCostError` before planning a product of more FLOPs (over the
+        pattern) than this: deep levels of large networks can need billions of multiply-adds.
+    progress : callable, optional
+        ``progress(phase, done, total)`` after each layer pattern built (``"patterns"``) and each step
+        (``"steps"``) is planned: long plan builds can show progress.
+    dense_matvec : callable, optional
+        ``j -> `` whether an mv by element ``j`` alone runs as a dense GEMM over its layer's weights
+        on the CPU (``Layer.dense_matvec_pays``): such steps are marked ``dense``.
+    """
+    report = progress if progress is not None else (lambda phase, done, total: None)
+    levels = checked_levels(n, method, levels)
+    kept = live_schedule(n, method, levels)
+    outputs = scan_outputs(n)
+
+    info = {Element(j, j): element_info(j) for j in range(1, n + 1)}
+    raw_operands = sorted({element.lo for _, _, left, right in kept if not left.is_vector
+                           for element in (left, right) if element.lo == element.hi})
+    patterns: dict[Element, Pattern] = {}
+    for done, j in enumerate(raw_operands, start=1):
+        patterns[Element(j, j)] = element_pattern(j)
+        report("patterns", done, len(raw_operands))
+    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
+    for j in range(1, n + 1):
+        nnz, shared = info[Element(j, j)].nnz, info[Element(j, j)].shared
+        element_bytes[Element(j, j)] = (nnz, 0) if shared else (0, nnz)
+
+    steps = []
+    for lvl, phase, left, right in kept:
+        out = Element(left.lo, right.hi)
+        right_info = info[right]
+        right_kind = right_info.kind
+        m, k = right_info.shape
+        step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
+        if left.is_vector:
+            step.scaling = right_kind == "diagonal"
+            step.dense = (not step.scaling and right.lo == right.hi and dense_matvec is not None
+                          and dense_matvec(right.lo))
+            step.shape = (m, k, 1)
+            step.flops = 2 * right_info.nnz
+            step.flops_live = right_info.nnz if right_kind == "diagonal" else (
+                2 * k if right_kind == "selection" else step.flops)
+            step.out_nnz = m
+            element_bytes[out] = (0, m)
+        else:
+            right_pattern, left_pattern = patterns[right], patterns[left]
+            left_kind = info[left].kind
+            key = (left, right)
+            product = product_cache.get(key)
+            if product is None:
+                if max_step_flops is not None and "diagonal" not in (right_kind, left_kind):
+                    flops = 2 * count_multiply_adds(right_pattern, left_pattern)
+                    if flops > max_step_flops:
+                        raise ScanCostError(
+                            f"scan step at level {lvl} ({phase} phase), the product of "
+                            f"{describe(right)} and {describe(left)}, needs {flops} FLOPs, over the "
+                            f"limit of {max_step_flops}")
+                channels = None if vector_channels is None else (
+                    vector_channels(right.hi), vector_channels(left.hi), vector_channels(left.lo - 1))
+                try:
+                    product = plan_product(right_pattern, left_pattern, right_kind, left_kind,
+                                           budget_bytes=budget_bytes, channels=channels)
+                except PlanBudgetError as error:
+                    raise ScanMemoryError(
+                        f"scan step at level {lvl} ({phase} phase), the product of "
+                        f"{describe(right)} and {describe(left)}: its result alone needs more than "
+                        f"{error.needed} bytes, over the memory budget of {error.budget} bytes "
+                        "(raise the budget, or use method='linear' or a hybrid with fewer levels)"
+                    ) from None
+                product_cache[key] = product
+            step.product = product
+            step.shape = (m, k, left_pattern.shape[1])
+            step.flops = product.flops
+            step.flops_live = product.flops_live
+            step.out_nnz = product.out.nnz
+            step.plan_bytes = product.nbytes
+            kind = "diagonal" if right_kind == left_kind == "diagonal" else "general"
+            shared = right_info.shared and info[left].shared
+            patterns[out] = product.out
+            info[out] = ElementInfo(tuple(product.out.shape), product.out.nnz, kind, shared)
+            element_bytes[out] = (product.out.nnz, 0) if shared else (0, product.out.nnz)
+        steps.append(step)
+        report("steps", len(steps), len(kept))
+    return ScanPlan(method, levels, n, steps, outputs, element_bytes)
+
+
+def estimate_plan(n: int, method: str, levels: int | None,
+                  element_info: Callable[[int], ElementInfo],
+                  vector_size: Callable[[int], int]) -> ScanPlan:
+    """The figures of :func:`build_plan`'s plan, estimated from the JTs' shapes and ``nnz`` alone.
+
+    Nothing is built: no pattern, no product. Each product's multiply-adds are estimated as if its
+    operands' entries were spread evenly over their rows and columns
+    (``nnz_A · nnz_B / k`` for ``A (m×k) · B (k×n)``; exact for diagonals, max-pool selections,
+    dense blocks and most of a convolution's rows) and its result's ``nnz`` as
+    ``min(m·n, multiply-adds)`` (every multiply-add a new entry until the result is dense): deep
+    products of convolutions, whose multiply-adds mostly land on shared entries, are over-estimated,
+    so a choice from these figures leans towards shallower schedules. A product with a diagonal is a
+    scaling (one multiply per entry), as in the built plan.
+
+    Returns
+    -------
+    ScanPlan
+        ``estimated=True``, with steps (``product`` None), ``critical_flops``, ``work_flops``,
+        ``plan_bytes`` (estimated index bytes), ``peak_bytes(...)`` and ``symbolic_work``: the
+        pattern entries and multiply-adds that :func:`build_plan` would enumerate for it.
+    """
+    levels = checked_levels(n, method, levels)
+    kept = live_schedule(n, method, levels)
+    info = {Element(j, j): element_info(j) for j in range(1, n + 1)}
+    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
+    for j in range(1, n + 1):
+        nnz, shared = info[Element(j, j)].nnz, info[Element(j, j)].shared
+        element_bytes[Element(j, j)] = (nnz, 0) if shared else (0, nnz)
+    operands = {element.lo for _, _, left, right in kept if not left.is_vector
+                for element in (left, right) if element.lo == element.hi}
+    work = sum(info[Element(j, j)].nnz for j in operands)
+    steps = []
+    for lvl, phase, left, right in kept:
+        out = Element(left.lo, right.hi)
+        right_info = info[right]
+        m, k = right_info.shape
+        step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
+        if left.is_vector:
+            step.scaling = right_info.kind == "diagonal"
+            step.shape = (m, k, 1)
+            step.flops = step.flops_live = 2 * right_info.nnz
+            step.out_nnz = m
+            element_bytes[out] = (0, m)
+        else:
+            left_info = info[left]
+            cols = left_info.shape[1]
+            step.scaling = "diagonal" in (right_info.kind, left_info.kind)
+            if step.scaling:
+                nnz = left_info.nnz if right_info.kind == "diagonal" else right_info.nnz
+                step.flops = nnz
+                step.plan_bytes = PRODUCT_PLAN_BYTES * nnz
+            else:
+                multiply_adds = math.ceil(right_info.nnz * left_info.nnz / max(k, 1))
+                nnz = min(m * cols, multiply_adds)
+                step.flops = 2 * multiply_adds
+                step.plan_bytes = PRODUCT_PLAN_BYTES * multiply_adds
+                work += multiply_adds
+            step.flops_live = step.flops
+            step.shape = (m, k, cols)
+            step.out_nnz = nnz
+            kind = "diagonal" if right_info.kind == left_info.kind == "diagonal" else "general"
+            shared = right_info.shared and left_info.shared
+            info[out] = ElementInfo((m, cols), nnz, kind, shared)
+            element_bytes[out] = (nnz, 0) if shared else (0, nnz)
+        steps.append(step)
+    return ScanPlan(method, levels, n, steps, scan_outputs(n), element_bytes, estimated=True,
+                    symbolic_work=work)

@@ -1,0 +1,137 @@
+"""The engine's one CPU/GPU dispatch: plans in, gradients out, on the arrays' own device.
+
+Every executor has a host twin (:mod:`._cpu`, :mod:`._dense_cpu`: NumPy, SciPy and numba kernels) and
+a GPU twin (:mod:`._gpu`, :mod:`._dense_gpu`: CuPy RawKernels); each operation below picks one through
+:func:`sparse_scan.backend.twin`, from the backend its caller names or the one that owns its arrays.
+Nothing else in the library chooses between them, and nothing here plans: plans come from
+:mod:`sparse_scan.engine.plan` and :mod:`sparse_scan.engine.dense_plan`.
+
+Examples
+--------
+>>> import numpy as np
+>>> rng = np.random.default_rng(0)
+>>> blocks = rng.standard_normal((5, 2, 3, 3)) / 3     # T=5 steps, batch 2, H=3: A_1 .. A_5
+>>> direct = rng.standard_normal((5, 2, 3))           # d_1 .. d_5
+>>> scan = dense_scan(blocks, direct, method="blelloch")
+>>> bp = dense_scan(blocks, direct, method="linear")
+>>> scan.shape, bool(np.allclose(scan, bp))           # G_0 .. G_5
+((6, 2, 3), True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from .. import backend as _backend
+from . import _cpu, _dense_cpu, _dense_gpu, _gpu
+from .dense_plan import auto_levels, dense_plan
+from .plan import ScanPlan
+from .products import ProductPlan
+
+__all__ = ["dense_scan", "multiply", "run_plan"]
+
+_run_plan = _backend.twin(
+    cpu=lambda be, plan, grad_out, jacobians, threads, dense_matvecs: _cpu.run_plan(
+        plan, grad_out, jacobians, threads=threads, dense_matvecs=dense_matvecs),
+    gpu=lambda be, plan, grad_out, jacobians, threads, dense_matvecs: _gpu.run_plan(
+        plan, grad_out, jacobians))
+_multiply = _backend.twin(cpu=lambda be, plan, a_data, b_data: _cpu.multiply(plan, a_data, b_data),
+                          gpu=lambda be, plan, a_data, b_data: _gpu.multiply(plan, a_data, b_data))
+_run_dense_plan = _backend.twin(
+    cpu=lambda be, plan, blocks, direct, threads: _dense_cpu.run_dense_plan(plan, blocks, direct, threads),
+    gpu=lambda be, plan, blocks, direct, threads: _dense_gpu.run_dense_plan(plan, blocks, direct))
+
+
+def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
+             threads: int | None = None,
+             dense_matvecs: Sequence[Callable[[Any], Any] | None] | None = None) -> list[Any]:
+    """Numeric phase of ``plan`` for one batch on ``be``.
+
+    Parameters
+    ----------
+    be : Backend
+        Where the values live (:func:`sparse_scan.backend.get`).
+    plan : ScanPlan
+        Built by :func:`~sparse_scan.engine.plan.build_plan` (an estimate has nothing to run).
+    grad_out : ndarray, shape (B, size of x_n)
+        ``g_n``, flattened per sample.
+    jacobians : sequence of BatchedCSR or None
+        ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``), with the patterns
+        the plan was built from. On the CPU with ``dense_matvecs``, None for the JTs applied through
+        their layers' weights.
+    threads : int, optional
+        CPU worker threads per level (default: the cores this process may use); the GPU runs a level
+        as one launch.
+    dense_matvecs : sequence of callable, optional
+        CPU only: ``dense_matvecs[j - 1](g)`` computes ``JT_j @ g`` from the layer's weights; the
+        plan's ``dense`` steps and the mv steps by a JT given as None use it.
+
+    Returns
+    -------
+    list of ndarray
+        ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``, on ``be``.
+    """
+    return _run_plan(be, plan, grad_out, jacobians, threads, dense_matvecs)
+
+
+def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+    """Numeric phase of ``C = A @ B``: values of ``C`` in ``plan.out``'s entry order.
+
+    ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``, both NumPy or both
+    CuPy arrays (a diagonal operand's data holds its diagonal); the result is ``(nnz_C,)`` when both
+    are shared, else ``(B, nnz_C)``, on their device.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from sparse_scan.csr import Pattern
+    >>> from sparse_scan.engine.products import plan_product
+    >>> a = sp.random(5, 4, density=0.5, format="csr", random_state=0)
+    >>> b = sp.random(4, 3, density=0.5, format="csr", random_state=1)
+    >>> plan = plan_product(Pattern(a.indptr, a.indices, a.shape), Pattern(b.indptr, b.indices, b.shape),
+    ...                     "general", "general")
+    >>> c = multiply(plan, a.data, b.data)
+    >>> bool(np.allclose(sp.csr_matrix((c, plan.out.indices, plan.out.indptr), plan.out.shape).toarray(),
+    ...                  (a @ b).toarray()))
+    True
+    """
+    be = _backend.of(a_data)
+    if _backend.of(b_data).name != be.name:
+        raise ValueError("multiply: a_data and b_data must both be NumPy or both CuPy arrays")
+    return _multiply(be, plan, a_data, b_data)
+
+
+def dense_scan(blocks: Any, direct: Any, method: str = "blelloch", levels: int | str | None = None,
+               threads: int | None = None) -> Any:
+    """Total gradients of a recurrent chain by a scan over dense blocks.
+
+    Parameters
+    ----------
+    blocks : ndarray, shape (T, B, H, H)
+        ``blocks[t - 1]`` is ``(dh_t/dh_{t-1})^T`` per sample (time-major), NumPy or CuPy.
+    direct : ndarray, shape (T, B, H) or (B, H)
+        ``direct[t - 1]`` is the loss's direct gradient w.r.t. ``h_t``; a ``(B, H)`` array is the
+        gradient w.r.t. ``h_T`` alone (a loss on the last hidden state, as in the paper), which
+        makes the scan a chain of plain block products (no vector parts).
+    method : {"linear", "blelloch", "hybrid"}
+    levels : int or "auto", optional
+        Up-sweep levels of ``hybrid``; ``"auto"`` picks them with :func:`auto_levels`.
+    threads : int, optional
+        CPU threads that share each level's block products (default: the cores available).
+
+    Returns
+    -------
+    ndarray, shape (T + 1, B, H)
+        ``out[t]`` is the total gradient w.r.t. ``h_t`` (``out[0]``: w.r.t. the initial state).
+    """
+    be = _backend.of(blocks)
+    n, batch = blocks.shape[:2]
+    if blocks.ndim != 4 or blocks.shape[2] != blocks.shape[3] or \
+            direct.shape not in ((n, batch, blocks.shape[2]), (batch, blocks.shape[2])):
+        raise ValueError(f"blocks must be (T, B, H, H) and direct (T, B, H) or (B, H); got "
+                         f"{blocks.shape} and {direct.shape}")
+    size = blocks.shape[2]
+    if levels == "auto":
+        method, levels = "hybrid", auto_levels(n, batch, size, be.name)
+    plan = dense_plan(n, method, levels)
+    return _run_dense_plan(be, plan, blocks, be.xp.asarray(direct, dtype=blocks.dtype), threads)

@@ -1,0 +1,183 @@
+"""Scan schedules over a chain of ``n`` elements: pure bookkeeping, no arrays.
+
+Back-propagation through ``n`` layers is the exclusive scan of ``[g_n, JT_n, ..., JT_1]`` under
+``A ◇ B = B·A`` (paper §3.1): element 0 is the output gradient, element ``j`` the transposed Jacobian of
+layer ``n - j + 1``. An :class:`Element` names the product of a run of consecutive elements; a schedule
+lists which products are computed, at which level (steps of one level are independent). Three
+schedules compute the scan:
+
+``linear``
+    ``g_{i-1} = JT_i g_i`` one matrix-vector product after another (back-propagation).
+``blelloch``
+    Algorithm 1 of the paper for any ``n``: up-sweep, root set to the identity, down-sweep with
+    reversed operands.
+``hybrid``
+    ``levels`` up-sweep levels, a linear scan over the segment products the down-sweep needs, then
+    the matching down-sweep levels (paper §5.3). ``levels=0`` is ``linear``; the full depth is
+    ``blelloch``.
+
+Both element kinds of the engine run these schedules: sparse JTs (:mod:`sparse_scan.engine.plan`) and
+dense blocks (:mod:`sparse_scan.engine.dense_plan`). This module imports neither NumPy nor any other
+part of the engine: the command line reads :data:`SCHEDULES` before NumPy loads.
+
+Examples
+--------
+>>> [(level, phase) for level, phase, _, _ in live_schedule(3, "blelloch", None)]
+[(0, 'up'), (1, 'down'), (2, 'final')]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .._checks import is_int
+
+__all__ = ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule",
+           "scan_outputs", "schedule"]
+
+METHODS = ("linear", "blelloch", "hybrid")
+"""The schedules a plan is built for."""
+
+SCHEDULES = ("auto",) + METHODS
+"""What a caller may ask for: ``auto`` chooses one of :data:`METHODS` (``Sequential.plan``)."""
+
+Segment = tuple[int, int]  # elements lo..hi (inclusive) combined: hi's JT applied last
+
+
+@dataclass(frozen=True)
+class Element:
+    """Symbolic contents of one scan value: a product of consecutive elements ``lo..hi``.
+
+    ``lo == 0`` means the product includes the output gradient, so the value is a vector; an empty
+    segment (``lo > hi``) is the identity.
+    """
+
+    lo: int
+    hi: int
+
+    @property
+    def is_identity(self) -> bool:
+        return self.lo > self.hi
+
+    @property
+    def is_vector(self) -> bool:
+        return self.lo == 0 and not self.is_identity
+
+
+IDENTITY = Element(1, 0)
+
+
+def depth(n: int) -> int:
+    """``ceil(log2(n + 1))``: up-sweep levels of a full Blelloch scan over ``n + 1`` elements."""
+    return math.ceil(math.log2(n + 1)) if n > 0 else 0
+
+
+def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, Element, Element, int]]:
+    """The raw schedule: ``(level, phase, left, right, slot)`` per product, ``slot`` receiving it.
+
+    ``left ◇ right = right · left``. Combines with the identity are moves: they update the slots and
+    emit nothing. Products whose result nothing uses are still listed
+    (:func:`~sparse_scan.engine.plan.build_plan` drops them).
+    """
+    slots = [Element(j, j) for j in range(n + 1)]
+    ops: list[tuple[int, str, Element, Element, int]] = []
+    level = 0
+
+    def combine(left: Element, right: Element) -> Element:
+        if left.is_identity:
+            return right
+        if right.is_identity:
+            return left
+        return Element(left.lo, right.hi)
+
+    def record(phase: str, left: Element, right: Element, slot: int) -> None:
+        result = combine(left, right)
+        if not (left.is_identity or right.is_identity):
+            ops.append((level, phase, left, right, slot))
+        slots[slot] = result
+
+    if method == "linear":
+        up = 0
+    elif method == "blelloch":
+        up = max(depth(n) - 1, 0)
+    else:
+        up = levels if levels is not None else 0
+    # up-sweep: a[r] <- a[l] ◇ a[r]
+    for d in range(up):
+        for i in range(0, n - 2**d + 1, 2 ** (d + 1)):
+            left, right = i + 2**d - 1, min(i + 2 ** (d + 1) - 1, n)
+            record("up", slots[left], slots[right], right)
+        level += 1
+    if method == "blelloch":
+        slots[n] = IDENTITY
+        top = depth(n) - 1
+    else:
+        # linear scan over the segment roots: P_0 = I, P_{j+1} = P_j ◇ root_j; root_j <- P_j
+        width = 2**up
+        roots = [min(j * width + width - 1, n) for j in range((n + width) // width)]
+        prefix = IDENTITY
+        for root in roots:
+            segment = slots[root]
+            slots[root] = prefix
+            if not prefix.is_identity:
+                ops.append((level, "linear", prefix, segment, -1))
+                level += 1
+            prefix = combine(prefix, segment)
+        top = up - 1
+    # down-sweep: T = a[l]; a[l] = a[r]; a[r] = T ◇' a[r] with reversed operands: a[r] ◇ T = T·a[r]
+    for d in range(top, -1, -1):
+        for i in range(0, n - 2**d + 1, 2 ** (d + 1)):
+            left, right = i + 2**d - 1, min(i + 2 ** (d + 1) - 1, n)
+            subtree = slots[left]
+            slots[left] = slots[right]
+            record("down", slots[right], subtree, right)
+        level += 1
+    ops.append((level, "final", slots[n], Element(n, n), -1))  # g_0 = JT_1 · g_1
+    return ops
+
+
+def checked_levels(n: int, method: str, levels: int | None, unit: str = "layers") -> int | None:
+    """Validate ``method`` and, for ``hybrid``, ``levels`` (an int in 0 .. ``depth(n)``, not a float
+    or a bool; other methods take none); return the levels. ``unit`` names what ``n`` counts."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method != "hybrid":
+        if levels is not None:
+            raise ValueError(f"levels applies to method='hybrid' only; got levels={levels!r} "
+                             f"with method={method!r}")
+        return None
+    if not is_int(levels) or not 0 <= levels <= depth(n):
+        raise ValueError(f"hybrid needs levels in 0..{depth(n)} for {n} {unit}; got {levels!r}")
+    return int(levels)
+
+
+def scan_outputs(n: int) -> list[Element]:
+    """Where the results live: the gradient w.r.t. ``x_i`` is the prefix ``0..n-i`` (``i = 0..n``)."""
+    return [Element(0, n - i) for i in range(n + 1)]
+
+
+def live_schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, Element, Element]]:
+    """:func:`schedule` without the products nothing uses: ``(level, phase, left, right)`` per step.
+
+    Levels are renumbered densely (dropped steps may leave empty levels); steps of one level are
+    independent. Both element kinds of the engine run this schedule: sparse JTs
+    (:func:`~sparse_scan.engine.plan.build_plan`) and dense blocks (:mod:`sparse_scan.engine.dense_plan`).
+
+    Examples
+    --------
+    >>> [(level, phase) for level, phase, _, _ in live_schedule(3, "blelloch", None)]
+    [(0, 'up'), (1, 'down'), (2, 'final')]
+    """
+    levels = checked_levels(n, method, levels)
+    needed = set(scan_outputs(n))
+    kept = []
+    for level, phase, left, right, _ in reversed(schedule(n, method, levels)):
+        out = Element(left.lo, right.hi)
+        if out in needed:  # the last producer of a value suffices: earlier duplicates drop out
+            kept.append((level, phase, left, right))
+            needed.discard(out)
+            needed.update((left, right))
+    kept.reverse()
+    level_ids = {level: rank for rank, level in enumerate(sorted({op[0] for op in kept}))}
+    return [(level_ids[level], phase, left, right) for level, phase, left, right in kept]
