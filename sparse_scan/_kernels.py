@@ -17,6 +17,8 @@ from typing import Any, Final, Sequence
 
 import numpy as np
 
+from ._types import Array
+
 __all__ = ["COMPILE_OPTIONS", "INSTANTIATIONS", "cupy_module", "current_device", "device_pointer",
            "expression", "function", "launch", "launch_blocks", "name_expressions", "per_plan", "source",
            "type_name"]
@@ -158,6 +160,6 @@ def current_device() -> int:
     return int(cupy_module().cuda.Device().id)
 
 
-def device_pointer(array: Any) -> int:
+def device_pointer(array: Array) -> int:
     """The device address of a CuPy array's data, as an integer for a descriptor table."""
     return int(array.data.ptr)

@@ -24,6 +24,8 @@ from typing import Any, Callable, Hashable, Literal
 
 import numpy as np
 
+from ._types import Array
+
 __all__ = ["Backend", "Device", "GPUUnavailableError", "get", "gpu_usable", "of", "twin"]
 
 Device = Literal["cpu", "gpu", "auto"]
@@ -52,13 +54,13 @@ class Backend:
     xp: ModuleType
     sparse: ModuleType
 
-    def asarray(self, array: Any, dtype: Any = None) -> Any:
+    def asarray(self, array: Any, dtype: Any = None) -> Array:
         """Move ``array`` onto this backend (a no-op when it is already there)."""
         if self.name == "cpu" and type(array).__module__.startswith("cupy"):
             array = array.get()
         return self.xp.asarray(array, dtype=dtype)
 
-    def to_host(self, array: Any) -> np.ndarray:
+    def to_host(self, array: Array) -> np.ndarray:
         """Return ``array`` as a NumPy array (copying from the GPU when needed; host arrays pass)."""
         return array.get() if type(array).__module__.startswith("cupy") else np.asarray(array)
 
@@ -142,7 +144,7 @@ def get(device: str = "auto") -> Backend:
     )
 
 
-def of(array: Any) -> Backend:
+def of(array: Array) -> Backend:
     """Return the backend that owns ``array`` (CuPy arrays -> GPU, anything else -> CPU)."""
     if type(array).__module__.startswith("cupy"):
         return _gpu_backend()

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import backend as _backend
+from ._types import Array
 
 __all__ = ["BatchedCSR", "Pattern", "choose_index_dtype"]
 
@@ -64,12 +65,12 @@ def choose_index_dtype(nnz: int, ncols: int, requested: Any = None) -> np.dtype:
     return dtype
 
 
-def _row_of_entries_cpu(be: _backend.Backend, indptr: Any, rows: int, nnz: int, dtype: np.dtype) -> Any:
+def _row_of_entries_cpu(be: _backend.Backend, indptr: Array, rows: int, nnz: int, dtype: np.dtype) -> Array:
     """NumPy twin: each row's index repeated over its entries."""
     return np.repeat(np.arange(rows, dtype=dtype), np.diff(indptr))
 
 
-def _row_of_entries_gpu(be: _backend.Backend, indptr: Any, rows: int, nnz: int, dtype: np.dtype) -> Any:
+def _row_of_entries_gpu(be: _backend.Backend, indptr: Array, rows: int, nnz: int, dtype: np.dtype) -> Array:
     """CuPy twin: entry ``k``'s row is the number of rows ending at or before ``k`` (a search on the
     device; ``cupy.repeat`` takes no device array of counts before CuPy 14.1)."""
     cp = be.xp
@@ -93,8 +94,8 @@ class Pattern:
         ``(rows, cols)``; for a transposed Jacobian ``(in_size, out_size)``.
     """
 
-    indptr: Any
-    indices: Any
+    indptr: Array
+    indices: Array
     shape: tuple[int, int]
 
     @property
@@ -123,7 +124,7 @@ class Pattern:
         """Fraction of guaranteed zeros: ``1 - density`` (paper Table 1)."""
         return 1.0 - self.density
 
-    def row_of_entries(self) -> Any:
+    def row_of_entries(self) -> Array:
         """Row index of every stored entry, shape ``(nnz,)``, in the pattern's array module."""
         return _row_of_entries(_backend.of(self.indptr), self.indptr, self.shape[0], self.nnz,
                                self.index_dtype)
@@ -158,7 +159,7 @@ class BatchedCSR:
     """
 
     pattern: Pattern
-    data: Any
+    data: Array
 
     def __post_init__(self) -> None:
         if self.data.ndim not in (1, 2) or self.data.shape[-1] != self.pattern.nnz:
@@ -169,12 +170,12 @@ class BatchedCSR:
 
     # --- structure -----------------------------------------------------------------------------
     @property
-    def indptr(self) -> Any:
+    def indptr(self) -> Array:
         """Row pointers of the shared pattern."""
         return self.pattern.indptr
 
     @property
-    def indices(self) -> Any:
+    def indices(self) -> Array:
         """Column indices of the shared pattern."""
         return self.pattern.indices
 
@@ -222,7 +223,7 @@ class BatchedCSR:
         return int(rows * cols * self.dtype.itemsize * copies)
 
     # --- conversions ---------------------------------------------------------------------------
-    def _sample_values(self, sample: int) -> Any:
+    def _sample_values(self, sample: int) -> Array:
         if self.shared:
             return self.data
         if not -self.data.shape[0] <= sample < self.data.shape[0]:
@@ -249,7 +250,7 @@ class BatchedCSR:
             shape=self.shape,
         )
 
-    def todense(self, limit_bytes: int = DENSE_LIMIT_BYTES) -> Any:
+    def todense(self, limit_bytes: int = DENSE_LIMIT_BYTES) -> Array:
         """Return the dense matrices: ``(B, rows, cols)``, or ``(rows, cols)`` when shared.
 
         Parameters

@@ -10,14 +10,14 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+
+from ._types import Array
 
 __all__ = ["softmax_cross_entropy"]
 
 
-def softmax_cross_entropy(logits: Any, labels: Any) -> tuple[float, np.ndarray]:
+def softmax_cross_entropy(logits: Array, labels: Array) -> tuple[float, np.ndarray]:
     """Mean cross-entropy of ``softmax(logits)`` against integer ``labels``, and its gradient.
 
     Parameters

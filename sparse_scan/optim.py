@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import flag, number
+from ._types import Array
 from .weights import state_dict
 
 __all__ = ["SGD", "Adam", "Optimizer", "check_built_on"]
@@ -49,7 +50,7 @@ class Optimizer:
         self.state: dict[str, dict[str, Any]] = {}
         self._owned: dict[str, np.ndarray] = {}
 
-    def step(self, grads: dict[str, Any]) -> None:
+    def step(self, grads: dict[str, Array]) -> None:
         """Update every parameter that has a gradient in ``grads`` (``grads`` is not changed).
 
         Raises

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ._types import Array
+
 __all__ = ["load_state_dict", "read_npz", "state_dict", "write_npz_atomically"]
 
 
@@ -33,7 +35,7 @@ def state_dict(model: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def load_state_dict(model: Any, values: dict[str, Any], strict: bool = True) -> None:
+def load_state_dict(model: Any, values: dict[str, Array], strict: bool = True) -> None:
     """Set parameters by state_dict name, like PyTorch's ``load_state_dict``: values are copied in the
     parameter's dtype (float arrays only, finite after the cast), the layers validate shapes.
 
@@ -111,7 +113,7 @@ def _umask() -> int:
     return mask
 
 
-def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Any]) -> None:
+def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Array]) -> None:
     """Write ``arrays`` to ``path`` through a temporary file in the same folder and a rename, so that
     an interruption leaves either the old file or the new one, never a partial one."""
     path = pathlib.Path(path)

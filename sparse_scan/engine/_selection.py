@@ -27,13 +27,13 @@ for backends that run every multiply-add and skip the zero ones (the GPU kernel)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .._host_kernels import kernels, launch, parts, rows2d
 from .._scaled_gather import THREAD_MIN_VALUES
 from .._threads import cpu_threads
+from .._types import Array
 from ..csr import Pattern
 
 __all__ = ["SelectionGather", "live_multiply_adds", "multiply_live", "plan_selection_gather"]
@@ -161,7 +161,7 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
     return SelectionGather(operand, entries.astype(dtype), valid, column_of_slot, out_pos, other_pos)
 
 
-def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Any, b_data: Any) -> Any:
+def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: Array) -> Array:
     """Values of ``C`` (host arrays): zeros, then the live entries' multiply-adds.
 
     The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.

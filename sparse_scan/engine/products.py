@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ._blocks import BlockProduct, block_layout, plan_block_product
 from ._selection import SelectionGather, live_multiply_adds, plan_selection_gather
@@ -114,9 +115,9 @@ class ProductPlan:
 
     method: str
     out: Pattern
-    a_pos: Any
-    b_pos: Any
-    starts: Any
+    a_pos: Array | None
+    b_pos: Array | None
+    starts: Array | None
     multiply_adds: int
     operands: tuple[Pattern, Pattern] | None = None
     blocks: BlockProduct | None = None
