@@ -20,9 +20,10 @@ import pytest
 from click.testing import CliRunner
 from mpi_worker import BATCH, inputs, load, random_chain
 
-from sparse_scan import _mpi, distributed, load_model
-from sparse_scan._slice_product import SliceProduct, apply, combine
+from sparse_scan import distributed, load_model
 from sparse_scan.cli import app
+from sparse_scan.distributed import _mpi
+from sparse_scan.distributed._slices import SliceProduct, apply, combine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"

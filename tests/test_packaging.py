@@ -6,6 +6,7 @@ editable mode first). ``make wheel-check`` checks a real wheel in a fresh virtua
 
 from __future__ import annotations
 
+import configparser
 import importlib.metadata
 import importlib.resources
 import pathlib
@@ -80,3 +81,14 @@ def test_cli_and_kernels_live_inside_the_package():
     # the repository's cli/ and rawkernels/ folders are mapped into the sparse_scan namespace
     assert pathlib.Path(sparse_scan.cli.app.__file__).resolve().parent.name == "cli"
     assert sparse_scan.rawkernels.__name__ == "sparse_scan.rawkernels"
+
+
+def test_setup_cfg_lists_every_package():
+    """setup.cfg names the packages one by one: a new folder under sparse_scan/ must be added there, or
+    the wheel leaves it out (an editable install would not notice)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg", encoding="utf-8")
+    listed = set(config["options"]["packages"].split())
+    folders = {".".join(("sparse_scan", *path.parent.relative_to(REPO / "sparse_scan").parts))
+               for path in (REPO / "sparse_scan").rglob("__init__.py")}
+    assert listed == folders | {"sparse_scan.cli", "sparse_scan.rawkernels"}

@@ -8,7 +8,7 @@ With ``P`` ranks, rank ``r`` holds layers ``a_r+1 .. b_r`` of a :class:`~sparse_
    as a loss) and sends that back;
 2. **slice products**: every middle rank reduces its slice's JTs to one matrix
    ``S_r = JT_{a_r+1} ··· JT_{b_r}`` (a planned tree of sparse products,
-   :class:`~sparse_scan._slice_product.SliceProduct`); the last rank runs its local scan with ``g_n``,
+   :class:`~sparse_scan.distributed._slices.SliceProduct`); the last rank runs its local scan with ``g_n``,
    whose first result ``g_{a_{P-1}}`` is its contribution (a vector);
 3. **combine**: the exclusive scan of ``[g_{a_{P-1}}, S_{P-2}, ..., S_1]`` under ``A ◇ B = B·A`` gives
    each rank the gradient w.r.t. its slice output ``g_{b_r}``. ``combine="chain"`` (the default) sends
@@ -62,6 +62,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..engine.plan import ScanCostError
+from ..engine.products import PlanBudgetError
+from ..model import Sequential, default_memory_budget
 from ._mpi import (
     Channel,
     DistributedError,
@@ -73,14 +76,11 @@ from ._mpi import (
     launched,
     launcher,
 )
-from ._slice_product import SliceMatrix, SliceProduct, apply, combine
-from .engine.plan import ScanCostError
-from .engine.products import PlanBudgetError
-from .model import Sequential, default_memory_budget
+from ._slices import SliceMatrix, SliceProduct, apply, combine
 
 __all__ = ["CHAIN_PRODUCT_FACTOR", "COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError",
-           "RankTimeoutError", "RemoteRankError", "abort", "backward", "balanced_split", "launched",
-           "launcher", "layer_costs", "slices"]
+           "RankTimeoutError", "RemoteRankError", "abort", "backward", "balanced_split", "import_mpi",
+           "launched", "launcher", "layer_costs", "slices"]
 
 COMBINES = ("chain", "exscan", "relay")
 CHAIN_PRODUCT_FACTOR = 32  # chain: a slice product may cost this many times BP's FLOPs (module doc)
@@ -122,7 +122,7 @@ class DistributedResult:
 def layer_costs(model: Sequential, in_shape: Sequence[int]) -> list[int]:
     """Per layer, the FLOPs of its step in the linear scan plan (its JT's SpMV, ``2·nnz``).
 
-    These are the :class:`~sparse_scan.scan.ScanPlan`'s own figures (``model.plan(in_shape,
+    These are the :class:`~sparse_scan.ScanPlan`'s own figures (``model.plan(in_shape,
     "linear")``); the cost of a slice is the sum over its layers.
     """
     n = len(model)

@@ -2,8 +2,9 @@
 
 A process holding layers ``a+1 .. b`` of a chain contributes one matrix to a scan across processes:
 ``S = JT_{a+1} · JT_{a+2} ··· JT_b`` (so that ``g_a = S g_b``). It is reduced by a balanced tree of
-planned sparse products (:func:`sparse_scan.spgemm.plan_product`: scalings, gathers, dense channel
-blocks or general products, as in the scan), ``ceil(log2 m)`` levels for ``m`` layers.
+planned sparse products (:func:`sparse_scan.engine.products.plan_product`: scalings, gathers, dense
+channel blocks or general products, as in the scan), ``ceil(log2 m)`` levels for ``m`` layers,
+computed through the engine's dispatch (:func:`sparse_scan.engine.run.multiply`).
 
 Examples
 --------
@@ -21,15 +22,15 @@ Examples
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-import numpy as np
-
-from .csr import BatchedCSR, Pattern
-from .engine._cpu import matvec, multiply  # the ranks multiply on the host: no GPU twin to dispatch to
-from .engine.plan import ScanCostError
-from .engine.products import ProductPlan, count_multiply_adds, plan_product
-from .layers import Layer
+from .._types import Array
+from ..csr import BatchedCSR, Pattern
+from ..engine._cpu import matvec  # the host SpMV: the engine's dispatch (run) has no matvec to offer
+from ..engine.plan import ScanCostError
+from ..engine.products import ProductPlan, count_multiply_adds, plan_product
+from ..engine.run import multiply
+from ..layers import Layer
 
 __all__ = ["SliceMatrix", "SliceProduct", "apply", "combine"]
 
@@ -40,7 +41,7 @@ class SliceMatrix:
 
     pattern: Pattern
     kind: str
-    data: Any
+    data: Array
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,7 +64,7 @@ def combine(a: SliceMatrix, b: SliceMatrix, channels: tuple[int, int, int] | Non
     return SliceMatrix(plan.out, _product_kind(a.kind, b.kind), multiply(plan, a.data, b.data))
 
 
-def apply(matrix: SliceMatrix, vectors: np.ndarray) -> np.ndarray:
+def apply(matrix: SliceMatrix, vectors: Array) -> Array:
     """``matrix @ v`` for a batch of vectors ``(B, cols)``; returns ``(B, rows)``."""
     return matvec(matrix.pattern, matrix.data, vectors)
 
@@ -78,9 +79,9 @@ class SliceProduct:
     in_shape : tuple of int
         Per-sample shape of the slice's input.
     budget_bytes : int, optional
-        Memory one product's plan may hold (as :func:`~sparse_scan.spgemm.plan_product`).
+        Memory one product's plan may hold (as :func:`~sparse_scan.engine.products.plan_product`).
     max_flops : int, optional
-        Give up with :class:`~sparse_scan.scan.ScanCostError` before planning a product that would
+        Give up with :class:`~sparse_scan.ScanCostError` before planning a product that would
         take the reduction past this many FLOPs (counting multiply-adds is cheap, expanding them is
         not).
 
