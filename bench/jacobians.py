@@ -28,7 +28,7 @@ import numpy as np
 from common import machine, median_time
 
 from sparse_scan import backend
-from sparse_scan.jacobian_stats import layer_stats
+from sparse_scan.flops import layer_stats
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
 
 PAPER_RATIOS = {"conv1": 8.3e3, "relu1": 1.2e6, "pool1": 1.5e5}

@@ -34,6 +34,7 @@ from common import machine
 from rnn import interleaved, repeats_for, timed
 
 from sparse_scan import backend
+from sparse_scan.engine.dense_plan import auto_levels
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
 from sparse_scan.optim import Adam
@@ -128,8 +129,6 @@ def measure(steps: int, batch: int) -> dict[str, Any]:
 
 
 def lstm_levels(steps: int, batch: int) -> int:
-    from sparse_scan.engine.dense_plan import auto_levels  # noqa: PLC0415
-
     return auto_levels(steps, batch, 2 * HIDDEN, "cpu", factored=True)
 
 

@@ -214,10 +214,9 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
             entry.update(critical_steps=steps, work_flops=flops, critical_flops=flops,
                          peak_bytes=(factors[1].nbytes + (steps + 1) * batch * hidden * 4), factored=True)
         else:
-            plan = dense_plan(steps, method, resolved)
-            entry.update(critical_steps=plan.critical_steps, work_flops=plan.work_flops(hidden) * batch,
-                         critical_flops=plan.critical_flops(hidden) * batch,
-                         peak_bytes=plan.peak_bytes(batch, hidden, 4))
+            plan = dense_plan(steps, method, resolved).sized(hidden, affine=seed.ndim == 3)
+            entry.update(critical_steps=plan.critical_steps, work_flops=plan.work_flops * batch,
+                         critical_flops=plan.critical_flops * batch, peak_bytes=plan.peak_bytes(batch, 4))
         if baseline is not None:
             result = cell.backward(seed, method, levels)
             entry["max_rel_error_vs_torch"] = relative_error(result, torch_grads)

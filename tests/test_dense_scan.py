@@ -80,18 +80,29 @@ def test_auto_levels_is_a_valid_hybrid_and_deeper_on_a_gpu_model():
 def test_plans_are_cached_and_report_the_scan_figures():
     plan = dense_plan(1000, "blelloch")
     assert dense_plan(1000, "blelloch") is plan
-    linear = dense_plan(1000, "linear")
     size = 20
+    linear = dense_plan(1000, "linear").sized(size)
     assert linear.critical_steps == 1000
-    assert linear.work_flops(size) == linear.critical_flops(size) == 1000 * 2 * size**2
+    assert linear.work_flops == linear.critical_flops == 1000 * 2 * size**2
     assert plan.critical_steps <= 2 * depth(1000) + 1
     # Blelloch: about n block products in all, one per level on the critical path
-    mm = sum(1 for _, group, _ in plan.steps if group.kind == "mm")
+    figures = plan.sized(size)
+    mm = sum(1 for step in figures.steps if step.kind == "mm")
     assert 900 < mm < 1000
-    report = plan.report(batch=16, size=size, itemsize=4)
-    assert report["totals"]["work_flops"] == 16 * plan.work_flops(size)
+    assert figures.work_flops == sum(step.flops for step in figures.steps) == sum(figures.level_flops)
+    report = figures.report(batch=16, itemsize=4)
+    assert report["totals"]["work_flops"] == figures.work_flops  # FLOPs per sample, as a sparse plan's
     assert report["totals"]["peak_bytes"] > 1000 * 16 * size * size * 4  # the input blocks at least
-    assert sum(level["mm"] + level["mv"] for level in report["levels_detail"]) == len(plan.steps)
+    assert len(report["steps"]) == len(figures.steps)
+
+
+def test_a_scan_without_direct_gradients_counts_no_vector_parts():
+    plan, size = dense_plan(64, "blelloch"), 5
+    affine, last_only = plan.sized(size), plan.sized(size, affine=False)
+    block_products = sum(1 for step in affine.steps if step.kind == "mm")
+    assert affine.work_flops - last_only.work_flops == block_products * 2 * size**2
+    assert last_only.peak_bytes(3, 8) < affine.peak_bytes(3, 8)
+    assert {step.flops for step in last_only.steps if step.kind == "mm"} == {2 * size**3}
 
 
 @pytest.mark.parametrize("blocks_shape, direct_shape", [((3, 2, 4, 4), (3, 2, 5)), ((3, 2, 4, 5), (3, 2, 4)),

@@ -30,4 +30,4 @@ def test_public_modules_have_examples():
     documented = {name for name in MODULES
                   if any(test.examples for test in finder.find(importlib.import_module(name)))}
     assert {"sparse_scan.backend", "sparse_scan.csr", "sparse_scan.engine.products", "sparse_scan.model",
-            "sparse_scan.jacobian_stats", "sparse_scan.layers.conv"} <= documented
+            "sparse_scan.flops", "sparse_scan.layers.conv"} <= documented

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
 
 import numpy as np
 
 from .._threads import cpu_threads, even_parts, run_parts, worker_pool
+from .._types import Array
 from .dense_plan import INPUT, DenseGroup, DenseScanPlan
 
 __all__ = ["run_dense_plan"]
@@ -34,7 +35,7 @@ stacked matmul of small blocks gains little from a second thread (measured on 2 
 slower at B=2, even at B=16, 4-15% faster at B=64..256)."""
 
 
-def _matmul(xp: Any, right: Any, left: Any, pool: _Threads | None) -> Any:
+def _matmul(xp: ModuleType, right: Array, left: Array, pool: _Threads | None) -> Array:
     """``right @ left`` over stacks ``(N, B, r, c)``; split over the pool's threads when large."""
     if pool is None or right.size < SPLIT_MIN_VALUES:
         return xp.matmul(right, left)
@@ -49,7 +50,7 @@ def _matmul(xp: Any, right: Any, left: Any, pool: _Threads | None) -> Any:
     return out
 
 
-def _run_level(xp: Any, groups: list[DenseGroup], blocks: dict[int, Any], vectors: dict[int, Any],
+def _run_level(xp: ModuleType, groups: list[DenseGroup], blocks: dict[int, Array], vectors: dict[int, Array],
                pool: _Threads | None, affine: bool) -> None:
     """One level: every group's products; without direct gradients (``affine=False``) blocks carry
     no vector part, so products of blocks skip it."""
@@ -65,8 +66,8 @@ def _run_level(xp: Any, groups: list[DenseGroup], blocks: dict[int, Any], vector
         vectors[group.buffer] = product
 
 
-def _scan_arrays(xp: Any, plan: DenseScanPlan, blocks: Any, direct: Any,
-                 pool: _Threads | None) -> Any:
+def _scan_arrays(xp: ModuleType, plan: DenseScanPlan, blocks: Array, direct: Array,
+                 pool: _Threads | None) -> Array:
     affine = direct.ndim == 3
     n, (batch, size) = plan.n, direct.shape[-2:]
     inputs = xp.zeros((n + 1, batch, size), dtype=blocks.dtype)  # row 0: d_0 = 0
@@ -84,15 +85,15 @@ def _scan_arrays(xp: Any, plan: DenseScanPlan, blocks: Any, direct: Any,
         else:
             _run_chain(xp, plan.levels_of_groups[index:end], block_values, vector_values, affine)
         for level in range(index, end):
-            for buffer in plan.releases[level]:
+            for buffer in plan.level_releases[level]:
                 block_values.pop(buffer, None)
                 vector_values.pop(buffer, None)
         index = end
     return plan.output_reader.read(xp, vector_values)
 
 
-def _run_chain(xp: Any, levels: list[list[DenseGroup]], blocks: dict[int, Any], vectors: dict[int, Any],
-               affine: bool) -> None:
+def _run_chain(xp: ModuleType, levels: list[list[DenseGroup]], blocks: dict[int, Array],
+               vectors: dict[int, Array], affine: bool) -> None:
     """Levels of one matrix-vector product each, in a tight loop (results are rows of one array)."""
     first = levels[0][0].ops[0].left
     vector = vectors[first.buffer][first.row]
@@ -106,7 +107,7 @@ def _run_chain(xp: Any, levels: list[list[DenseGroup]], blocks: dict[int, Any], 
         vectors[group.buffer] = out[step:step + 1]
 
 
-def run_dense_plan(plan: DenseScanPlan, blocks: Any, direct: Any, threads: int | None = None) -> Any:
+def run_dense_plan(plan: DenseScanPlan, blocks: Array, direct: Array, threads: int | None = None) -> Array:
     """Numeric phase of ``plan`` on the host: the contract of :func:`sparse_scan.engine.run.dense_scan`
     (``direct`` already in the blocks' dtype), with ``threads`` CPU threads per level."""
     workers = cpu_threads() if threads is None else max(1, int(threads))

@@ -14,12 +14,17 @@ is the paper's scan of plain products. The schedules are exactly the sparse engi
 ``blelloch`` (Algorithm 1) and ``hybrid`` (paper §5.3).
 
 A :class:`DenseScanPlan` depends on ``T``, the method and the levels only (not on ``H`` or the batch)
-and is cached. It groups the steps of every level by kind and output buffer, so that the numeric phase
-runs each level as a few batched array operations over all its pairs and samples: one ``matmul`` for
-all of a level's block products, instead of one call per step. Operands are read through strided
-views where the schedule is regular (the up- and down-sweeps of a power-of-two chain) and gathered
-otherwise. The executors (:func:`sparse_scan.engine.run.dense_scan`) run it on NumPy or CuPy
-arrays; this module imports neither executor.
+and is cached. It groups the steps of every level by kind and output buffer, so that the numeric
+phase runs each level as a few batched array operations over all its pairs and samples: one
+``matmul`` for all of a level's block products, instead of one call per step. Operands are read
+through strided views where the schedule is regular (the up- and down-sweeps of a power-of-two chain)
+and gathered otherwise. The executors (:func:`sparse_scan.engine.run.dense_scan`) run it on NumPy or
+CuPy arrays; this module imports neither executor.
+
+Its figures depend on the block size: :meth:`DenseScanPlan.sized` gives a
+:class:`SizedDenseScanPlan`, whose figures have the names and units of the sparse engine's
+:class:`~sparse_scan.engine.plan.ScanPlan` (the plan protocol,
+:class:`~sparse_scan.engine.figures.ScanPlanLike`).
 
 Examples
 --------
@@ -32,19 +37,26 @@ Examples
 >>> bp = dense_scan(blocks, direct, method="linear")
 >>> scan.shape, bool(np.allclose(scan, bp))           # G_0 .. G_5
 ((6, 2, 3), True)
+>>> figures = dense_plan(5, "blelloch").sized(3)       # for 3x3 blocks
+>>> figures.critical_steps, figures.critical_flops, figures.work_flops
+(4, 126, 162)
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Sequence
 
 import numpy as np
 
+from .._types import Array
+from .figures import critical_path, totals
 from .schedule import Element, checked_levels, depth, live_schedule, scan_outputs
 
-__all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "Location", "auto_levels", "dense_plan"]
+__all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "DenseStep", "Location", "SizedDenseScanPlan",
+           "auto_levels", "dense_plan"]
 
 INPUT = 0  # buffer id of the scan input: blocks (T, B, H, H) and direct vectors (T + 1, B, H)
 
@@ -59,11 +71,21 @@ class Location:
 
 @dataclass(frozen=True)
 class DenseOp:
-    """One step ``out = right ∘ left``: ``mm`` (left is a block) or ``mv`` (left is a vector)."""
+    """One step ``out = right ∘ left``: ``mm`` (left is a block) or ``mv`` (left is a vector).
+
+    Attributes
+    ----------
+    phase : {"up", "linear", "down", "final"}
+    left, right : Location
+        Where the operands are read.
+    segments : tuple of Element
+        The operands ``(left, right)`` as segments of the scan input.
+    """
 
     phase: str
     left: Location
     right: Location
+    segments: tuple[Element, Element]
 
 
 class _Reader:
@@ -80,7 +102,7 @@ class _Reader:
                        for buffer, (positions, rows) in by_buffer.items()]
         self.buffers = tuple(by_buffer)
 
-    def read(self, xp: Any, arrays: dict[int, Any]) -> Any:
+    def read(self, xp: ModuleType, arrays: dict[int, Array]) -> Array:
         """The operand stack ``(count, ...)``: a view when one regular piece covers it."""
         if len(self.pieces) == 1:
             buffer, _, rows = self.pieces[0]
@@ -120,6 +142,8 @@ class DenseGroup:
 class DenseScanPlan:
     """The schedule of a dense-block scan over ``n`` steps, grouped for batched numeric work.
 
+    What the executors run, for blocks of any size; :meth:`sized` gives its figures for one size.
+
     Attributes
     ----------
     method : str
@@ -156,8 +180,9 @@ class DenseScanPlan:
         return last
 
     @functools.cached_property
-    def releases(self) -> list[list[int]]:
-        """Per level, the buffers read for the last time there."""
+    def level_releases(self) -> list[list[int]]:
+        """Per level, the buffers read for the last time there (a sparse plan's ``releases`` are per
+        step: a dense plan's buffers hold the results of a whole group)."""
         released: list[list[int]] = [[] for _ in self.levels_of_groups]
         for buffer, last in self.last_level.items():
             if last < len(released):
@@ -184,65 +209,175 @@ class DenseScanPlan:
         return runs
 
     @property
-    def steps(self) -> list[tuple[int, DenseGroup, DenseOp]]:
-        """Every step as ``(level, group, op)``."""
-        return [(index, group, op) for index, groups in enumerate(self.levels_of_groups)
-                for group in groups for op in group.ops]
-
-    @property
     def critical_steps(self) -> int:
         """Sequential levels."""
         return len(self.levels_of_groups)
 
-    def step_flops(self, kind: str, size: int) -> int:
-        """FLOPs of one step for one sample (ARCHITECTURE.md convention on dense ``size×size``
-        blocks: ``mm`` is a block product plus its matrix-vector product, ``mv`` a matrix-vector
-        product; the additions of direct gradients, ``size`` per step as in BP, are not counted)."""
-        return 2 * size**3 + 2 * size**2 if kind == "mm" else 2 * size**2
+    def sized(self, size: int, affine: bool = True) -> SizedDenseScanPlan:
+        """The plan for blocks of ``size×size``: its figures, as a sparse plan gives them.
 
-    def level_flops(self, size: int) -> list[int]:
-        """Per level, the FLOPs of all its steps for one sample."""
-        return [sum(len(group.ops) * self.step_flops(group.kind, size) for group in groups)
-                for groups in self.levels_of_groups]
+        Parameters
+        ----------
+        size : int
+            ``H`` of the blocks.
+        affine : bool
+            Whether the scan carries direct gradients (``direct`` of shape ``(T, B, H)``): a product
+            of blocks then also applies its right block to the left one's vector part. False for a
+            gradient w.r.t. the last state alone, a chain of plain block products like a sparse one.
 
-    def critical_flops(self, size: int) -> int:
-        """Sum over levels of the costliest step of the level (one sample)."""
-        return sum(max(self.step_flops(group.kind, size) for group in groups)
-                   for groups in self.levels_of_groups)
+        Returns
+        -------
+        SizedDenseScanPlan
+            A view: nothing is copied, and figures are computed on first use.
+        """
+        return SizedDenseScanPlan(self, int(size), bool(affine))
 
-    def work_flops(self, size: int) -> int:
+
+@dataclass(frozen=True)
+class DenseStep:
+    """One step of a :class:`SizedDenseScanPlan`, with the figures of a sparse plan's
+    :class:`~sparse_scan.engine.plan.Step`.
+
+    Attributes
+    ----------
+    level : int
+    phase : {"up", "linear", "down", "final"}
+    kind : {"mm", "mv"}
+    left, right : Element
+        The operands, as segments of the scan input.
+    shape : tuple of int
+        ``(m, k, n)`` of ``right (m×k) · left (k×n)``: ``(H, H, H)``, or ``n = 1`` for a vector.
+    flops : int
+        For one sample; every entry of a dense block is live.
+    out_nnz : int
+        Entries of the result.
+    """
+
+    level: int
+    phase: str
+    kind: str
+    left: Element
+    right: Element
+    shape: tuple[int, int, int]
+    flops: int
+    out_nnz: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The step's report fields, the keys of a sparse step's (JSON-friendly): a dense step is
+        ``method="dense"``, holds no index structure and counts every entry as live."""
+        return {"level": self.level, "phase": self.phase, "kind": self.kind, "method": "dense",
+                "left": [self.left.lo, self.left.hi], "right": [self.right.lo, self.right.hi],
+                "mnk": list(self.shape), "flops": self.flops, "flops_live": self.flops,
+                "out_nnz": self.out_nnz, "plan_bytes": 0}
+
+
+@dataclass(frozen=True)
+class SizedDenseScanPlan:
+    """A :class:`DenseScanPlan` for blocks of one size: its figures under the plan protocol
+    (:class:`~sparse_scan.engine.figures.ScanPlanLike`), in the units of a sparse plan.
+
+    FLOPs are per sample (ARCHITECTURE.md convention on dense ``H×H`` blocks: a block product is
+    ``2H³``, plus ``2H²`` for its vector part when ``affine``; a matrix-vector product ``2H²``; the
+    additions of direct gradients, ``H`` per step as in BP, are not counted); bytes are for a batch.
+    Built by :meth:`DenseScanPlan.sized`.
+
+    Attributes
+    ----------
+    plan : DenseScanPlan
+    size : int
+        ``H`` of the blocks.
+    affine : bool
+        Whether the scan carries direct gradients (:meth:`DenseScanPlan.sized`).
+    """
+
+    plan: DenseScanPlan
+    size: int
+    affine: bool = True
+
+    @property
+    def method(self) -> str:
+        """The schedule: ``linear``, ``blelloch`` or ``hybrid``."""
+        return self.plan.method
+
+    @property
+    def levels(self) -> int | None:
+        """Up-sweep levels of a ``hybrid`` plan, else None."""
+        return self.plan.levels
+
+    @property
+    def n(self) -> int:
+        """Number of blocks (time steps)."""
+        return self.plan.n
+
+    @property
+    def critical_steps(self) -> int:
+        """Sequential levels."""
+        return self.plan.critical_steps
+
+    @property
+    def plan_bytes(self) -> int:
+        """0: products of dense blocks need no index structure."""
+        return 0
+
+    def _step_flops(self, kind: str) -> int:
+        """FLOPs of one step of ``kind`` for one sample."""
+        size = self.size
+        if kind == "mv":
+            return 2 * size**2
+        return 2 * size**3 + (2 * size**2 if self.affine else 0)
+
+    @functools.cached_property
+    def steps(self) -> list[DenseStep]:
+        """Every step, level by level (a level's block products first)."""
+        size = self.size
+        out_nnz = {"mm": size * size + (size if self.affine else 0), "mv": size}
+        return [DenseStep(index, op.phase, group.kind, *op.segments,
+                          (size, size, size if group.kind == "mm" else 1), self._step_flops(group.kind),
+                          out_nnz[group.kind])
+                for index, groups in enumerate(self.plan.levels_of_groups)
+                for group in groups for op in group.ops]
+
+    @functools.cached_property
+    def level_flops(self) -> list[int]:
+        """Per level, the FLOPs of all its steps (one sample)."""
+        return [sum(len(group.ops) * self._step_flops(group.kind) for group in groups)
+                for groups in self.plan.levels_of_groups]
+
+    @property
+    def critical_flops(self) -> int:
+        """The FLOPs of the critical path (:func:`~sparse_scan.engine.figures.critical_path`, one
+        sample)."""
+        return sum(self.steps[index].flops for index in critical_path(self.steps))
+
+    @property
+    def work_flops(self) -> int:
         """FLOPs of every step (one sample)."""
-        return sum(self.level_flops(size))
+        return sum(self.level_flops)
 
-    def peak_bytes(self, batch: int, size: int, itemsize: int) -> int:
+    def peak_bytes(self, batch: int, itemsize: int) -> int:
         """Peak bytes of live scan values: the input from the start, every group's result from its
-        level to the end of the level of its last read, the outputs to the end."""
-        block, vector = size * size * batch * itemsize, size * batch * itemsize
-        live = self.n * block + (self.n + 1) * vector
+        level to the end of the level of its last read, the outputs to the end (as the executors
+        hold them)."""
+        block, vector = self.size * self.size * batch * itemsize, self.size * batch * itemsize
+        plan = self.plan
+        live = plan.n * block + (plan.n + 1) * vector
         sizes = {INPUT: live}
         peak = live
-        for index, groups in enumerate(self.levels_of_groups):
+        for index, groups in enumerate(plan.levels_of_groups):
             for group in groups:
-                sizes[group.buffer] = len(group.ops) * (vector + (block if group.kind == "mm" else 0))
+                mm = group.kind == "mm"
+                sizes[group.buffer] = len(group.ops) * ((block if mm else 0)
+                                                       + (vector if self.affine or not mm else 0))
                 live += sizes[group.buffer]
             peak = max(peak, live)
-            live -= sum(sizes[buffer] for buffer, last in self.last_level.items() if last == index)
+            live -= sum(sizes[buffer] for buffer in plan.level_releases[index])
         return peak
 
-    def report(self, batch: int, size: int, itemsize: int = 4) -> dict[str, Any]:
-        """Per-level figures and totals (JSON-friendly)."""
-        return {
-            "method": self.method, "levels": self.levels, "n": self.n,
-            "levels_detail": [
-                {"level": index, "phases": sorted({op.phase for group in groups for op in group.ops}),
-                 "mm": sum(len(g.ops) for g in groups if g.kind == "mm"),
-                 "mv": sum(len(g.ops) for g in groups if g.kind == "mv"), "flops": flops * batch}
-                for index, (groups, flops) in enumerate(zip(self.levels_of_groups,
-                                                            self.level_flops(size), strict=True))],
-            "totals": {"critical_flops": self.critical_flops(size) * batch,
-                       "work_flops": self.work_flops(size) * batch, "critical_steps": self.critical_steps,
-                       "peak_bytes": self.peak_bytes(batch, size, itemsize)},
-        }
+    def report(self, batch: int = 1, itemsize: int = 4) -> dict[str, Any]:
+        """Per-step figures and totals (JSON-friendly), the keys of a sparse plan's report."""
+        return {"method": self.method, "levels": self.levels, "n": self.n,
+                "steps": [step.as_dict() for step in self.steps],
+                "totals": totals(self, batch, itemsize)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -274,7 +409,7 @@ def dense_plan(n: int, method: str = "blelloch", levels: int | None = None) -> D
             if not entries:
                 continue
             buffer += 1
-            groups.append(DenseGroup(kind, buffer, [DenseOp(phase, where[left], where[right])
+            groups.append(DenseGroup(kind, buffer, [DenseOp(phase, where[left], where[right], (left, right))
                                                     for phase, left, right in entries]))
             for row, (_, left, right) in enumerate(entries):
                 placed[Element(left.lo, right.hi)] = Location(buffer, row)
@@ -319,14 +454,14 @@ def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bo
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
         plan = dense_plan(n, "hybrid", levels)
+        figures = plan.sized(size)  # affine: every block product's vector part counted
         if factored and levels == 0:
-            work = plan.work_flops(size) * batch
-            cost = n * _FACTORED_STEP_SECONDS[device] + work / _FLOPS_PER_SECOND[device]
+            cost = n * _FACTORED_STEP_SECONDS[device] + figures.work_flops * batch / _FLOPS_PER_SECOND[device]
         else:
             chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
             cost = sum((_CHAIN_STEP_SECONDS if index in chained else _LEVEL_SECONDS)[device]
                        + flops * batch / _FLOPS_PER_SECOND[device]
-                       for index, flops in enumerate(plan.level_flops(size)))
+                       for index, flops in enumerate(figures.level_flops))
             if factored:
                 cost += _FILL_SECONDS[device] + n * batch * size * size / _FILL_VALUES_PER_SECOND[device]
         if best_cost is None or cost < best_cost:

@@ -4,7 +4,7 @@
 ``nn.RNN``/``nn.GRU``/``nn.LSTM``: constructor, call ``(output, h_n) = module(input, h0)``, layouts
 (stacked layers, bidirectional, ``batch_first``, unbatched input, dropout between layers, the LSTM's
 projection) and parameter names, so state_dicts copy over. Their backward runs, per layer and
-direction, :func:`sparse_scan.dense_scan.dense_scan` with the sparse engine's schedules (``H×H``
+direction, :func:`sparse_scan.engine.run.dense_scan` with the sparse engine's schedules (``H×H``
 blocks; the LSTM's ``(h, c)`` state gives ``(H_out+H)×(H_out+H)`` blocks), or, on back-propagation's
 schedule on the CPU, the blocks in factored form (no block filled).
 :class:`RecurrentClassifier` adds the paper's output layer (linear + softmax cross-entropy on the last

@@ -21,12 +21,14 @@ launches over all steps) and the chain of ``T`` products is one launch (``dense_
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from .. import backend as _backend
 from .._threads import cpu_threads, even_parts, run_parts, worker_pool
+from .._types import Array
 from ..engine.dense_plan import auto_levels
 from ..engine.run import dense_scan
 
@@ -35,14 +37,14 @@ __all__ = ["Cell", "Run", "chain_through_factors", "fill_blocks", "resolve_level
 CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
 
 
-def _fill_cpu(be: _backend.Backend, weights_t: Any, coefficients: Any, out: Any) -> None:
+def _fill_cpu(be: _backend.Backend, weights_t: Array, coefficients: Array, out: Array) -> None:
     # one pass over the output (NumPy's einsum loops beat broadcasting's H-long inner loops 2x, and
     # need contiguous weights to do so)
     np.einsum("kij,tbkj->tbij", np.ascontiguousarray(weights_t), coefficients, out=out,
               optimize=len(weights_t) > 1)
 
 
-def _fill_gpu(be: _backend.Backend, weights_t: Any, coefficients: Any, out: Any) -> None:
+def _fill_gpu(be: _backend.Backend, weights_t: Array, coefficients: Array, out: Array) -> None:
     be.xp.multiply(weights_t[0], coefficients[:, :, 0, None, :], out=out)
     for k in range(1, len(weights_t)):
         out += weights_t[k] * coefficients[:, :, k, None, :]
@@ -51,7 +53,7 @@ def _fill_gpu(be: _backend.Backend, weights_t: Any, coefficients: Any, out: Any)
 _fill = _backend.twin(cpu=_fill_cpu, gpu=_fill_gpu)
 
 
-def fill_blocks(weights_t: Any, coefficients: Any, out: Any) -> None:
+def fill_blocks(weights_t: Array, coefficients: Array, out: Array) -> None:
     """``out[t, b] = Σ_k weights_t[k] · diag(coefficients[t, b, k])``: Jacobian blocks of a cell.
 
     Parameters
@@ -66,7 +68,8 @@ def fill_blocks(weights_t: Any, coefficients: Any, out: Any) -> None:
     _fill(_backend.of(out), weights_t, coefficients, out)
 
 
-def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, direct: Any) -> Any:
+def chain_through_factors(weights_t: Array, coefficients: Array, diagonal: Array | None,
+                          direct: Array) -> Array:
     """Back-propagation through time with every block left in factored form.
 
     ``G_{t-1} = d_{t-1} + A_t G_t`` with ``A_t = Σ_k weights_t[k] diag(coefficients[t-1, :, k])
@@ -105,12 +108,12 @@ def chain_through_factors(weights_t: Any, coefficients: Any, diagonal: Any, dire
     return totals
 
 
-def _back_propagate_cpu(be: _backend.Backend, layer: Any, direct: Any, threads: int | None) -> Any:
+def _back_propagate_cpu(be: _backend.Backend, layer: Run, direct: Array, threads: int | None) -> Array:
     """NumPy twin: BP through the factors, no block filled."""
     return layer.factored_chain(direct)
 
 
-def _back_propagate_gpu(be: _backend.Backend, layer: Any, direct: Any, threads: int | None) -> Any:
+def _back_propagate_gpu(be: _backend.Backend, layer: Run, direct: Array, threads: int | None) -> Array:
     """CUDA twin: fill the blocks, then the chain in one launch."""
     return dense_scan(layer.transposed_jacobians(threads), direct, "linear")
 
@@ -118,12 +121,13 @@ def _back_propagate_gpu(be: _backend.Backend, layer: Any, direct: Any, threads: 
 _back_propagate = _backend.twin(cpu=_back_propagate_cpu, gpu=_back_propagate_gpu)
 
 
-def _parameters_on(source: Any, names: dict[str, str], xp: Any) -> dict[str, Any]:
+def _parameters_on(source: Any, names: dict[str, str], xp: ModuleType) -> dict[str, Array]:
     """``{short name: source.<full name>}`` on the array module ``xp`` (an upload on the GPU)."""
     return {short: xp.asarray(getattr(source, full)) for short, full in names.items()}
 
 
-def resolve_levels(method: str, levels: Any, steps: int, batch: int, size: int, device: str) -> Any:
+def resolve_levels(method: str, levels: int | str | None, steps: int, batch: int, size: int,
+                   device: str) -> int | str | None:
     """``levels="auto"`` of a hybrid as the modelled best depth (the CPU's BP runs factored)."""
     if method == "hybrid" and levels == "auto":
         return auto_levels(steps, batch, size, device, factored=device == "cpu")
@@ -157,22 +161,24 @@ class Cell:
     def state_size(self) -> int:
         return self.output_size
 
-    def forward_steps(self, xp: Any, gi: Any, state0: Any, p: dict[str, Any]) -> dict[str, Any]:
+    def forward_steps(self, xp: ModuleType, gi: Array, state0: Array, p: dict[str, Array | None]
+                      ) -> dict[str, Array]:
         """The sequence from the input parts of the gates ``gi`` ``(T, B, gates*H)`` (``bias_ih``
         included) and the initial state ``(B, S)``; time-major arrays, ``"h"`` the outputs."""
         raise NotImplementedError
 
-    def final_state(self, xp: Any, saved: dict[str, Any]) -> Any:
+    def final_state(self, xp: ModuleType, saved: dict[str, Array]) -> Array:
         """The state after the last step, ``(B, S)``."""
         return saved["h"][-1]
 
-    def factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def factors(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None]
+                ) -> tuple[Array, Array, Array | None]:
         """The blocks of the steps in ``saved`` in factored form: ``(weights_t, coefficients,
         diagonal)``, ``(K, H, H)``, ``(T, B, K, H)`` and ``(T, B, H)`` or None, with
         ``block[t, b] = Σ_k weights_t[k] diag(coefficients[t, b, k]) + diag(diagonal[t, b])``."""
         raise NotImplementedError(f"{type(self).__name__} has no Σ W diag(c) form")
 
-    def fill(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
+    def fill(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None], out: Array) -> None:
         """Write the blocks of the steps in ``saved`` (time-major arrays) into ``out``."""
         weights_t, coefficients, diagonal = self.factors(xp, saved, p)
         fill_blocks(weights_t, coefficients, out)
@@ -180,16 +186,43 @@ class Cell:
             index = xp.arange(self.hidden_size)
             out[:, :, index, index] += diagonal
 
-    def chain(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], direct: Any) -> Any:
+    def chain(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
+              direct: Array) -> Array:
         """Back-propagation through the factored blocks: the totals ``(T + 1, B, S)``."""
         return chain_through_factors(*self.factors(xp, saved, p), direct)
 
-    def pre_activation_grads(self, xp: Any, saved: dict[str, Any], p: dict[str, Any],
-                             totals: Any) -> tuple[Any, Any, dict[str, Any]]:
+    def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
+                             totals: Array) -> tuple[Array, Array, dict[str, Array]]:
         """Gradients w.r.t. the input-side and hidden-side gate pre-activations, ``(T, B, gates*H)``,
         and of any parameter outside them (the LSTM's projection), from the totals ``(T, B, S)`` of
         ``s_1 .. s_T``."""
         raise NotImplementedError
+
+
+def _fill_steps_cpu(be: _backend.Backend, cell: Cell, saved: dict[str, Array],
+                    parameters: dict[str, Array | None], blocks: Array, threads: int | None) -> None:
+    """NumPy twin: ``threads`` (default: the cores available) fill chunks of about ``CHUNK_BYTES`` of
+    blocks each (the cell's temporaries of a chunk stay in cache; NumPy's ufuncs release the GIL)."""
+    steps = len(blocks)
+    chunk = max(1, CHUNK_BYTES // (blocks[0].nbytes or 1))
+    spans = [slice(start, start + chunk) for start in range(0, steps, chunk)]
+    workers = min(cpu_threads() if threads is None else max(1, int(threads)), len(spans))
+
+    def fill(first: int, last: int) -> None:  # chunks first .. last - 1
+        for span in spans[first:last]:
+            cell.fill(np, {key: value[span] for key, value in saved.items()}, parameters, blocks[span])
+
+    with worker_pool(workers) as pool:
+        run_parts(pool, fill, even_parts(len(spans), workers))
+
+
+def _fill_steps_gpu(be: _backend.Backend, cell: Cell, saved: dict[str, Array],
+                    parameters: dict[str, Array | None], blocks: Array, threads: int | None) -> None:
+    """CuPy twin: every step at once (a few launches)."""
+    cell.fill(be.xp, saved, parameters, blocks)
+
+
+_fill_steps = _backend.twin(cpu=_fill_steps_cpu, gpu=_fill_steps_gpu)
 
 
 class Run:
@@ -208,21 +241,21 @@ class Run:
 
     def __init__(self, cell: Cell, owner: Any, names: dict[str, str], dtype: Any) -> None:
         self.cell, self.owner, self.names, self.dtype = cell, owner, names, np.dtype(dtype)
-        self._saved: dict[str, Any] | None = None
+        self._saved: dict[str, Array] | None = None
 
-    def parameters_on(self, xp: Any) -> dict[str, Any]:
-        p = _parameters_on(self.owner, self.names, xp)
+    def parameters_on(self, xp: ModuleType) -> dict[str, Array | None]:
+        p: dict[str, Array | None] = _parameters_on(self.owner, self.names, xp)
         for key in ("bias_ih", "bias_hh", "weight_hr"):
             p.setdefault(key, None)
         return p
 
     @property
-    def saved(self) -> dict[str, Any]:
+    def saved(self) -> dict[str, Array]:
         if self._saved is None:
             raise RuntimeError("call forward before backward")
         return self._saved
 
-    def forward(self, x: Any, state0: Any) -> tuple[Any, Any]:
+    def forward(self, x: Array, state0: Array) -> tuple[Array, Array]:
         """Run the sequence ``x`` ``(T, B, input)`` (time-major, in processing order) from
         ``state0`` ``(B, S)``; return the outputs ``(T, B, output_size)`` and the final state."""
         xp = _backend.of(x).xp
@@ -236,59 +269,45 @@ class Run:
         self._saved = saved
         return saved["h"], self.cell.final_state(xp, saved)
 
-    def load(self, saved: dict[str, Any]) -> None:
+    def load(self, saved: dict[str, Array]) -> None:
         """Take the saved arrays of a forward run elsewhere (steps recorded one by one)."""
         self._saved = saved
 
-    def jacobian_factors(self) -> tuple[Any, Any, Any]:
+    def jacobian_factors(self) -> tuple[Array, Array, Array | None]:
         """Every ``(ds_t/ds_{t-1})^T`` of the last forward in the cell's ``Σ W diag(c)`` form."""
         saved = self.saved
         xp = _backend.of(saved["h"]).xp
         return self.cell.factors(xp, saved, self.parameters_on(xp))
 
-    def factored_chain(self, direct: Any) -> Any:
+    def factored_chain(self, direct: Array) -> Array:
         """Back-propagation through the factored blocks of the last forward (no block filled)."""
         saved = self.saved
         xp = _backend.of(saved["h"]).xp
         return self.cell.chain(xp, saved, self.parameters_on(xp), direct)
 
-    def transposed_jacobians(self, threads: int | None = None) -> Any:
+    def transposed_jacobians(self, threads: int | None = None) -> Array:
         """Every ``(ds_t/ds_{t-1})^T`` of the last forward, time-major ``(T, B, S, S)``.
 
         On the CPU, ``threads`` (default: the cores available) fill chunks of about ``CHUNK_BYTES``
         of blocks each (the cells' temporaries of a chunk stay in cache).
         """
         saved = self.saved
-        xp = _backend.of(saved["h"]).xp
-        parameters = self.parameters_on(xp)
+        be = _backend.of(saved["h"])
         steps, batch = saved["h"].shape[:2]
         size = self.cell.state_size
-        blocks = xp.empty((steps, batch, size, size), dtype=self.dtype)  # C order: the scan reads it
-        if xp is not np:
-            self.cell.fill(xp, saved, parameters, blocks)
-            return blocks
-        chunk = max(1, CHUNK_BYTES // (blocks[0].nbytes or 1))
-        spans = [slice(start, start + chunk) for start in range(0, steps, chunk)]
-        workers = min(cpu_threads() if threads is None else max(1, int(threads)), len(spans))
-
-        def fill(first: int, last: int) -> None:  # chunks first .. last - 1
-            for span in spans[first:last]:
-                self.cell.fill(xp, {key: value[span] for key, value in saved.items()}, parameters,
-                               blocks[span])
-
-        with worker_pool(workers) as pool:  # NumPy's ufuncs release the GIL
-            run_parts(pool, fill, even_parts(len(spans), workers))
+        blocks = be.xp.empty((steps, batch, size, size), dtype=self.dtype)  # C order: the scan reads it
+        _fill_steps(be, self.cell, saved, self.parameters_on(be.xp), blocks, threads)
         return blocks
 
-    def totals(self, direct: Any, method: str, levels: int | None, threads: int | None) -> Any:
+    def totals(self, direct: Array, method: str, levels: int | None, threads: int | None) -> Array:
         """Total gradients ``(T + 1, B, S)`` w.r.t. ``s_0 .. s_T`` by the scan (levels resolved)."""
         be = _backend.of(self.saved["h"])
         if method == "linear" or (method == "hybrid" and levels == 0):
             return _back_propagate(be, self, direct, threads)
         return dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
 
-    def backward(self, direct: Any, method: str, levels: int | None,
-                 threads: int | None = None) -> dict[str, Any]:
+    def backward(self, direct: Array, method: str, levels: int | None,
+                 threads: int | None = None) -> dict[str, Array]:
         """Gradients through the last forward.
 
         Parameters

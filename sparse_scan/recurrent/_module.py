@@ -21,12 +21,14 @@ the layer below.
 from __future__ import annotations
 
 import math
-from typing import Any
+from types import ModuleType
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import backend as _backend
 from .._checks import flag, integer, number
+from .._types import Array
 from ..engine.schedule import checked_levels
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ._base import Cell, Run, resolve_levels
@@ -36,7 +38,7 @@ __all__ = ["RecurrentModule", "as_real_array", "copy_parameters", "legacy_alias"
 SHORT_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
 
 
-def as_real_array(value: Any, label: str) -> Any:
+def as_real_array(value: Any, label: str) -> Array:
     """``value`` as an array of its own backend (PyTorch tensors and nested lists as NumPy), refusing
     complex and non-numeric values."""
     if type(value).__module__.startswith("torch"):
@@ -48,7 +50,7 @@ def as_real_array(value: Any, label: str) -> Any:
 
 
 def copy_parameters(owner: Any, given: dict[str, Any], shapes: dict[str, tuple[int, ...]], label: str,
-                    shown: Any = lambda key: key) -> None:
+                    shown: Callable[[str], str] = lambda key: key) -> None:
     """Set ``owner.<key>`` for every parameter, all or none: each must be given, real, of its shape
     and finite (cast to ``owner.dtype``); ``shown(key)`` is its name in messages."""
     unknown, missing = sorted(set(given) - set(shapes)), sorted(set(shapes) - set(given))
@@ -67,10 +69,10 @@ def copy_parameters(owner: Any, given: dict[str, Any], shapes: dict[str, tuple[i
 
 
 def legacy_alias(short: str) -> property:
-    def get(self: "RecurrentModule") -> Any:
+    def get(self: "RecurrentModule") -> Array:
         return getattr(self, self._single_name(short))
 
-    def set_(self: "RecurrentModule", value: Any) -> None:
+    def set_(self: "RecurrentModule", value: Array) -> None:
         setattr(self, self._single_name(short), value)
 
     return property(get, set_, doc=f"``{short}_l0`` of a module of one layer and direction.")
@@ -114,7 +116,7 @@ class RecurrentModule:
         self.dtype = as_float_dtype(dtype, type(self).__name__)
         self.name = name
         self.training = True
-        self.dropout_masks: list[Any] = []
+        self.dropout_masks: list[Array | None] = []
         self._dropout_rng = np.random.default_rng(seed)
         self.num_directions = 2 if self.bidirectional else 1
         self.output_size = self.proj_size or self.hidden_size
@@ -202,17 +204,17 @@ class RecurrentModule:
                              f"{self.num_directions} direction(s) has one chain per layer and direction")
         return self._runs[0][0]
 
-    def jacobian_factors(self) -> tuple[Any, Any, Any]:
+    def jacobian_factors(self) -> tuple[Array, Array, Array | None]:
         """Every ``(dh_t/dh_{t-1})^T`` of the last forward of a one-layer, one-direction module in
         factored form ``(weights_t, coefficients, diagonal)``: see :meth:`Run.jacobian_factors`."""
         return self._single_run().jacobian_factors()
 
-    def transposed_jacobians(self, threads: int | None = None) -> Any:
+    def transposed_jacobians(self, threads: int | None = None) -> Array:
         """Every ``(ds_t/ds_{t-1})^T`` of the last forward of a one-layer, one-direction module,
         time-major ``(T, B, S, S)``."""
         return self._single_run().transposed_jacobians(threads)
 
-    def factored_chain(self, direct: Any) -> Any:
+    def factored_chain(self, direct: Array) -> Array:
         """BP through the factored blocks of a one-layer, one-direction module: ``(T + 1, B, S)``."""
         return self._single_run().factored_chain(direct)
 
@@ -222,7 +224,7 @@ class RecurrentModule:
         return [("h0", self.output_size)]
 
     def _states(self, hx: Any, batch: int, be: _backend.Backend, layer_form: bool,
-                batched: bool) -> list[Any]:
+                batched: bool) -> list[Array]:
         """The initial state ``(B, S)`` of every layer and direction, from PyTorch's ``hx`` (the
         layer form also takes ``(B, ·)`` parts for one layer and direction)."""
         label = f"layer {type(self).__name__}"
@@ -255,7 +257,7 @@ class RecurrentModule:
         joined = arrays[0] if len(arrays) == 1 else xp.concatenate(arrays, axis=-1)
         return [joined[k] for k in range(runs)]
 
-    def _split_state(self, xp: Any, states: list[Any]) -> list[Any]:
+    def _split_state(self, xp: ModuleType, states: list[Array]) -> list[Array]:
         """Per state part, the stack ``(L*D, B, size)`` of the runs' states ``(B, S)``."""
         stacked, start, out = xp.stack(states), 0, []
         for _, size in self._state_parts():
@@ -264,7 +266,7 @@ class RecurrentModule:
         return out
 
     # forward ---------------------------------------------------------------------------------------------
-    def _sequence(self, input: Any, layer_form: bool) -> tuple[Any, bool]:
+    def _sequence(self, input: Any, layer_form: bool) -> tuple[Array, bool]:
         """The input as a time-major ``(T, B, input_size)`` array of this dtype, and whether it was
         batched."""
         label = f"layer {type(self).__name__}"
@@ -287,14 +289,14 @@ class RecurrentModule:
             raise ValueError(f"{label}: input: values must be finite")
         return xp.ascontiguousarray(xp.asarray(steps, dtype=self.dtype)), x.ndim == 3
 
-    def _dropout_mask(self, be: _backend.Backend, shape: tuple[int, ...]) -> Any:
+    def _dropout_mask(self, be: _backend.Backend, shape: tuple[int, ...]) -> Array:
         """Bernoulli(1 - p) / (1 - p), drawn on the host from the module's seeded generator."""
         keep = 1.0 - self.dropout
         draws = self._dropout_rng.random(shape)
         mask = (draws < keep) / keep if keep > 0 else np.zeros(shape)
         return be.asarray(mask, dtype=self.dtype)
 
-    def _run_forward(self, x: Any, states: list[Any]) -> tuple[Any, list[Any]]:
+    def _run_forward(self, x: Array, states: list[Array]) -> tuple[Array, list[Array]]:
         be = _backend.of(x)
         xp = be.xp
         layer_input, finals, masks = x, [], []
@@ -315,7 +317,7 @@ class RecurrentModule:
         self.dropout_masks = masks[:-1]
         return layer_input, finals
 
-    def __call__(self, input: Any, hx: Any = None) -> tuple[Any, Any]:
+    def __call__(self, input: Any, hx: Any = None) -> tuple[Array, Array | tuple[Array, ...]]:
         """PyTorch's forward: ``(output, h_n)``, or ``(output, (h_n, c_n))`` for the LSTM.
 
         Parameters
@@ -341,7 +343,7 @@ class RecurrentModule:
             parts = [part[:, 0] for part in parts]
         return output, (parts[0] if len(parts) == 1 else tuple(parts))
 
-    def forward(self, x: Any, h0: Any = None) -> Any:
+    def forward(self, x: Any, h0: Any = None) -> Array:
         """The layer form (the one-layer API): ``x`` batch-first ``(B, T, input_size)``; returns the
         top layer's outputs batch-first ``(B, T, D * H_out)``.
 
@@ -356,8 +358,8 @@ class RecurrentModule:
         return be.xp.ascontiguousarray(output.transpose(1, 0, 2))
 
     # backward ------------------------------------------------------------------------------------------
-    def _direct(self, xp: Any, dense: Any, last: Any, final: Any, direction: int, shape: tuple[int, int, int],
-                ) -> Any:
+    def _direct(self, xp: ModuleType, dense: Array | None, last: Array | None, final: Array | None,
+                direction: int, shape: tuple[int, int, int]) -> Array:
         """The direct gradient of one run in processing order: ``(T, B, S)``, or ``(B, S)`` when only
         its last state has one."""
         steps, batch, state = shape
@@ -380,12 +382,13 @@ class RecurrentModule:
             out += final
         return out
 
-    def _backward_runs(self, dense: Any, last: Any, finals: list[Any], method: str, levels: int | None,
-                       threads: int | None) -> tuple[Any, list[Any], dict[str, Any], Any]:
+    def _backward_runs(self, dense: Array | None, last: Array | None, finals: list[Array | None],
+                       method: str, levels: int | None, threads: int | None
+                       ) -> tuple[Array, list[Array], dict[str, Array], Array]:
         """Top-down over layers; returns the input gradient (time-major), every run's initial-state
         gradient, the parameters' gradients by full name and the top layer's total output gradients."""
-        params: dict[str, Any] = {}
-        starts: list[Any] = [None] * (self.num_layers * self.num_directions)
+        params: dict[str, Array] = {}
+        starts: list[Array | None] = [None] * (self.num_layers * self.num_directions)
         top = None
         grad_input = None
         for layer in reversed(range(self.num_layers)):
@@ -411,7 +414,7 @@ class RecurrentModule:
         return grad_input, starts, params, top
 
     def _gradient_array(self, value: Any, field: str, expected: tuple[int, ...], be: _backend.Backend,
-                        extra: str = "") -> Any:
+                        extra: str = "") -> Array:
         label = f"layer {type(self).__name__}"
         array = as_real_array(value, f"{label}: {field}")
         if tuple(array.shape) != expected:
@@ -419,7 +422,7 @@ class RecurrentModule:
         return be.asarray(array, dtype=self.dtype)
 
     def backward(self, grad: Any = None, method: str = "blelloch", levels: int | str | None = None,
-                 threads: int | None = None, *, grad_state: Any = None) -> dict[str, Any]:
+                 threads: int | None = None, *, grad_state: Any = None) -> dict[str, Array]:
         """Gradients of a loss through the last forward, by a scan per layer and direction.
 
         Parameters
@@ -495,7 +498,7 @@ class RecurrentModule:
         return out
 
     def _final_gradients(self, grad_state: Any, batch: int, be: _backend.Backend, layer_form: bool,
-                         batched: bool) -> list[Any]:
+                         batched: bool) -> list[Array | None]:
         """Per run, the gradient w.r.t. its final state ``(B, S)``, or None."""
         runs = self.num_layers * self.num_directions
         if grad_state is None:

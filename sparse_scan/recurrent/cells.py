@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import flag, integer
+from .._types import Array
 from ..engine.schedule import checked_levels
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ._base import Cell, Run, resolve_levels
@@ -93,7 +94,7 @@ class RecurrentCell:
         copy_parameters(self, dict(values), self.parameter_shapes(), f"layer {type(self).__name__}")
 
     # states ------------------------------------------------------------------------------------------
-    def step_input(self, input: Any) -> tuple[Any, bool]:
+    def step_input(self, input: Any) -> tuple[Array, bool]:
         """The input as ``(1, B, input_size)`` of this dtype, and whether it was batched."""
         label = f"layer {type(self).__name__}"
         x = as_real_array(input, f"{label}: input")
@@ -106,7 +107,7 @@ class RecurrentCell:
         x = xp.asarray(x, dtype=self.dtype)
         return xp.ascontiguousarray(x[None, None] if x.ndim == 1 else x[None]), x.ndim == 2
 
-    def step_state(self, hx: Any, batch: int, batched: bool, be: _backend.Backend) -> Any:
+    def step_state(self, hx: Any, batch: int, batched: bool, be: _backend.Backend) -> Array:
         """The state before the step, ``(B, S)`` (zeros for None)."""
         label = f"layer {type(self).__name__}"
         parts = self._state_parts()
@@ -126,7 +127,7 @@ class RecurrentCell:
             arrays.append(array if batched else array[None])
         return arrays[0] if len(arrays) == 1 else be.xp.concatenate(arrays, axis=-1)
 
-    def returned_state(self, final: Any, batched: bool) -> Any:
+    def returned_state(self, final: Array, batched: bool) -> Array | tuple[Array, ...]:
         """The state after a step as the call returns it (``h``, or the pair ``(h, c)``)."""
         parts, start, out = self._state_parts(), 0, []
         for _, size in parts:
@@ -135,7 +136,8 @@ class RecurrentCell:
             start += size
         return out[0] if len(out) == 1 else tuple(out)
 
-    def step_gradient(self, grad: Any, batch: int, batched: bool, be: _backend.Backend, label: str) -> Any:
+    def step_gradient(self, grad: Any, batch: int, batched: bool, be: _backend.Backend,
+                      label: str) -> Array | None:
         """A gradient w.r.t. a returned state (an array, or a pair for the LSTM, parts may be None)
         as ``(B, S)``, or None."""
         if grad is None:
@@ -161,8 +163,8 @@ class RecurrentCell:
             arrays.append(array if batched else array[None])
         return arrays[0] if len(arrays) == 1 else be.xp.concatenate(arrays, axis=-1)
 
-    def gradients(self, run: Run, direct: Any, batched: bool, steps_axis: bool, method: str, levels: Any,
-                  threads: int | None) -> dict[str, Any]:
+    def gradients(self, run: Run, direct: Array, batched: bool, steps_axis: bool, method: str,
+                  levels: int | str | None, threads: int | None) -> dict[str, Array]:
         """Backward of ``run`` (the steps it holds) as ``input``, ``h0`` (``c0``) and the parameters."""
         saved = run.saved
         be = _backend.of(saved["h"])
@@ -183,7 +185,7 @@ class RecurrentCell:
         return out
 
     # one step --------------------------------------------------------------------------------------
-    def __call__(self, input: Any, hx: Any = None) -> Any:
+    def __call__(self, input: Any, hx: Any = None) -> Array | tuple[Array, ...]:
         """One step: ``h'`` (``(h', c')`` for the LSTM cell) from ``input`` ``(B, input_size)`` or
         unbatched ``(input_size,)`` and ``hx`` (zeros by default), NumPy or CuPy."""
         x, batched = self.step_input(input)
@@ -194,7 +196,7 @@ class RecurrentCell:
         return self.returned_state(final, batched)
 
     def backward(self, grad: Any = None, method: str = "blelloch", levels: int | str | None = None,
-                 threads: int | None = None) -> dict[str, Any]:
+                 threads: int | None = None) -> dict[str, Array]:
         """Gradients through the last step.
 
         Parameters
@@ -295,8 +297,8 @@ class CellSequence:
 
     def reset(self) -> None:
         """Forget the recorded steps (start a new sequence)."""
-        self._steps: list[dict[str, Any]] = []
-        self._returned: Any = None
+        self._steps: list[dict[str, Array]] = []
+        self._returned: Array | tuple[Array, ...] | None = None
         self._batched: bool | None = None
 
     def __len__(self) -> int:
@@ -309,7 +311,7 @@ class CellSequence:
                 a is b for a, b in zip(hx, previous, strict=True))
         return hx is previous
 
-    def __call__(self, input: Any, hx: Any = None) -> Any:
+    def __call__(self, input: Any, hx: Any = None) -> Array | tuple[Array, ...]:
         """One step of the cell, recorded; returns what the cell returns."""
         cell = self.cell
         x, batched = cell.step_input(input)
@@ -328,7 +330,7 @@ class CellSequence:
         return self._returned
 
     def backward(self, grads: Sequence[Any] | Any = None, method: str = "blelloch",
-                 levels: int | str | None = None, threads: int | None = None) -> dict[str, Any]:
+                 levels: int | str | None = None, threads: int | None = None) -> dict[str, Array]:
         """Gradients through every recorded step, by one scan over them.
 
         Parameters

@@ -23,9 +23,12 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import integer
+from .._types import Array
 from ..layers import Linear
+from ..layers._weighted import RngLike
 from ..loss import softmax_cross_entropy
 from ..optim import check_built_on
+from ..weights import state_dict
 from ._module import RecurrentModule
 
 __all__ = ["RecurrentClassifier", "train_recurrent"]
@@ -49,7 +52,7 @@ class RecurrentClassifier:
         ``[recurrent, fc]``: what :mod:`sparse_scan.optim` and :mod:`sparse_scan.weights` walk.
     """
 
-    def __init__(self, recurrent: RecurrentModule, classes: int, rng: Any = None) -> None:
+    def __init__(self, recurrent: RecurrentModule, classes: int, rng: RngLike = None) -> None:
         recurrent.name = recurrent.name or "rnn"
         self.recurrent = recurrent
         self.fc = Linear(recurrent.num_directions * recurrent.output_size, classes, dtype=recurrent.dtype,
@@ -57,14 +60,12 @@ class RecurrentClassifier:
         self.fc.name = "fc"
         self.layers = [recurrent, self.fc]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Array]:
         """Every parameter by ``"<layer>.<name>"`` (not copies)."""
-        from ..weights import state_dict  # noqa: PLC0415 - weights imports nothing of ours back
-
         return state_dict(self)
 
-    def loss_and_gradients(self, x: Any, labels: Any, method: str = "blelloch",
-                           levels: int | str | None = None) -> tuple[float, dict[str, Any]]:
+    def loss_and_gradients(self, x: Array, labels: Array, method: str = "blelloch",
+                           levels: int | str | None = None) -> tuple[float, dict[str, Array]]:
         """Forward, loss and every parameter's gradient (the hidden-state chain by the scan).
 
         Returns

@@ -19,8 +19,10 @@ Examples
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
+from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell
 from ._module import RecurrentModule
@@ -28,7 +30,7 @@ from ._module import RecurrentModule
 __all__ = ["GRU", "GRUSteps"]
 
 
-def sigmoid(xp: Any, a: Any) -> Any:
+def sigmoid(xp: ModuleType, a: Array) -> Array:
     return 1 / (1 + xp.exp(-a))
 
 
@@ -37,7 +39,8 @@ class GRUSteps(Cell):
 
     gates = 3
 
-    def forward_steps(self, xp: Any, gi: Any, state0: Any, p: dict[str, Any]) -> dict[str, Any]:
+    def forward_steps(self, xp: ModuleType, gi: Array, state0: Array, p: dict[str, Array | None]
+                      ) -> dict[str, Array]:
         size = self.hidden_size
         w_hh_t, b_hh = p["weight_hh"].T, p["bias_hh"]
         steps, batch = gi.shape[:2]
@@ -56,7 +59,8 @@ class GRUSteps(Cell):
                 saved[key][t] = value
         return saved
 
-    def factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def factors(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None]
+                ) -> tuple[Array, Array, Array | None]:
         size = self.hidden_size
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         gate_n = (1 - z) * (1 - n * n)
@@ -65,8 +69,8 @@ class GRUSteps(Cell):
                                 axis=2)
         return weights_t, coefficients, z
 
-    def pre_activation_grads(self, xp: Any, saved: dict[str, Any], p: dict[str, Any],
-                             totals: Any) -> tuple[Any, Any, dict[str, Any]]:
+    def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
+                             totals: Array) -> tuple[Array, Array, dict[str, Array]]:
         r, z, n, m = saved["r"], saved["z"], saved["n"], saved["m"]
         grad_pre_n = totals * (1 - z) * (1 - n * n)
         grad_r = grad_pre_n * m * r * (1 - r)

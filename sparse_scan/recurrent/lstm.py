@@ -36,8 +36,10 @@ Examples
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
+from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell, fill_blocks
 from ._module import RecurrentModule, legacy_alias
@@ -55,7 +57,8 @@ class LSTMSteps(Cell):
     def state_size(self) -> int:
         return self.output_size + self.hidden_size
 
-    def forward_steps(self, xp: Any, gi: Any, state0: Any, p: dict[str, Any]) -> dict[str, Any]:
+    def forward_steps(self, xp: ModuleType, gi: Array, state0: Array, p: dict[str, Array | None]
+                      ) -> dict[str, Array]:
         size, out = self.hidden_size, self.output_size
         w_hh_t, b_hh, w_hr = p["weight_hh"].T, p["bias_hh"], p["weight_hr"]
         steps, batch = gi.shape[:2]
@@ -83,16 +86,16 @@ class LSTMSteps(Cell):
                 saved[key][t] = value
         return saved
 
-    def final_state(self, xp: Any, saved: dict[str, Any]) -> Any:
+    def final_state(self, xp: ModuleType, saved: dict[str, Array]) -> Array:
         return xp.concatenate([saved["h"][-1], saved["c"][-1]], axis=-1)
 
-    def _coefficients(self, xp: Any, saved: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def _coefficients(self, xp: ModuleType, saved: dict[str, Array]) -> tuple[Array, Array, Array]:
         """``(a_i, a_f, a_g)`` stacked ``(T, B, 3, H)``, ``a_o`` and ``δ``."""
         i, f, g, o, tanh_c = (saved[key] for key in ("i", "f", "g", "o", "tanh_c"))
         cell_gates = xp.stack([g * i * (1 - i), saved["c_prev"] * f * (1 - f), i * (1 - g * g)], axis=2)
         return cell_gates, tanh_c * o * (1 - o), o * (1 - tanh_c * tanh_c)
 
-    def fill(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], out: Any) -> None:
+    def fill(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None], out: Array) -> None:
         size, rows = self.hidden_size, self.output_size
         cell_gates, a_o, delta = self._coefficients(xp, saved)
         weights_t = p["weight_hh"].reshape(4, size, rows).transpose(0, 2, 1)  # W_hk^T: (4, H_out, H)
@@ -112,7 +115,8 @@ class LSTMSteps(Cell):
             out[:, :, rows:, :rows] = (saved["f"] * delta)[:, :, :, None] * w_hr.T
         out[:, :, rows + index, rows + index] = saved["f"]
 
-    def chain(self, xp: Any, saved: dict[str, Any], p: dict[str, Any], direct: Any) -> Any:
+    def chain(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
+              direct: Array) -> Array:
         """BP with the blocks in factored form: per step one GEMM ``(B, 4H) × (4H, H_out)``."""
         size, rows = self.hidden_size, self.output_size
         cell_gates, a_o, delta = self._coefficients(xp, saved)
@@ -134,8 +138,8 @@ class LSTMSteps(Cell):
                 totals[t - 1] += direct[t - 2]
         return totals
 
-    def pre_activation_grads(self, xp: Any, saved: dict[str, Any], p: dict[str, Any],
-                             totals: Any) -> tuple[Any, Any, dict[str, Any]]:
+    def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
+                             totals: Array) -> tuple[Array, Array, dict[str, Array]]:
         rows, w_hr = self.output_size, p["weight_hr"]
         cell_gates, a_o, delta = self._coefficients(xp, saved)
         grad_h, grad_c = totals[:, :, :rows], totals[:, :, rows:]

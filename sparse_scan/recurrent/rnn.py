@@ -22,8 +22,10 @@ Examples
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
+from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell
 from ._module import RecurrentModule
@@ -48,7 +50,8 @@ class ElmanSteps(Cell):
         super().__init__(hidden_size)
         self.nonlinearity = nonlinearity
 
-    def forward_steps(self, xp: Any, gi: Any, state0: Any, p: dict[str, Any]) -> dict[str, Any]:
+    def forward_steps(self, xp: ModuleType, gi: Array, state0: Array, p: dict[str, Array | None]
+                      ) -> dict[str, Array]:
         pre = gi if p["bias_hh"] is None else gi + p["bias_hh"]  # every step's input part at once
         w_hh_t = p["weight_hh"].T
         hs = xp.empty(pre.shape, dtype=pre.dtype)
@@ -59,11 +62,12 @@ class ElmanSteps(Cell):
         slope = 1 - hs * hs if self.nonlinearity == "tanh" else (hs > 0).astype(hs.dtype)
         return {"h": hs, "slope": slope}
 
-    def factors(self, xp: Any, saved: dict[str, Any], p: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def factors(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None]
+                ) -> tuple[Array, Array, Array | None]:
         return p["weight_hh"].T[None], saved["slope"][:, :, None, :], None
 
-    def pre_activation_grads(self, xp: Any, saved: dict[str, Any], p: dict[str, Any],
-                             totals: Any) -> tuple[Any, Any, dict[str, Any]]:
+    def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
+                             totals: Array) -> tuple[Array, Array, dict[str, Array]]:
         delta = saved["slope"] * totals
         return delta, delta, {}
 
