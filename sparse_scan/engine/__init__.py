@@ -6,6 +6,8 @@
 :mod:`.plan`                      :class:`ScanPlan`: a schedule over sparse JTs with every product
                                   planned (``build_plan``, ``estimate_plan``)
 :mod:`.dense_plan`                :class:`DenseScanPlan`: the schedule over dense blocks (recurrent)
+:mod:`.figures`                   :class:`ScanPlanLike`: the figures both plan kinds report, in the
+                                  same names and units (what ``sparse_scan.flops`` reads)
 :mod:`.run`                       the numeric phase on the CPU or the GPU: the engine's one
                                   dispatch (``run_plan``, ``multiply``, ``dense_scan``)
 ================================  =================================================================
@@ -24,16 +26,18 @@ import importlib
 from typing import Any
 
 __all__ = ["METHODS", "SCHEDULES", "DenseScanPlan", "Element", "ElementInfo", "PlanBudgetError",
-           "ProductPlan", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "auto_levels",
-           "build_plan", "checked_levels", "count_multiply_adds", "dense_plan", "dense_scan", "depth",
-           "estimate_plan", "live_schedule", "multiply", "plan_product", "run_plan"]
+           "ProductPlan", "ScanCostError", "ScanMemoryError", "ScanPlan", "ScanPlanLike",
+           "SizedDenseScanPlan", "Step", "auto_levels", "build_plan", "checked_levels",
+           "count_multiply_adds", "critical_path", "dense_plan", "dense_scan", "depth", "estimate_plan",
+           "live_schedule", "multiply", "plan_product", "run_plan"]
 
 _HOMES = {
     "schedule": ("METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule"),
     "products": ("PlanBudgetError", "ProductPlan", "count_multiply_adds", "plan_product"),
     "plan": ("ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "build_plan",
              "estimate_plan"),
-    "dense_plan": ("DenseScanPlan", "auto_levels", "dense_plan"),
+    "dense_plan": ("DenseScanPlan", "SizedDenseScanPlan", "auto_levels", "dense_plan"),
+    "figures": ("ScanPlanLike", "critical_path"),
     "run": ("dense_scan", "multiply", "run_plan"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
