@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from cuda_on_cpu import compile_for_cpu, pointer
 
-from sparse_scan import _kernels, _staging, backend
-from sparse_scan.engine import _dense_gpu, run
+from sparse_scan import _kernels, backend
+from sparse_scan.engine import _dense_gpu, _tables, run
 from sparse_scan.engine._dense_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS
 from sparse_scan.engine.dense_plan import dense_plan
 from sparse_scan.engine.run import dense_scan
@@ -271,7 +271,7 @@ def dense_launches(monkeypatch):
                 launches.append(("tiled", int(steps)))
         launch_blocks(compiled, blocks, threads, args)
 
-    monkeypatch.setattr(_dense_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_tables, "_WORKSPACES", {})
     monkeypatch.setattr(_kernels, "function", named)
     monkeypatch.setattr(_kernels, "launch", checked_launch)
     monkeypatch.setattr(_kernels, "launch_blocks", checked_launch_blocks)
@@ -282,13 +282,13 @@ def dense_launches(monkeypatch):
 def table_uploads(monkeypatch):
     """The number of descriptor-table uploads (``StagedTable.patch`` calls)."""
     uploads = []
-    patch = _staging.StagedTable.patch
+    patch = _tables.StagedTable.patch
 
     def counted(self, positions, values):
         uploads.append(len(positions))
         patch(self, positions, values)
 
-    monkeypatch.setattr(_staging.StagedTable, "patch", counted)
+    monkeypatch.setattr(_tables.StagedTable, "patch", counted)
     return uploads
 
 
@@ -407,7 +407,7 @@ def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uplo
     device_blocks, device_direct = on_device(blocks, direct)
     first = _dense_gpu.run_dense_plan(plan, device_blocks, device_direct)
     kept = to_host(first)
-    workspace = next(iter(_dense_gpu._workspaces(plan).values()))
+    workspace = next(iter(_tables.workspaces(plan).values()))
     assert len(table_uploads) == 1
     second = _dense_gpu.run_dense_plan(plan, device_blocks, 2 * device_direct)  # same blocks: no new upload
     assert len(table_uploads) == 1
@@ -415,7 +415,7 @@ def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uplo
     new_blocks, new_direct = chain(rng, 13, 2, 5, np.float64, affine=True)
     third = _dense_gpu.run_dense_plan(plan, *on_device(new_blocks, new_direct))
     assert len(table_uploads) == 2  # the blocks moved: their pointers are patched and uploaded once
-    assert list(_dense_gpu._workspaces(plan).values()) == [workspace]
+    assert list(_tables.workspaces(plan).values()) == [workspace]
     assert_close(to_host(third), dense_scan(new_blocks, new_direct, "hybrid", 2), 1e-12)
     assert_close(to_host(first), kept, 0.0)  # returned gradients are not workspace buffers
     buffers = [workspace.inputs, workspace.result, *workspace.blocks.values(), *workspace.vectors.values()]
@@ -423,10 +423,10 @@ def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uplo
     _dense_gpu.run_dense_plan(plan, device_blocks[:, :1], device_direct[:, :1])
     _dense_gpu.run_dense_plan(plan, device_blocks, device_direct[-1])
     _dense_gpu.run_dense_plan(plan, *on_device(blocks.astype(np.float32), direct.astype(np.float32)))
-    assert len(_dense_gpu._workspaces(plan)) == 4  # per batch, affine flag and dtype
+    assert len(_tables.workspaces(plan)) == 4  # per batch, affine flag and dtype
     monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU
     assert_close(to_host(_dense_gpu.run_dense_plan(plan, device_blocks, device_direct)), kept, 1e-12)
-    assert len(_dense_gpu._workspaces(plan)) == 5  # its own device memory
+    assert len(_tables.workspaces(plan)) == 5  # its own device memory
 
 
 @pytest.mark.gpu
@@ -448,7 +448,7 @@ def test_gpu_intermediates_share_memory_across_levels(dense_launches):
     blocks, direct = chain(rng, 21, 2, 3, np.float64, affine=True)
     assert_close(to_host(_dense_gpu.run_dense_plan(plan, *on_device(blocks, direct))),
                  dense_scan(blocks, direct), 1e-12)
-    workspace = next(iter(_dense_gpu._workspaces(plan).values()))
+    workspace = next(iter(_tables.workspaces(plan).values()))
     buffers = [(buffer, array) for values in (workspace.blocks, workspace.vectors)
                for buffer, array in values.items()]
     level = {group.buffer: index for index, groups in enumerate(plan.levels_of_groups) for group in groups}
@@ -489,7 +489,7 @@ def test_module_imports_without_cupy():
 def test_gpu_dense_scan_equals_numpy(n, affine, dtype, tiled_from, monkeypatch):
     gpu = backend.get("gpu")
     monkeypatch.setattr(_dense_gpu, "TILED_MIN_SIZE", tiled_from)
-    monkeypatch.setattr(_dense_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_tables, "_WORKSPACES", {})
     launches = []
     launch = _dense_gpu._kernels.launch
     launch_blocks = _dense_gpu._kernels.launch_blocks

@@ -15,7 +15,7 @@ from test_scan import random_chain, schedules
 from test_scan_gpu import assert_close
 
 from sparse_scan import _kernels, backend
-from sparse_scan.engine import _dense_gpu, _gpu, run
+from sparse_scan.engine import _dense_gpu, _gpu, _tables, run
 from sparse_scan.engine import products as product_planning
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.layers import Conv2d, MaxPool2d
@@ -36,13 +36,13 @@ def _backward_on_both(model, in_shape, method, levels, dtype=np.float64, batch=3
 
 def test_scan_level_with_int64_indices_equals_the_cpu(monkeypatch):
     monkeypatch.setattr(_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
-    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_tables, "_WORKSPACES", {})
     model, in_shape = random_chain(8, seed=13, dtype=np.float64)
     for method, levels in schedules(8):
         got, want = _backward_on_both(model, in_shape, method, levels)
         assert_close(got, want, 1e-10)
         plan = model.plan(in_shape, method, levels)
-        assert {w.index_dtype for w in _gpu._workspaces(plan).values()} == {np.dtype(np.int64)}
+        assert {w.index_dtype for w in _tables.workspaces(plan).values()} == {np.dtype(np.int64)}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -77,8 +77,7 @@ def test_the_block_product_fallback_of_the_gpu_scan(monkeypatch):
 def test_grids_above_the_block_cap_wrap_in_every_kernel(monkeypatch, request):
     """With ``MAX_BLOCKS = 2`` every launch covers its work with a grid-stride loop that wraps."""
     monkeypatch.setattr(_kernels, "MAX_BLOCKS", 2)
-    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
-    monkeypatch.setattr(_dense_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_tables, "_WORKSPACES", {})
     stats = request.getfixturevalue("device_stats") if STANDIN else None
     model, in_shape = random_chain(6, seed=3, dtype=np.float64)
     got, want = _backward_on_both(model, in_shape, "blelloch", None, batch=5)
@@ -178,9 +177,7 @@ def test_a_queued_upload_is_waited_for_before_its_pinned_table_changes(monkeypat
     upload from its pinned buffer has not been reached by the GPU."""
     import cupy
 
-    from sparse_scan._staging import StagedTable
-
-    table = StagedTable(np.arange(6, dtype=np.int64))  # (built with one synchronous copy)
+    table = _tables.StagedTable(np.arange(6, dtype=np.int64))  # (built with one synchronous copy)
     device_stats.clear()
     table.patch(np.array([1]), np.array([10]))
     table.patch(np.array([2]), np.array([20]))
@@ -192,3 +189,21 @@ def test_a_queued_upload_is_waited_for_before_its_pinned_table_changes(monkeypat
         monkeypatch.setattr(cupy.cuda.Event, "done", property(lambda self: False))
     table.patch(np.array([3]), np.array([30]))
     assert [s.split(" at ")[0] for s in device_stats.syncs] == ["Event.synchronize"]
+
+
+def test_a_descriptor_table_uploads_its_per_call_pointers_only_when_they_move(device_stats):
+    """``DescriptorTable.bind`` sets each ``Patch`` field to its slot's pointer plus its offset, with
+    one upload, and none when no pointer moved; a launch's table is a view of its rows."""
+    kept = backend.get("gpu").xp.zeros(3)
+    builder = _tables.TableBuilder(4)
+    builder.add([1, _tables.Patch(0), kept])
+    builder.add([2, _tables.Patch(1, 16), _tables.Patch(0, 8)])
+    table = builder.build()
+    device_stats.clear()
+    table.bind([1000, 2000])
+    table.bind([1000, 2000])
+    assert device_stats.syncs == [] and device_stats.uploads == 1
+    table.bind([1000, 3000])
+    assert device_stats.syncs == [] and device_stats.uploads == 2
+    np.testing.assert_array_equal(table.rows(0, 2).get(), [1, 1000, kept.data.ptr, 0, 2, 3016, 1008, 0])
+    np.testing.assert_array_equal(table.rows(1, 1).get(), [2, 3016, 1008, 0])

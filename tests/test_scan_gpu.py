@@ -22,7 +22,7 @@ from test_scan import random_chain, schedules
 from sparse_scan import _kernels, backend
 from sparse_scan.csr import Pattern
 from sparse_scan.engine import _cpu as host
-from sparse_scan.engine import _gpu
+from sparse_scan.engine import _gpu, _tables
 from sparse_scan.engine import products as product_planning
 from sparse_scan.engine._gpu import FIELDS, PRODUCT, ROWWISE, SPMV
 from sparse_scan.engine.plan import ScanPlan
@@ -249,7 +249,7 @@ def scan_launches(monkeypatch):
         launch(compiled, work_items, args)
 
     monkeypatch.setattr(_gpu, "_DEVICE_INDEX", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_tables, "_WORKSPACES", {})
     monkeypatch.setattr(_kernels, "function", named)
     monkeypatch.setattr(_kernels, "launch", checked)
     return launches
@@ -359,11 +359,11 @@ def test_gpu_int64_indices_and_lean_products(scan_launches, monkeypatch):
     want = host.run_plan(plan, grad_out, jts)
     device_grad, device_jts = gpu.asarray(grad_out), on_device(jts)
     assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), want, 1e-10)
-    assert next(iter(_gpu._workspaces(plan).values())).index_dtype == np.int32
+    assert next(iter(_tables.workspaces(plan).values())).index_dtype == np.int32
     monkeypatch.setattr(_gpu, "_index_dtype", lambda plan, layout: np.dtype(np.int64))
-    monkeypatch.setattr(_gpu, "_WORKSPACES", {})
+    monkeypatch.setattr(_tables, "_WORKSPACES", {})
     assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), want, 1e-10)
-    assert next(iter(_gpu._workspaces(plan).values())).index_dtype == np.int64
+    assert next(iter(_tables.workspaces(plan).values())).index_dtype == np.int64
 
 
 @pytest.mark.gpu
@@ -385,19 +385,19 @@ def test_gpu_workspace_is_built_once_and_results_stay(scan_launches, monkeypatch
     (_, _, grad_0, jts_0), (grad_out, jts, device_grad, device_jts) = calls
     first = _gpu.run_plan(plan, grad_0, jts_0)
     kept = to_host(first)
-    workspace = next(iter(_gpu._workspaces(plan).values()))
+    workspace = next(iter(_tables.workspaces(plan).values()))
     second = _gpu.run_plan(plan, device_grad, device_jts)
-    assert list(_gpu._workspaces(plan).values()) == [workspace]
+    assert list(_tables.workspaces(plan).values()) == [workspace]
     assert_close(to_host(second), host.run_plan(plan, grad_out, jts), 1e-10)
     assert_close(to_host(first), kept, 0.0)  # returned gradients are not workspace buffers
     assert not any(overlap(g, buffer) for g in first + second for buffer in workspace.buffers.values())
     _gpu.run_plan(plan, device_grad[:2], [jt if jt.shared else dataclasses.replace(jt, data=jt.data[:2])
                                          for jt in device_jts])
-    assert len(_gpu._workspaces(plan)) == 2  # one per batch size
+    assert len(_tables.workspaces(plan)) == 2  # one per batch size
     indices = len(_gpu._DEVICE_INDEX)
     monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU: its own memory
     assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), to_host(second), 0.0)
-    assert len(_gpu._workspaces(plan)) == 3
+    assert len(_tables.workspaces(plan)) == 3
     assert all(any(key[-1] == 1 for key in arrays) for arrays in _gpu._DEVICE_INDEX.values())
     assert len(_gpu._DEVICE_INDEX) == indices
 
@@ -409,7 +409,7 @@ def test_gpu_intermediates_share_memory_across_levels(scan_launches):
     plan = model.plan(in_shape, "blelloch")
     got = _gpu.run_plan(plan, gpu.asarray(grad_out), on_device(jts))
     assert_close(to_host(got), host.run_plan(plan, grad_out, jts), 1e-10)
-    buffers = next(iter(_gpu._workspaces(plan).values())).buffers
+    buffers = next(iter(_tables.workspaces(plan).values())).buffers
     starts = {buffer.data.ptr for buffer in buffers.values()}
     assert len(starts) < len(buffers)
     level = {step.out: step.level for step in plan.steps}
@@ -532,7 +532,7 @@ def test_gpu_second_backward_reuses_the_workspace():
         got = model.backward(gpu.asarray(grad_out), method="blelloch")
         model.forward(x)
         results.append((got, model.backward(grad_out, method="blelloch")))
-        workspaces = _gpu._workspaces(model.plan(in_shape, "blelloch"))
+        workspaces = _tables.workspaces(model.plan(in_shape, "blelloch"))
         if len(results) == 1:
             first = list(workspaces.values())
     assert list(workspaces.values()) == first and len(first) == 1

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
 
 import numpy as np
 
+from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 
 __all__ = ["BlockLayout", "BlockProduct", "block_layout", "multiply_blocks", "plan_block_product"]
@@ -197,21 +198,17 @@ def plan_block_product(a: BlockLayout, b: BlockLayout) -> BlockProduct:
     return BlockProduct(a, b, out, scatter.astype(dtype), slots)
 
 
-def _gather(xp: Any, values: Any, index: Any) -> Any:
-    """``values[..., index]``; on the host by ``take(mode="clip")`` (the plan's indices are valid by
-    construction), several times faster than NumPy's fancy indexing along the last axis of a batch."""
-    return np.take(values, index, axis=-1, mode="clip") if xp is np else values[..., index]
-
-
-def multiply_blocks(plan: BlockProduct, a_data: Any, b_data: Any, xp: Any = np,
-                    scratch_bytes: int = 256 * 2**20) -> Any:
+def multiply_blocks(plan: BlockProduct, a_data: Array, b_data: Array, xp: ModuleType = np,
+                    scratch_bytes: int = 256 * 2**20) -> Array:
     """Numeric phase of a block product: values of ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; ``xp`` is the array
-    module they live in (the plan's index arrays must live there too). Each slot's GEMM results are
-    computed in chunks of at most ``scratch_bytes``.
+    module they live in (the plan's index arrays must live there too). The operands' blocks are
+    gathered by ``take`` along the last axis (on the host several times faster than fancy indexing of
+    a batch). Each slot's GEMM results are computed in chunks of at most ``scratch_bytes``.
     """
-    a_blocks, b_blocks = _gather(xp, a_data, plan.a.gather), _gather(xp, b_data, plan.b.gather)
+    a_blocks = xp.take(a_data, plan.a.gather, axis=-1)
+    b_blocks = xp.take(b_data, plan.b.gather, axis=-1)
     lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
     (c1, c2), c3 = plan.a.channels, plan.b.channels[1]
     dtype = xp.result_type(a_data, b_data)

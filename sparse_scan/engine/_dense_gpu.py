@@ -19,11 +19,10 @@ What depends only on the plan, the batch size, ``H``, the value dtype and whethe
 built once and cached in a :class:`_Workspace`: the descriptor table (uploaded once), the vector input
 (``d_0 = 0`` and the direct gradients), every group's result buffer (a buffer's memory is reused from
 the level after its last read) and the gathered outputs. Per call only the pointer of the caller's
-blocks changes: it is patched into the host table (pinned memory), which goes to the device in one copy
-queued on the current stream before the level loop, and only when that pointer moved
-(:class:`~sparse_scan._staging.StagedTable`). The level loop only launches kernels: a warm call never
-synchronises the host. The caller gets a copy of the gathered outputs, so results of earlier calls stay
-valid. A workspace serves one stream: calls that share one are ordered by the current stream.
+blocks changes: it is patched into the table, which goes to the device in one copy queued on the
+current stream before the level loop, and only when that pointer moved (:mod:`sparse_scan.engine._tables`,
+shared with the sparse scan). The level loop only launches kernels: a warm call never synchronises the
+host. The caller gets a copy of the gathered outputs, so results of earlier calls stay valid.
 
 CuPy is imported lazily: this module imports on machines without a GPU.
 """
@@ -31,12 +30,12 @@ CuPy is imported lazily: this module imports on machines without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .. import _kernels
-from .._staging import StagedTable
+from .._types import Array
+from ._tables import DescriptorTable, Level, Patch, TableBuilder, allocate, cached_workspace, value_dtype
 from .dense_plan import INPUT, DenseGroup, DenseScanPlan, Location
 
 __all__ = ["TILED_MIN_SIZE", "chain_threads", "launch_count", "run_dense_plan"]
@@ -52,10 +51,6 @@ TILED_MIN_SIZE = 64
 """Blocks from this size on multiply as tiles (``dense_scan_tiled``); smaller ones one entry per thread,
 where a tile would leave most of its threads idle (at H = 20 a 32×32 cover computes 400 of 1024
 entries). A reasoned threshold, not yet timed on a GPU."""
-VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-_WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
-
 
 
 # --- the workspace ----------------------------------------------------------------------------------
@@ -93,14 +88,11 @@ def launch_count(plan: DenseScanPlan) -> int:
 
 
 @dataclass(eq=False)
-class _Level:
-    """One launch: its rows of the device table, its kernel (``level``: a scan level or the gather of
-    the outputs; ``tiled``: a level of large blocks; ``chain``: a chain of levels) and its work (work
-    items, units of a thread block each, or samples)."""
+class _Level(Level):
+    """One launch, of ``kernel`` (``level``: a scan level or the gather of the outputs; ``tiled``: a
+    level of large blocks; ``chain``: a chain of levels); its ``items`` are work items, units of a
+    thread block each, or samples."""
 
-    table: Any
-    steps: int
-    items: int
     kernel: str = "level"
 
 
@@ -118,89 +110,68 @@ class _Workspace:
         Every group's results (``(rows, B, H, H)`` and ``(rows, B, H)``) by buffer id.
     result : array, shape (n + 1, B, H)
         The outputs, gathered by the last launch.
-    table : StagedTable
-        Descriptors of every level and of the gather (pinned host memory and its device copy);
-        ``patch_positions`` receive the pointer of the caller's blocks plus ``patch_offsets`` (bytes:
-        the operand's row).
-    bound : int or None
-        The blocks pointer the device table holds now.
+    table : DescriptorTable
+        Descriptors of every level and of the gather; per call it receives the pointer of the caller's
+        blocks (slot 0, offset by the operand's row).
     levels : list of _Level
         The launches: the plan's levels (a chain of levels as one), then the gather.
     """
 
     shape: _Shape
-    inputs: Any
-    blocks: dict[int, Any]
-    vectors: dict[int, Any]
-    result: Any
-    table: StagedTable
-    patch_positions: np.ndarray
-    patch_offsets: np.ndarray
-    bound: int | None
+    inputs: Array
+    blocks: dict[int, Array]
+    vectors: dict[int, Array]
+    result: Array
+    table: DescriptorTable
     levels: list[_Level]
 
-    def bind(self, blocks: Any, direct: Any) -> None:
+    def bind(self, blocks: Array, direct: Array) -> None:
         """Point the table at ``blocks`` (one upload, only when it moved) and copy ``direct`` in."""
         if self.shape.affine:
             self.inputs[1:] = direct
         else:
             self.inputs[-1] = direct
-        address = _kernels.device_pointer(blocks)
-        if address != self.bound and self.patch_positions.size:
-            self.table.patch(self.patch_positions, address + self.patch_offsets)
-            self.bound = address
+        self.table.bind([_kernels.device_pointer(blocks)])
 
-    def outputs(self) -> Any:
+    def outputs(self) -> Array:
         """The total gradients ``(n + 1, B, H)`` (a copy: the workspace's array is reused)."""
         return self.result.copy()
 
 
-def _allocate(plan: DenseScanPlan, shape: _Shape) -> tuple[dict[int, Any], dict[int, Any]]:
-    """Result buffers of every group; memory is reused from the level after a buffer's last read.
-
-    Groups of one level run concurrently, so a level's results never take memory released in it.
-    """
-    xp = _kernels.cupy_module()
-    blocks: dict[int, Any] = {}
-    vectors: dict[int, Any] = {}
-    owners: dict[tuple[int, str], Any] = {}
-    free: list[Any] = []
-
-    def take(key: tuple[int, str], dims: tuple[int, ...]) -> Any:
-        size = int(np.prod(dims))
-        fits = [(flat.size, k) for k, flat in enumerate(free) if flat.size >= size]
-        flat = free.pop(min(fits)[1]) if fits else xp.empty(size, dtype=shape.dtype)  # best fit
-        owners[key] = flat
-        return flat[:size].reshape(dims)
-
-    for index, groups in enumerate(plan.levels_of_groups):
+def _allocate(plan: DenseScanPlan, shape: _Shape) -> tuple[dict[int, Array], dict[int, Array]]:
+    """Result buffers of every group by buffer id, blocks ``(rows, B, H, H)`` and vectors
+    ``(rows, B, H)``; memory is reused from the level after a buffer's last read."""
+    levels = []
+    for groups, released in zip(plan.levels_of_groups, plan.level_releases, strict=True):
+        computed = []
         for group in groups:
             rows = (len(group.ops), shape.batch, shape.size)
             if group.kind == "mm":
-                blocks[group.buffer] = take((group.buffer, "mm"), rows + (shape.size,))
+                computed.append(((group.buffer, "mm"), rows + (shape.size,)))
             if group.kind == "mv" or shape.affine:
-                vectors[group.buffer] = take((group.buffer, "mv"), rows)
-        for buffer in plan.releases[index]:
-            free += [owners.pop((buffer, kind)) for kind in ("mm", "mv") if (buffer, kind) in owners]
-    return blocks, vectors
+                computed.append(((group.buffer, "mv"), rows))
+        levels.append((computed, [(buffer, kind) for buffer in released for kind in ("mm", "mv")]))
+    buffers = allocate(levels, shape.dtype)
+    blocks = {buffer: array for (buffer, kind), array in buffers.items() if kind == "mm"}
+    return blocks, {buffer: array for (buffer, kind), array in buffers.items() if kind == "mv"}
 
 
-class _TableBuilder:
-    """Collects descriptor rows; a block operand of the input becomes a patch position."""
+class _Descriptors:
+    """The rows of the dense scan's table (layout in ``rawkernels/dense_scan.cu``); an operand in the
+    caller's blocks is bound at every call (slot 0 of the table's
+    :class:`~sparse_scan.engine._tables.Patch` fields)."""
 
-    def __init__(self, shape: _Shape, inputs: Any, blocks: dict[int, Any],
-                 vectors: dict[int, Any]) -> None:
+    def __init__(self, shape: _Shape, inputs: Array, blocks: dict[int, Array],
+                 vectors: dict[int, Array]) -> None:
         self.shape, self.inputs, self.blocks, self.vectors = shape, inputs, blocks, vectors
         self.itemsize = shape.dtype.itemsize
-        self.rows: list[list[int]] = []
-        self.patches: list[tuple[int, int]] = []
+        self.table = TableBuilder(FIELDS)
 
-    def block(self, location: Location, column: int) -> int:
-        """The address of a block row (0 for a row of the caller's blocks, patched at every call)."""
+    def block(self, location: Location) -> int | Patch:
+        """The address of a block row (a row of the caller's blocks: bound at every call)."""
         offset = location.row * self.shape.block * self.itemsize
         if location.buffer == INPUT:
-            self.patches.append((len(self.rows) * FIELDS + column, offset))
-            return 0
+            return Patch(0, offset)
         return _kernels.device_pointer(self.blocks[location.buffer]) + offset
 
     def vector(self, location: Location) -> int:
@@ -219,7 +190,7 @@ class _TableBuilder:
             if group.kind == "mm":
                 per = size * size + size * affine
                 units = (-(-size // TILE)) ** 2 + chunks * affine
-                left = [self.block(op.left, 10), block_stride,
+                left = [self.block(op.left), block_stride,
                         self.vector(op.left) if affine else 0, vector_stride * affine]
                 out = [_kernels.device_pointer(self.blocks[group.buffer])
                        + row * shape.block * self.itemsize,
@@ -228,22 +199,22 @@ class _TableBuilder:
                 per, units = size, chunks
                 left = [0, 0, self.vector(op.left), vector_stride]
                 out = [0, self.vector(Location(group.buffer, row))]
-            right = [self.block(op.right, 6), block_stride,
+            right = [self.block(op.right), block_stride,
                      self.vector(op.right) if affine else 0, vector_stride * affine]
             kind = MM if group.kind == "mm" else MV
-            self.rows.append([kind, first, shape.batch, per, size, affine, *right, *left, *out,
-                              first_unit, units])
+            self.table.add([kind, first, shape.batch, per, size, affine, *right, *left, *out,
+                            first_unit, units])
             first += shape.batch * per
             first_unit += shape.batch * units
         return first, first_unit
 
-    def add_copies(self, sources: list[Location], result: Any) -> int:
+    def add_copies(self, sources: list[Location], result: Array) -> int:
         """Append one copy per source vector row into the rows of ``result``; return the work items."""
         shape, first = self.shape, 0
         for position, source in enumerate(sources):
             out = _kernels.device_pointer(result) + position * shape.vector * self.itemsize
-            self.rows.append([COPY, first, shape.batch, shape.size, shape.size, 0, 0, 0, 0, 0, 0, 0,
-                              self.vector(source), shape.size, 0, out, 0, 0])
+            self.table.add([COPY, first, shape.batch, shape.size, shape.size, 0, 0, 0, 0, 0, 0, 0,
+                            self.vector(source), shape.size, 0, out, 0, 0])
             first += shape.vector
         return first
 
@@ -254,50 +225,35 @@ def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     inputs = xp.zeros((plan.n + 1, shape.batch, shape.size), dtype=shape.dtype)
     result = xp.empty_like(inputs)
     blocks, vectors = _allocate(plan, shape)
-    builder = _TableBuilder(shape, inputs, blocks, vectors)
+    rows = _Descriptors(shape, inputs, blocks, vectors)
     bounds: list[tuple[int, int, int, str]] = []
     chain_end = 0
     for index, groups in enumerate(plan.levels_of_groups):
-        first, items, units = len(builder.rows), 0, 0
+        first, items, units = len(rows.table), 0, 0
         for group in groups:
-            items, units = builder.add_group(group, items, units)
+            items, units = rows.add_group(group, items, units)
         if index < chain_end:  # one more row of the chain launch (each level of a chain is one row)
             start, steps, _, _ = bounds.pop()
             bounds.append((start, steps + 1, shape.batch, "chain"))
             continue
         chain_end = plan.chains.get(index, 0)
-        steps = len(builder.rows) - first
+        steps = len(rows.table) - first
         if chain_end:
             bounds.append((first, steps, shape.batch, "chain"))
         elif shape.size >= TILED_MIN_SIZE and any(group.kind == "mm" for group in groups):
             bounds.append((first, steps, units, "tiled"))
         else:
             bounds.append((first, steps, items, "level"))
-    first = len(builder.rows)
-    bounds.append((first, plan.n + 1, builder.add_copies(plan.outputs, result), "level"))
-    table = StagedTable(np.array(builder.rows, dtype=np.int64).reshape(-1))
-    levels = [_Level(table.device[first * FIELDS:(first + steps) * FIELDS], steps, items, kernel)
+    first = len(rows.table)
+    bounds.append((first, plan.n + 1, rows.add_copies(plan.outputs, result), "level"))
+    table = rows.table.build()
+    levels = [_Level(table.rows(first, steps), steps, items, kernel)
               for first, steps, items, kernel in bounds]
-    positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
-    offsets = np.array([o for _, o in builder.patches], dtype=np.int64)
-    return _Workspace(shape, inputs, blocks, vectors, result, table, positions, offsets, None, levels)
-
-
-def _workspaces(plan: DenseScanPlan) -> dict[Any, _Workspace]:
-    """The workspaces cached for ``plan`` (dropped with the plan)."""
-    return _kernels.per_plan(_WORKSPACES, plan)
-
-
-def _workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
-    cache = _workspaces(plan)
-    key = (shape, _kernels.current_device())
-    if key not in cache:
-        cache[key] = _build_workspace(plan, shape)
-    return cache[key]
+    return _Workspace(shape, inputs, blocks, vectors, result, table, levels)
 
 
 # --- the numeric phase ------------------------------------------------------------------------------
-def run_dense_plan(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
+def run_dense_plan(plan: DenseScanPlan, blocks: Array, direct: Array) -> Array:
     """Numeric phase of ``plan`` on the GPU (the contract of :func:`sparse_scan.engine.run.dense_scan`).
 
     Parameters
@@ -313,23 +269,21 @@ def run_dense_plan(plan: DenseScanPlan, blocks: Any, direct: Any) -> Any:
     cupy.ndarray, shape (T + 1, B, H)
         The total gradient w.r.t. every ``h_t``, in the dtype of ``blocks``.
     """
-    dtype = np.dtype(blocks.dtype)
-    if dtype not in VALUE_DTYPES:
-        raise TypeError(f"the GPU dense scan runs in float32 or float64; the blocks are {dtype}")
+    dtype = value_dtype("the GPU dense scan", blocks.dtype)
     if blocks.ndim != 4 or blocks.shape[0] != plan.n:
         raise ValueError(f"the plan needs blocks of shape ({plan.n}, B, H, H); got {tuple(blocks.shape)}")
     blocks = _kernels.cupy_module().ascontiguousarray(blocks)
     shape = _Shape(int(blocks.shape[1]), int(blocks.shape[2]), dtype, direct.ndim == 3)
-    workspace = _workspace(plan, shape)
+    workspace = cached_workspace(plan, shape, lambda: _build_workspace(plan, shape))
     workspace.bind(blocks, direct)
     kernels = {name: _kernels.function(KERNEL_FILE, f"dense_scan_{name}", dtype)
                for name in sorted({level.kernel for level in workspace.levels})}
     for level in workspace.levels:
-        kernel, steps, items = kernels[level.kernel], np.int64(level.steps), np.int64(level.items)
+        kernel = kernels[level.kernel]
         if level.kernel == "chain":
-            _kernels.launch_blocks(kernel, level.items, chain_threads(shape.size), (level.table, steps))
+            _kernels.launch_blocks(kernel, level.items, chain_threads(shape.size), level.arguments[:2])
         elif level.kernel == "tiled":
-            _kernels.launch_blocks(kernel, level.items, TILE_THREADS, (level.table, steps, items))
+            _kernels.launch_blocks(kernel, level.items, TILE_THREADS, level.arguments)
         else:
-            _kernels.launch(kernel, level.items, (level.table, steps, items))
+            _kernels.launch(kernel, level.items, level.arguments)
     return workspace.outputs()

@@ -2,7 +2,7 @@
 
 The steps of a scan level are independent. Each becomes a descriptor (a row of ``FIELDS`` int64s:
 kind, first work item, samples, items per sample, device pointers and strides; layout in
-``rawkernels/scan.cu``) in one host table for the whole plan, and a level runs as one launch of
+``rawkernels/scan.cu``) in one table for the whole plan, and a level runs as one launch of
 ``scan_level<I, T>`` over its rows: SpMVs, general products, scalings and row-wise products alike.
 Products with a selection (``gather`` plans) run as general products: the kernel tests the per-sample
 operand first and skips the multiply-adds of its explicit zeros.
@@ -11,9 +11,9 @@ What depends only on the plan, the batch size and the value dtype is built once 
 :class:`_Workspace`: the descriptor table, every intermediate buffer, and the plan's index arrays on the
 device (one index dtype per plan: int32 while everything fits, int64 beyond). Per batch only the
 pointers of the inputs (``g_n`` and the JT values) and of the returned gradients change: they are
-patched into the host table, which lives in pinned memory and goes to the device in one copy queued on
-the current stream before the level loop (:class:`~sparse_scan._staging.StagedTable`). The level loop
-itself only launches kernels: a warm call never synchronises the host.
+patched into the table, which goes to the device in one copy queued on the current stream before the
+level loop (:mod:`sparse_scan.engine._tables`, shared with the dense scan). The level loop itself only
+launches kernels: a warm call never synchronises the host.
 
 Products whose method the kernels do not know are computed by a hook of :data:`PRODUCT_FALLBACKS` and
 written into their (fixed) workspace buffer, so later levels' descriptors stay valid.
@@ -31,9 +31,19 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import _kernels
-from .._staging import StagedTable
-from ..csr import Pattern, choose_index_dtype
+from .._types import Array
+from ..csr import BatchedCSR, Pattern, choose_index_dtype
 from ._blocks import BlockProduct, multiply_blocks
+from ._tables import (
+    DescriptorTable,
+    Field,
+    Level,
+    Patch,
+    TableBuilder,
+    allocate,
+    cached_workspace,
+    value_dtype,
+)
 from .plan import ScanPlan, Step
 from .products import ProductPlan
 from .schedule import Element
@@ -44,22 +54,21 @@ KERNEL_FILE = "scan.cu"
 FIELDS = 16
 SPMV, PRODUCT, ROWWISE = 0, 1, 2
 KERNEL_METHODS = ("gather", "general", "rowwise", "scale_columns", "scale_rows")
-VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-PRODUCT_FALLBACKS: dict[str, Callable[[ProductPlan, Any, Any], Any]] = {}
+PRODUCT_FALLBACKS: dict[str, Callable[[ProductPlan, Array, Array], Array]] = {}
 """``method -> fn(product, a_data, b_data)`` for product methods the kernels do not implement.
 
 ``fn`` returns ``C``'s values like :func:`sparse_scan.engine.run.multiply` (a CuPy array); they are
 copied into the step's workspace buffer.
 """
 
-_WORKSPACES: dict[int, dict[Any, "_Workspace"]] = {}
 _DEVICE_INDEX: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-
+"""Device copies of the index arrays of patterns and product plans: owner -> (name, dtype, device) ->
+array, dropped with the owner."""
 
 
 # --- device index arrays, cached per pattern / product plan ---------------------------------------
-def _device_index(owner: Any, name: str, host: Any, dtype: np.dtype) -> Any:
+def _device_index(owner: Pattern | ProductPlan, name: str, host: np.ndarray, dtype: np.dtype) -> Array:
     """``host`` as a device array of ``dtype``, uploaded once per (``owner``, ``name``, ``dtype``)."""
     arrays = _DEVICE_INDEX.setdefault(owner, {})
     key = (name, dtype, _kernels.current_device())
@@ -83,7 +92,7 @@ class _Layout:
     sizes: dict[Element, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, plan: ScanPlan, vector_size: int, jacobians: Sequence[Any]) -> "_Layout":
+    def of(cls, plan: ScanPlan, vector_size: int, jacobians: Sequence[BatchedCSR]) -> "_Layout":
         """The layout of every input and step result of ``plan``."""
         layout = cls()
         layout.shared[Element(0, 0)], layout.sizes[Element(0, 0)] = False, vector_size
@@ -123,39 +132,8 @@ def _index_dtype(plan: ScanPlan, layout: _Layout) -> np.dtype:
     return choose_index_dtype(largest, max([1] + [max(p.shape) for p in patterns]))
 
 
-# --- descriptor tables ----------------------------------------------------------------------------
-class _TableBuilder:
-    """Collects descriptor rows; pointers of per-call arrays become patch positions."""
-
-    def __init__(self, slots: dict[Element, int], buffers: dict[Element, Any]) -> None:
-        self.slots, self.buffers = slots, buffers
-        self.rows: list[list[int]] = []
-        self.patches: list[tuple[int, int]] = []
-        self.keep: list[Any] = []
-
-    def add(self, fields: Sequence[Any]) -> None:
-        """Append one descriptor.
-
-        A field is an int, a device array (its pointer; the array is kept alive) or an
-        :class:`Element` (its values' pointer: a buffer's now, a per-call array's at every call).
-        """
-        row = []
-        for column, value in enumerate(fields):
-            if isinstance(value, Element):
-                slot = self.slots.get(value)
-                if slot is None:
-                    value = self.buffers[value]
-                else:
-                    self.patches.append((len(self.rows) * FIELDS + column, slot))
-                    value = 0
-            if not isinstance(value, (int, np.integer)):
-                self.keep.append(value)
-                value = _kernels.device_pointer(value)
-            row.append(int(value))
-        self.rows.append(row + [0] * (FIELDS - len(row)))
-
-
-def _spmv_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
+# --- descriptor rows --------------------------------------------------------------------------------
+def _spmv_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Field | Element]:
     pattern = layout.patterns[step.right]
     return [SPMV, 0, 0, step.shape[0],
             _device_index(pattern, "indptr", pattern.indptr, dtype),
@@ -163,14 +141,15 @@ def _spmv_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
             step.right, layout.stride(step.right), step.left, layout.stride(step.left), step.out]
 
 
-def _product_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
+def _product_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Field | Element]:
     return _product_row(step.product, dtype, (step.right, layout.stride(step.right)),
                         (step.left, layout.stride(step.left)), step.out,
                         layout.shared[step.right] and not layout.shared[step.left])
 
 
-def _product_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Any, int], b_values: tuple[Any, int],
-                 out: Any, per_sample_first: bool) -> list[Any]:
+def _product_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Element | Array, int],
+                 b_values: tuple[Element | Array, int], out: Element | Array,
+                 per_sample_first: bool) -> list[Field | Element]:
     """A PRODUCT descriptor: ``a_values``/``b_values`` are ``(values, sample stride)``; with
     ``per_sample_first`` (A shared, B per sample) the operands trade slots, so that the kernel tests
     the per-sample operand, which holds the explicit zeros, first."""
@@ -191,13 +170,14 @@ def _product_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Any, int
     return [PRODUCT, 0, 0, product.out.nnz, a[0], b[0], starts, a[1], a[2], b[1], b[2], out]
 
 
-def _rowwise_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Any]:
+def _rowwise_fields(step: Step, layout: _Layout, dtype: np.dtype) -> list[Field | Element]:
     return _rowwise_row(step.product, dtype, (step.right, layout.stride(step.right)),
                         (step.left, layout.stride(step.left)), (step.out, layout.stride(step.out)))
 
 
-def _rowwise_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Any, int], b_values: tuple[Any, int],
-                 out: tuple[Any, int]) -> list[Any]:
+def _rowwise_row(product: ProductPlan, dtype: np.dtype, a_values: tuple[Element | Array, int],
+                 b_values: tuple[Element | Array, int],
+                 out: tuple[Element | Array, int]) -> list[Field | Element]:
     """A ROWWISE descriptor (arguments as :func:`_product_row`'s, ``out`` with its stride too)."""
     arrays = []
     for pattern in (*product.operands, product.out):
@@ -211,8 +191,10 @@ _FIELD_BUILDERS = {"general": _product_fields, "gather": _product_fields,
                    "rowwise": _rowwise_fields}
 
 
-def _step_fields(step: Step, layout: _Layout, dtype: np.dtype, batch: int) -> list[Any]:
-    """A step's descriptor fields, ``[2]`` (samples: 1 when shared) set; the caller sets ``[1]``."""
+def _step_fields(step: Step, layout: _Layout, dtype: np.dtype, batch: int) -> list[Field | Element]:
+    """A step's descriptor fields, ``[2]`` (samples: 1 when shared) set; the caller sets ``[1]``.
+
+    An :class:`Element` field stands for the pointer of its values."""
     fields = (_spmv_fields if step.kind == "mv" else _FIELD_BUILDERS[step.method])(step, layout, dtype)
     fields[2] = 1 if layout.shared[step.out] else batch
     return fields
@@ -220,13 +202,10 @@ def _step_fields(step: Step, layout: _Layout, dtype: np.dtype, batch: int) -> li
 
 # --- the workspace ----------------------------------------------------------------------------------
 @dataclass(eq=False)
-class _Level:
-    """One scan level: its rows of the device table, work items, and steps run by a fallback."""
+class _Level(Level):
+    """One scan level: a launch of ``scan_level`` over its rows, after the steps run by a fallback."""
 
-    table: Any
-    steps: int
-    items: int
-    fallbacks: list[Step]
+    fallbacks: list[Step] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -242,78 +221,56 @@ class _Workspace:
         lifetimes do not overlap share memory.
     fresh : list of Element
         Returned gradients computed by a step: allocated per call, so results of earlier calls stay.
-    table : StagedTable
-        Descriptors of every level (pinned host memory and its device copy); ``patch_positions``
-        receive the pointers of the per-call arrays ``patch_slots`` (0: ``g_n``, ``j``: JT ``j``, then
-        ``fresh``).
+    table : DescriptorTable
+        Descriptors of every level; per call it receives the pointers of the inputs (slot 0: ``g_n``,
+        ``j``: JT ``j``) and of ``fresh``.
     levels : list of _Level
-    keep : list
-        Device index arrays the table points at.
     """
 
     index_dtype: np.dtype
     value_dtype: np.dtype
     layout: _Layout
-    buffers: dict[Element, Any]
+    buffers: dict[Element, Array]
     fresh: list[Element]
-    table: StagedTable
-    patch_positions: np.ndarray
-    patch_slots: np.ndarray
+    table: DescriptorTable
     levels: list[_Level]
-    keep: list[Any]
 
-    def bind(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> dict[Element, Any]:
-        """Patch the per-call pointers into the table and queue its upload; return every value."""
-        arrays = [*inputs, *outputs]
-        if self.patch_positions.size:
-            pointers = np.array([_kernels.device_pointer(a) for a in arrays], dtype=np.int64)
-            self.table.patch(self.patch_positions, pointers[self.patch_slots])
+    def bind(self, inputs: Sequence[Array], outputs: Sequence[Array]) -> dict[Element, Array]:
+        """Point the table at the per-call arrays (its upload queued); return every value."""
+        self.table.bind([_kernels.device_pointer(a) for a in (*inputs, *outputs)])
         values = dict(self.buffers)
         values.update({Element(j, j): a for j, a in enumerate(inputs)})
         values.update(zip(self.fresh, outputs, strict=True))
         return values
 
 
-def _allocate(plan: ScanPlan, layout: _Layout, batch: int, dtype: np.dtype,
-              kept: set[Element]) -> dict[Element, Any]:
-    """Buffers of the intermediate values; a value's memory is reused from the level after its last use.
-
-    Steps of one level run concurrently, so a level's results never take memory released in it.
-    """
-    xp = _kernels.cupy_module()
-    levels: dict[int, list[tuple[Step, list[Element]]]] = {}
+def _intermediates(plan: ScanPlan, layout: _Layout, batch: int,
+                   kept: set[Element]) -> list[tuple[list[tuple[Element, tuple[int, ...]]], list[Element]]]:
+    """Per level, what :func:`~sparse_scan.engine._tables.allocate` needs: the values its steps
+    compute into workspace buffers (all but ``kept``), with their shapes, and the values they release."""
+    levels: dict[int, tuple[list[tuple[Element, tuple[int, ...]]], list[Element]]] = {}
     for step, released in zip(plan.steps, plan.releases, strict=True):
-        levels.setdefault(step.level, []).append((step, released))
-    buffers: dict[Element, Any] = {}
-    owners: dict[Element, Any] = {}
-    free: list[Any] = []
-    for level in sorted(levels):
-        for step, _ in levels[level]:
-            if step.out in kept:
-                continue
-            shape = layout.shape(step.out, batch)
-            size = int(np.prod(shape))
-            fits = [(flat.size, k) for k, flat in enumerate(free) if flat.size >= size]
-            flat = free.pop(min(fits)[1]) if fits else xp.empty(size, dtype=dtype)  # best fit
-            owners[step.out], buffers[step.out] = flat, flat[:size].reshape(shape)
-        free += [owners.pop(e) for _, released in levels[level] for e in released if e in owners]
-    return buffers
+        computed, freed = levels.setdefault(step.level, ([], []))
+        if step.out not in kept:
+            computed.append((step.out, layout.shape(step.out, batch)))
+        freed += released
+    return [levels[level] for level in sorted(levels)]
 
 
-def _build_workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vector_size: int,
+def _build_workspace(plan: ScanPlan, jacobians: Sequence[BatchedCSR], batch: int, vector_size: int,
                      dtype: np.dtype) -> _Workspace:
     """Allocate the intermediates and build the descriptor tables of every level."""
     layout = _Layout.of(plan, vector_size, jacobians)
     index_dtype = _index_dtype(plan, layout)
     kept = set(plan.outputs)
     fresh = [step.out for step in plan.steps if step.out in kept]
-    buffers = _allocate(plan, layout, batch, dtype, kept)
-    slots = {Element(j, j): j for j in range(plan.n + 1)}
-    slots.update({element: plan.n + 1 + k for k, element in enumerate(fresh)})
-    builder = _TableBuilder(slots, buffers)
+    buffers = allocate(_intermediates(plan, layout, batch, kept), dtype)
+    per_call = [Element(j, j) for j in range(plan.n + 1)] + fresh  # pointers bound at every call
+    values: dict[Element, Array | Patch] = {**buffers, **{e: Patch(k) for k, e in enumerate(per_call)}}
+    builder = TableBuilder(FIELDS)
     bounds: list[tuple[int, int, int, list[Step]]] = []
     for level in plan.levels_of_steps:
-        first, items, fallbacks = len(builder.rows), 0, []
+        first, items, fallbacks = len(builder), 0, []
         for step in (plan.steps[index] for index in level):
             if step.kind == "mm" and step.method not in KERNEL_METHODS:
                 fallbacks.append(step)
@@ -321,41 +278,16 @@ def _build_workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vecto
             fields = _step_fields(step, layout, index_dtype, batch)
             fields[1] = items
             items += fields[2] * fields[3]
-            builder.add(fields)
-        bounds.append((first, len(builder.rows) - first, items, fallbacks))
-    table = StagedTable(np.array(builder.rows, dtype=np.int64).reshape(-1))
-    levels = [_Level(table.device[first * FIELDS:(first + steps) * FIELDS], steps, items, fallbacks)
+            builder.add([values[f] if isinstance(f, Element) else f for f in fields])
+        bounds.append((first, len(builder) - first, items, fallbacks))
+    table = builder.build()
+    levels = [_Level(table.rows(first, steps), steps, items, fallbacks)
               for first, steps, items, fallbacks in bounds]
-    positions = np.array([p for p, _ in builder.patches], dtype=np.int64)
-    patch_slots = np.array([s for _, s in builder.patches], dtype=np.int64)
-    return _Workspace(index_dtype, dtype, layout, buffers, fresh, table, positions, patch_slots, levels,
-                      builder.keep)
-
-
-def _workspaces(plan: ScanPlan) -> dict[Any, _Workspace]:
-    """The workspaces cached for ``plan`` (dropped with the plan)."""
-    return _kernels.per_plan(_WORKSPACES, plan)
-
-
-def _workspace(plan: ScanPlan, jacobians: Sequence[Any], batch: int, vector_size: int,
-               dtype: np.dtype) -> _Workspace:
-    cache = _workspaces(plan)
-    key = (batch, vector_size, dtype, tuple(jt.data.ndim == 1 for jt in jacobians),
-           _kernels.current_device())
-    if key not in cache:
-        cache[key] = _build_workspace(plan, jacobians, batch, vector_size, dtype)
-    return cache[key]
+    return _Workspace(index_dtype, dtype, layout, buffers, fresh, table, levels)
 
 
 # --- the numeric phase ------------------------------------------------------------------------------
-def _value_dtype(grad_out: Any, jacobians: Sequence[Any]) -> np.dtype:
-    dtype = np.result_type(grad_out.dtype, *(jt.data.dtype for jt in jacobians))
-    if dtype not in VALUE_DTYPES:
-        raise TypeError(f"the GPU scan runs in float32 or float64; the inputs promote to {dtype}")
-    return dtype
-
-
-def _run_fallback(step: Step, values: dict[Element, Any]) -> None:
+def _run_fallback(step: Step, values: dict[Element, Array]) -> None:
     method = step.product.method
     fallback = PRODUCT_FALLBACKS.get(method)
     if fallback is None:
@@ -379,7 +311,7 @@ def _device_blocks(product: ProductPlan) -> BlockProduct:
     return arrays[key]
 
 
-def _multiply_blocks_on_device(product: ProductPlan, a_data: Any, b_data: Any) -> Any:
+def _multiply_blocks_on_device(product: ProductPlan, a_data: Array, b_data: Array) -> Array:
     """``block`` products: one batched GEMM per slot (cuBLAS through CuPy's ``matmul``)."""
     return multiply_blocks(_device_blocks(product), a_data, b_data, xp=_kernels.cupy_module())
 
@@ -387,7 +319,7 @@ def _multiply_blocks_on_device(product: ProductPlan, a_data: Any, b_data: Any) -
 PRODUCT_FALLBACKS["block"] = _multiply_blocks_on_device
 
 
-def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[Any]:
+def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR]) -> list[Array]:
     """Numeric phase of ``plan`` for one batch on the GPU: the contract of
     :func:`sparse_scan.engine.run.run_plan`.
 
@@ -415,11 +347,13 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[An
         raise ValueError(f"the plan needs grad_out of shape (B, size) and {plan.n} JTs; got shape "
                          f"{tuple(grad_out.shape)} and {len(jacobians)} JTs")
     xp = _kernels.cupy_module()
-    dtype = _value_dtype(grad_out, jacobians)
+    dtype = value_dtype("the GPU scan", grad_out.dtype, *(jt.data.dtype for jt in jacobians))
     inputs = [xp.ascontiguousarray(grad_out, dtype=dtype)]
     inputs += [xp.ascontiguousarray(jt.data, dtype=dtype) for jt in jacobians]
     batch, vector_size = (int(s) for s in grad_out.shape)
-    workspace = _workspace(plan, jacobians, batch, vector_size, dtype)
+    key = (batch, vector_size, dtype, tuple(jt.data.ndim == 1 for jt in jacobians))
+    workspace = cached_workspace(plan, key, lambda: _build_workspace(plan, jacobians, batch, vector_size,
+                                                                      dtype))
     outputs = [xp.empty(workspace.layout.shape(e, batch), dtype=dtype) for e in workspace.fresh]
     values = workspace.bind(inputs, outputs)
     kernel = _kernels.function(KERNEL_FILE, "scan_level", workspace.index_dtype, dtype)
@@ -427,12 +361,11 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any]) -> list[An
         for step in level.fallbacks:
             _run_fallback(step, values)
         if level.items:
-            _kernels.launch(kernel, level.items,
-                            (level.table, np.int64(level.steps), np.int64(level.items)))
+            _kernels.launch(kernel, level.items, level.arguments)
     return [values[element] for element in plan.outputs]
 
 
-def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:
     """One numeric product on the GPU (the contract of :func:`sparse_scan.engine.run.multiply`).
 
     A product the scan kernel knows (general, gather, scalings, row-wise) is one launch of
@@ -452,9 +385,7 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
         Values of ``C`` in ``plan.out``'s entry order, in the promoted dtype (float32 or float64).
     """
     xp = _kernels.cupy_module()
-    dtype = np.result_type(a_data.dtype, b_data.dtype)
-    if dtype not in VALUE_DTYPES:
-        raise TypeError(f"the GPU product runs in float32 or float64; the operands promote to {dtype}")
+    dtype = value_dtype("the GPU product", a_data.dtype, b_data.dtype)
     a, b = xp.ascontiguousarray(a_data, dtype=dtype), xp.ascontiguousarray(b_data, dtype=dtype)
     if plan.method not in KERNEL_METHODS:
         fallback = PRODUCT_FALLBACKS.get(plan.method)
@@ -475,10 +406,9 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
         fields = _product_row(plan, index_dtype, (a, strides[0]), (b, strides[1]), out,
                               a.ndim == 1 and b.ndim == 2)
     fields[2] = 1 if shared else batch
-    builder = _TableBuilder({}, {})
+    builder = TableBuilder(FIELDS)
     builder.add(fields)
-    table = xp.asarray(np.array(builder.rows[0], dtype=np.int64))
-    items = fields[2] * fields[3]
+    level = Level(xp.asarray(builder.host()), 1, fields[2] * fields[3])
     kernel = _kernels.function(KERNEL_FILE, "scan_level", index_dtype, dtype)
-    _kernels.launch(kernel, items, (table, np.int64(1), np.int64(items)))
+    _kernels.launch(kernel, level.items, level.arguments)
     return out
