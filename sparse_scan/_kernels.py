@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.resources
 import itertools
-import weakref
 from typing import Any, Final, Sequence
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from ._types import Array
 
 __all__ = ["COMPILE_OPTIONS", "INSTANTIATIONS", "cupy_module", "current_device", "device_pointer",
-           "expression", "function", "launch", "launch_blocks", "name_expressions", "per_plan", "source",
+           "expression", "function", "launch", "launch_blocks", "name_expressions", "source",
            "type_name"]
 
 THREADS_PER_BLOCK = 256
@@ -136,16 +135,6 @@ def launch_blocks(kernel: Any, blocks: int, threads: int, args: Sequence[Any]) -
     """Launch a kernel whose work is cut by thread block (one block per sample, say; it loops when
     there are more than the launch's blocks) with ``threads`` threads per block."""
     kernel((max(1, min(int(blocks), MAX_BLOCKS)),), (int(threads),), tuple(args))
-
-
-def per_plan(store: dict[int, dict[Any, Any]], plan: Any) -> dict[Any, Any]:
-    """The entry of ``store`` for ``plan`` (keyed by identity, dropped when the plan is collected):
-    device workspaces live as long as the plan they were built for."""
-    key = id(plan)
-    if key not in store:
-        store[key] = {}
-        weakref.finalize(plan, store.pop, key, None)
-    return store[key]
 
 
 def cupy_module() -> Any:

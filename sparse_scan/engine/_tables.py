@@ -28,6 +28,7 @@ CuPy is imported lazily: this module imports on machines without a GPU.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Sequence, TypeAlias, TypeVar
 
@@ -252,8 +253,13 @@ def allocate(levels: Iterable[tuple[Sequence[tuple[Key, tuple[int, ...]]], Itera
 
 # --- the workspace cache ---------------------------------------------------------------------------------
 def workspaces(plan: object) -> dict[Hashable, Any]:
-    """The workspaces cached for ``plan``, by ``(key, device)`` (dropped with the plan)."""
-    return _kernels.per_plan(_WORKSPACES, plan)
+    """The workspaces cached for ``plan``, by ``(key, device)``: keyed by the plan's identity and
+    dropped when the plan is collected, so device memory lives as long as the plan it was built for."""
+    key = id(plan)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = {}
+        weakref.finalize(plan, _WORKSPACES.pop, key, None)
+    return _WORKSPACES[key]
 
 
 def cached_workspace(plan: object, key: Hashable, build: Callable[[], Workspace]) -> Workspace:
