@@ -20,16 +20,17 @@ True
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from . import backend as _backend
 from . import weights as _weights
-from .csr import BatchedCSR
+from ._types import Array
+from .csr import BatchedCSR, Pattern
 from .engine.plan import (
     Candidate,
+    ChainInfo,
     ElementInfo,
     ScanCostError,
     ScanMemoryError,
@@ -37,12 +38,13 @@ from .engine.plan import (
     ScheduleChoice,
     build_plan,
     estimate_plan,
+    operands_needing_patterns,
 )
 from .engine.products import ProductPlan
-from .engine.run import run_plan
-from .engine.schedule import checked_levels, depth
+from .engine.run import run_plan, through_weights
+from .engine.schedule import Element, checked_levels, depth
 from .layers import Layer
-from .layers._weighted import held_structure_keys, sharing_held_keys
+from .layers._weighted import held_structure_keys
 
 __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
 
@@ -59,14 +61,6 @@ factor, and deepens no further past an estimated product this much costlier than
 are over-estimates)."""
 
 Shape = tuple[int, ...]
-
-# the JTs a run needs no values for, being applied through their layers' weights: on the CPU, those
-# only dense steps read, and those only mv steps read whose layers multiply faster through CSR weights
-# at this batch size (heavily pruned convolutions at small batches); the GPU runs every mv as an SpMV
-_valueless = _backend.twin(
-    cpu=lambda be, plan, layers, batch: plan.weights_only | frozenset(
-        j for j in plan.mv_only if layers[len(layers) - j].sparse_weights_matvec_pays(batch)),
-    gpu=lambda be, plan, layers, batch: frozenset())
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -144,8 +138,8 @@ class Sequential:
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.plan_builds = 0
         self._plans: dict[Hashable, ScanPlan] = {}
-        self._products: dict[Hashable, dict[Any, ProductPlan]] = {}
-        self._activations: list[Any] | None = None
+        self._products: dict[Hashable, dict[tuple[Element, Element], ProductPlan]] = {}
+        self._activations: list[Array] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -162,7 +156,7 @@ class Sequential:
             shapes.append(tuple(layer.output_shape(shapes[-1])))
         return shapes
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         """Apply every layer to the batch ``x``; keep each layer's input for its Jacobian."""
         activations = [x]
         for layer in self.layers:
@@ -187,7 +181,7 @@ class Sequential:
                 return layer.name
         return None
 
-    def _require_forward(self) -> list[Any]:
+    def _require_forward(self) -> list[Array]:
         if self._activations is None:
             raise RuntimeError("call forward(x) before backward/transposed_jacobians")
         return self._activations
@@ -236,11 +230,9 @@ class Sequential:
         return plan
 
     def estimate(self, in_shape: Sequence[int], method: str, levels: int | None = None) -> ScanPlan:
-        """:func:`~sparse_scan.scan.estimate_plan` of a schedule for ``in_shape``: its figures
+        """:func:`~sparse_scan.engine.plan.estimate_plan` of a schedule for ``in_shape``: its figures
         estimated from the JTs' shapes and ``nnz``, nothing built (not cached, not runnable)."""
-        shape = tuple(int(s) for s in in_shape)
-        element_info, vector_size = self._element_summaries(self.shapes(shape))
-        return estimate_plan(len(self.layers), method, levels, element_info, vector_size)
+        return estimate_plan(self.chain_info(in_shape), method, levels)
 
     def _auto_plan(self, shape: Shape, method: str, max_step_flops: int | None,
                    progress: Callable[[str, int, int], None] | None) -> ScanPlan:
@@ -289,71 +281,69 @@ class Sequential:
         criterion = "the fewest critical-path FLOPs (then the least work) of the schedules built"
         return dataclasses.replace(best, choice=ScheduleChoice(method, criterion, candidates))
 
-    def _element_summaries(self, shapes: Sequence[Shape]) -> tuple[Callable[[int], ElementInfo],
-                                                                    Callable[[int], int]]:
-        """``element_info`` and ``vector_size`` of :func:`~sparse_scan.scan.build_plan` (scan element
-        ``j`` is the JT of layer ``n - j``)."""
+    def chain_info(self, in_shape: Sequence[int], patterns_of: Sequence[int] = (),
+                   progress: Callable[[str, int, int], None] | None = None) -> ChainInfo:
+        """The chain of JTs for ``in_shape`` as the planner sees it: plain data read from the layers
+        once (:class:`~sparse_scan.engine.plan.ChainInfo`; scan element ``j`` is the JT of layer
+        ``n - j``), which :func:`~sparse_scan.engine.plan.build_plan` and
+        :func:`~sparse_scan.engine.plan.estimate_plan` read instead of asking the layers.
+
+        Parameters
+        ----------
+        in_shape : sequence of int
+            Per-sample input shape.
+        patterns_of : sequence of int
+            The elements whose patterns to include (built now, the costly part:
+            :func:`~sparse_scan.engine.plan.operands_needing_patterns` of a schedule); none for an
+            estimate.
+        progress : callable, optional
+            ``progress("patterns", done, total)`` after each pattern built.
+        """
         n = len(self.layers)
+        shapes = self.shapes(in_shape)
+        # (layer, its input shape, its output shape) of scan element j at [j - 1]
+        elements = [(self.layers[n - j], shapes[n - j], shapes[n - j + 1]) for j in range(1, n + 1)]
+        infos = tuple(ElementInfo((math.prod(layer_in), math.prod(layer_out)), layer.pattern_nnz(layer_in),
+                                  layer.jacobian_kind, layer.sample_independent)
+                      for layer, layer_in, layer_out in elements)
+        patterns: dict[int, Pattern] = {}
+        for done, j in enumerate(patterns_of, start=1):
+            layer, layer_in, _ = elements[j - 1]
+            patterns[j] = layer.pattern(layer_in)
+            if progress is not None:
+                progress("patterns", done, len(patterns_of))
+        inputs = shapes[::-1]  # vector j is the gradient w.r.t. x_{n - j}
+        return ChainInfo(
+            elements=infos,
+            vector_sizes=tuple(math.prod(shape) for shape in inputs),
+            vector_channels=tuple(int(shape[0]) if shape else 1 for shape in inputs),  # a scalar: one
+            names=tuple(str(layer.name) for layer, _, _ in elements),
+            weights=tuple(layer.weights_path(layer_in) for layer, layer_in, _ in elements),
+            patterns=patterns)
 
-        def element_info(j: int) -> ElementInfo:
-            layer, in_shape = self.layers[n - j], shapes[n - j]
-            size = (math.prod(in_shape), math.prod(shapes[n - j + 1]))
-            return ElementInfo(size, layer.pattern_nnz(in_shape), layer.jacobian_kind,
-                               layer.sample_independent)
-
-        def vector_size(j: int) -> int:
-            return math.prod(shapes[n - j])
-
-        return element_info, vector_size
-
-    def _build_plan(self, shape: Shape, method: str, levels: Any, max_step_flops: int | None,
+    def _build_plan(self, shape: Shape, method: str, levels: int | None, max_step_flops: int | None,
                     progress: Callable[[str, int, int], None] | None) -> ScanPlan:
-        n = len(self.layers)
-        shapes = self.shapes(shape)
         structure = tuple(layer._structure_key() for layer in self.layers)
         products = self._products.setdefault((shape, structure, self.memory_budget), {})
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
-        element_info, vector_size = self._element_summaries(shapes)
-
-        def element_pattern(j: int) -> Any:
-            return self.layers[n - j].pattern(shapes[n - j])
-
-        def vector_channels(j: int) -> int:
-            return int(shapes[n - j][0]) if shapes[n - j] else 1  # a scalar per sample: one channel
-
-        def dense_matvec(j: int) -> bool:
-            return self.layers[n - j].dense_matvec_pays(shapes[n - j])
-
-        def describe(segment: Any) -> str:
-            first, last = self.layers[n - segment.hi], self.layers[n - segment.lo]
-            return (f"layer {first.name!r}" if first is last
-                    else f"layers {first.name!r}..{last.name!r}")
-
         self.plan_builds += 1
-        return build_plan(n, method, levels, element_info, element_pattern, vector_size, products, budget,
-                          describe, vector_channels, max_step_flops, progress, dense_matvec)
-
-    def _dense_matvecs(self, shapes: Sequence[Shape]) -> list[Callable[[Any], Any]]:
-        """Per layer, ``g -> JT @ g`` through its weights (called for the plan's dense steps, the
-        layers whose ``dense_matvec_pays``, and on the CPU for the mv steps by JTs given no values).
-        They share the caller's held structure keys on the scan's step threads."""
-        return [sharing_held_keys(functools.partial(layer.dense_transposed_matvec, in_shape=shape))
-                for layer, shape in zip(self.layers, shapes, strict=False)]
+        chain = self.chain_info(shape, operands_needing_patterns(len(self.layers), method, levels), progress)
+        return build_plan(chain, method, levels, products, budget, max_step_flops, progress)
 
     # --- parameters ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Array]:
         """``"<layer>.<parameter>"`` -> the parameter array (the array itself, not a copy), named like
         PyTorch's ``state_dict()`` of the same ``nn.Sequential``."""
         return _weights.state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Array], strict: bool = True) -> None:
         """Copy parameters in by :meth:`state_dict` name (PyTorch's ``load_state_dict``: cast to each
         parameter's dtype; ``strict`` requires every parameter). A ``ValueError`` names the first bad
         key and changes nothing (:func:`sparse_scan.weights.load_state_dict`)."""
         _weights.load_state_dict(self, state, strict)
 
     # --- parameter gradients ---------------------------------------------------------------------
-    def parameter_gradients(self, grads: Sequence[Any]) -> dict[str, Any]:
+    def parameter_gradients(self, grads: Sequence[Array]) -> dict[str, Array]:
         """Gradients of every weight and bias (paper Eq. 2), summed over the batch like PyTorch.
 
         Parameters
@@ -378,8 +368,8 @@ class Sequential:
         return out
 
     # --- backward ------------------------------------------------------------------------------
-    def backward(self, grad_out: Any, method: str = "auto", levels: int | str | None = None,
-                 device: str | None = None, timings: dict[str, float] | None = None) -> list[Any]:
+    def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
+                 device: str | None = None, timings: dict[str, float] | None = None) -> list[Array]:
         """Gradients w.r.t. every activation, by a scan over the layers' transposed Jacobians.
 
         Parameters
@@ -427,14 +417,16 @@ class Sequential:
             lap("plan_s")
             n = len(self.layers)  # scan element j is the JT of layer n - j
             batch = grad_out.shape[0]
-            valueless = _valueless(be, plan, self.layers, batch)
+            through = through_weights(be, plan, batch)  # JTs applied through their layers' weights
+            valueless = plan.weights.valueless(through)
             jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                          for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
             if timings is not None:
                 be.synchronize()  # the fills are asynchronous on a GPU
             lap("values_s")
-            flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1],
-                            dense_matvecs=self._dense_matvecs(shapes)[::-1])
+            # bound here, on this thread (inside the held structure keys), run on the scan's threads
+            matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
+            flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
             if timings is not None:
                 be.synchronize()
             lap("scan_s")

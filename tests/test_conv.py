@@ -10,6 +10,7 @@ from cuda_on_cpu import compile_for_cpu, pointer
 from oracles import finite_difference_jt, torch_jt
 
 from sparse_scan import backend
+from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import Conv2d
 from sparse_scan.layers.conv import SPARSE_FORWARD_MAX_DENSITY, _structural_pattern_cpu
 
@@ -281,13 +282,13 @@ def test_gpu_twin_matches_cpu(cfg, dtype, prune):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_dense_transposed_matvec_equals_jt_product(cfg, dtype):
+def test_weights_matvec_equals_jt_product(cfg, dtype):
     """The transposed convolution through the weights equals JT @ g with the finite-difference JT
     (float64) and the CSR JT (both dtypes), for several samples at once."""
     conv, x = make_conv(cfg, dtype=dtype), make_input(cfg, batch=3, dtype=dtype)
     out_size = int(np.prod(conv.output_shape(x.shape[1:])))
     grad = np.random.default_rng(5).standard_normal((3, out_size)).astype(dtype)
-    got = conv.dense_transposed_matvec(grad, x.shape[1:])
+    got = conv.weights_matvec(x.shape[1:])(grad)
     assert got.shape == (3, x[0].size) and got.dtype == dtype
     csr = conv.transposed_jacobian(x).todense()
     np.testing.assert_allclose(got, grad @ csr.T, rtol=1e-5 if dtype == np.float32 else 1e-12,
@@ -297,18 +298,20 @@ def test_dense_transposed_matvec_equals_jt_product(cfg, dtype):
         np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
 
 
-def test_dense_matvec_pays_for_unpruned_weights_not_for_heavily_pruned_ones():
+def test_the_gemm_over_the_weights_pays_for_unpruned_weights_not_for_heavily_pruned_ones():
     shape = (8, 10, 10)
     dense = Conv2d(8, 16, 3, padding=1, rng=0)
     pruned = Conv2d(8, 16, 3, padding=1, rng=0, prune_pattern=True)
     weight = pruned.weight.copy()
     weight.ravel()[np.random.default_rng(0).permutation(weight.size)[: int(0.97 * weight.size)]] = 0
     pruned.weight = weight
-    assert dense.dense_matvec_pays(shape) and not pruned.dense_matvec_pays(shape)
+    assert gemm_pays(dense.pattern_nnz(shape), dense.weights_path(shape))
+    assert not gemm_pays(pruned.pattern_nnz(shape), pruned.weights_path(shape))
+    assert not dense.weights_path(shape).csr and pruned.weights_path(shape).csr
     # pruned or not, the weights' GEMM is JT @ g: the zero weights contribute nothing
     x = np.random.default_rng(1).standard_normal((2,) + shape).astype(np.float32)
     grad = np.random.default_rng(2).standard_normal((2, 16 * 100)).astype(np.float32)
-    np.testing.assert_allclose(pruned.dense_transposed_matvec(grad, shape),
+    np.testing.assert_allclose(pruned.weights_matvec(shape)(grad),
                                grad @ pruned.transposed_jacobian(x).todense().T, rtol=1e-5, atol=1e-6)
 
 
@@ -330,15 +333,15 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     # the transposed convolution through the same CSR weights is JT @ g (finite differences)
     grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size)).astype(dtype)
-    got = conv.dense_transposed_matvec(grad, x.shape[1:])
+    got = conv.weights_matvec(x.shape[1:])(grad)
     assert got.dtype == dtype
-    assert conv.sparse_weights_matvec_pays(8) and not conv.sparse_weights_matvec_pays(9)
+    assert conv.weights_path(x.shape[1:]).csr
     if dtype == np.float64:
         fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
         np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
     np.testing.assert_allclose(got, grad @ conv.transposed_jacobian(x).todense().T, rtol=rtol, atol=rtol)
     conv.weight[conv.weight == 0] = 1.0  # dense now: back to the GEMM
-    assert conv._sparse_weights() is None and not conv.sparse_weights_matvec_pays(1)
+    assert conv._sparse_weights() is None and not conv.weights_path(x.shape[1:]).csr
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     conv.weight[conv.weight == 1.0] = 0.0
     conv.weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error
@@ -390,4 +393,4 @@ def test_kept_csr_weights_follow_a_dtype_change():
     assert out.dtype == np.float64
     np.testing.assert_allclose(out, naive_conv(conv, x64), rtol=1e-12, atol=1e-12)
     grad = np.ones((x.shape[0], out[0].size))
-    assert conv.dense_transposed_matvec(grad, x.shape[1:]).dtype == np.float64
+    assert conv.weights_matvec(x.shape[1:])(grad).dtype == np.float64

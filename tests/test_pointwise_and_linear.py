@@ -8,6 +8,7 @@ from oracles import finite_difference_jt, torch_jt
 from scipy.special import erf
 
 from sparse_scan import backend
+from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import (
     ELU,
     GELU,
@@ -166,14 +167,14 @@ def test_linear_forward_and_jt():
     np.testing.assert_array_equal(jt.todense(), layer.weight.T)
 
 
-def test_linear_dense_transposed_matvec_is_the_jt_product():
+def test_linear_weights_matvec_is_the_jt_product():
     layer = Linear(7, 5, dtype=np.float64, rng=2)
     x, grad = sample((3, 7)), sample((3, 5))
     fd = finite_difference_jt(layer.forward, x[0])
-    np.testing.assert_allclose(layer.dense_transposed_matvec(grad, (7,)), grad @ fd.T, atol=1e-8)
-    assert layer.dense_matvec_pays((7,))
+    np.testing.assert_allclose(layer.weights_matvec((7,))(grad), grad @ fd.T, atol=1e-8)
+    assert gemm_pays(layer.pattern_nnz((7,)), layer.weights_path((7,)))
     with pytest.raises(ValueError, match="in_features|per-sample shape"):
-        layer.dense_transposed_matvec(grad, (6,))
+        layer.weights_matvec((6,))
 
 
 def test_linear_matches_torch():

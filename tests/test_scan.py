@@ -399,7 +399,7 @@ def test_dense_steps_equal_spmvs_and_need_no_jt_values(monkeypatch):
         dense = {step.right.lo for step in plan.steps if step.method == "gemm"}
         assert dense <= {n - index for index in weighted}
         if method == "linear":
-            assert dense == plan.weights_only == {n - index for index in weighted}
+            assert dense == plan.weights.gemm_only == {n - index for index in weighted}
         spmv = host.run_plan(plan, grad_out.reshape(5, -1), jts)  # no dense matvecs: SpMVs
         for got, want in zip(model.backward(grad_out, method=method, levels=levels), spmv, strict=True):
             np.testing.assert_allclose(got.reshape(5, -1), want, rtol=1e-12, atol=1e-12)
@@ -423,14 +423,14 @@ def test_pruned_layers_keep_the_spmv():
     model = Sequential(conv, ReLU(), Conv2d(8, 2, 3, dtype=np.float64, rng=1))
     plan = model.plan((4, 9, 9), "linear")
     assert [step.method for step in plan.steps] == ["gemm", "scale", "spmv"]
-    assert plan.weights_only == {1}
+    assert plan.weights.gemm_only == {1}
 
 
 def test_peak_memory_counts_no_values_for_weights_only_jts_on_the_cpu():
     model = Sequential(Conv2d(2, 4, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
                        Conv2d(4, 3, 3, dtype=np.float64, rng=1))
     plan = model.plan((2, 6, 6), "linear")
-    assert plan.weights_only == {1, 3}
+    assert plan.weights.gemm_only == {1, 3}
     # per sample: g_3 (48) and ReLU's diagonal (144) from the start, + grad x_2 (144), + grad x_1
     # (144) at the peak; the convolutions' JTs hold no values on the CPU
     assert plan.peak_bytes(5, 8, "cpu") == (48 + 144 + 144 + 144) * 5 * 8
@@ -443,15 +443,15 @@ def test_peak_memory_counts_no_values_for_weights_only_jts_on_the_cpu():
 def test_a_chain_of_dense_mvs_plans_without_building_their_patterns():
     model, in_shape = random_chain(8, seed=3, dtype=np.float64)
     plan = model.plan(in_shape, "linear")
-    assert plan.weights_only
+    assert plan.weights.gemm_only
     for index, layer in enumerate(model.layers):
-        if len(model) - index in plan.weights_only:
+        if len(model) - index in plan.weights.gemm_only:
             assert not layer._patterns, layer  # the plan counted its entries, built nothing
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3,) + in_shape)
     grad_out = rng.standard_normal(model.forward(x).shape)
     model.backward(grad_out, "linear")
-    assert all(not model.layers[len(model) - j]._patterns for j in plan.weights_only)
+    assert all(not model.layers[len(model) - j]._patterns for j in plan.weights.gemm_only)
 
 
 @pytest.mark.parametrize("threaded", [False, True])

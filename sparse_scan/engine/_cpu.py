@@ -11,7 +11,7 @@ engine's one CPU/GPU dispatch.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import scipy.sparse
@@ -19,7 +19,8 @@ import scipy.sparse
 from .._host_kernels import kernels, launch, parts, rows2d
 from .._scaled_gather import THREAD_MIN_VALUES, scaled_gather
 from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool
-from ..csr import Pattern
+from .._types import Array
+from ..csr import BatchedCSR, Pattern
 from ._blocks import multiply_blocks
 from ._selection import multiply_live
 from .plan import ScanPlan, Step
@@ -29,8 +30,8 @@ from .schedule import Element
 __all__ = ["matvec", "multiply", "run_plan"]
 
 
-def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
-             scratch_bytes: int = SCRATCH_BYTES) -> Any:
+def multiply(plan: ProductPlan, a_data: Array, b_data: Array,
+             scratch_bytes: int = SCRATCH_BYTES) -> Array:
     """Numeric phase of ``A @ B``: values of ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
@@ -62,7 +63,7 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any,
     return out
 
 
-def _single_products(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+def _single_products(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:
     """``C`` entries with one multiply-add each: a stream of scalings (no sums, no scatter).
 
     Both operands are gathered into ``C``'s entry order piece by piece by :func:`scaled_gather`, the
@@ -131,7 +132,7 @@ MATVEC_THREAD_MIN = 2**21
 cores, VGG-11's 97%-pruned convolution JTs: 1.2-1.5x faster from about 3M, 1.7x slower at 0.5M."""
 
 
-def matvec(pattern: Pattern, data: Any, vectors: Any) -> Any:
+def matvec(pattern: Pattern, data: Array, vectors: Array) -> Array:
     """``A @ v`` for a batch of vectors ``(B, cols)`` on the host: returns ``(B, rows)``.
 
     ``data`` is ``(nnz,)`` (one matrix for the batch: SciPy multi-vector products) or ``(B, nnz)``
@@ -178,9 +179,9 @@ def _scipy_matrix(pattern: Pattern, data: np.ndarray) -> scipy.sparse.csr_matrix
                                    copy=False)
 
 
-def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
+def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
              threads: int | None = None,
-             dense_matvecs: Sequence[Callable[[Any], Any] | None] | None = None) -> list[Any]:
+             weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None) -> list[Array]:
     """Numeric phase: execute ``plan`` for one batch.
 
     The steps of a level are independent: with ``threads > 1`` they run concurrently (NumPy's and
@@ -194,14 +195,14 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
         ``g_n``, flattened per sample.
     jacobians : sequence of BatchedCSR or None
         ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``); their patterns
-        are the ones the plan was built from. With ``dense_matvecs``, None for the elements of
-        ``plan.weights_only`` and any others of ``plan.mv_only``.
+        are the ones the plan was built from. None for a JT that only mv steps read and that
+        ``weights_matvecs`` applies (``plan.weights.valueless``).
     threads : int, optional
         Worker threads per level (default: the cores this process may use).
-    dense_matvecs : sequence of callable, optional
-        ``dense_matvecs[j - 1](g)`` computes ``JT_j @ g`` from layer weights (``(B, cols) ->
-        (B, rows)``); the plan's ``dense`` steps use it, and the mv steps by a JT given as None.
-        Without it they run as SpMVs.
+    weights_matvecs : mapping, optional
+        ``weights_matvecs[j](g)`` computes ``JT_j @ g`` from layer weights (``(B, cols) -> (B, rows)``,
+        ``Layer.weights_matvec``, bound by the caller): every mv step by JT ``j`` uses it. Without it
+        mv steps run as SpMVs.
 
     Returns
     -------
@@ -210,16 +211,17 @@ def run_plan(plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
     """
     if plan.estimated:
         raise ValueError("an estimated plan (estimate_plan) has no products to run: build_plan it")
-    values: dict[Element, Any] = {Element(0, 0): grad_out}
+    values: dict[Element, Array] = {Element(0, 0): grad_out}
     patterns: dict[Element, Pattern] = {}
     for j, jt in enumerate(jacobians, start=1):
         if jt is not None:
             values[Element(j, j)] = jt.data
             patterns[Element(j, j)] = jt.pattern
+    through = {Element(j, j): matvec for j, matvec in (weights_matvecs or {}).items()}
 
-    def compute(step: Step) -> Any:
-        if dense_matvecs is not None and (step.dense or (step.kind == "mv" and step.right not in values)):
-            return dense_matvecs[step.right.lo - 1](values[step.left])
+    def compute(step: Step) -> Array:
+        if step.kind == "mv" and step.right in through:
+            return through[step.right](values[step.left])
         right = values[step.right]
         if step.scaling:  # a diagonal JT holds its whole diagonal, in order
             return right * values[step.left]

@@ -9,6 +9,12 @@ The executors (:mod:`sparse_scan.engine.run`) run its numeric phase for every ba
 layers' JTs, no pattern arrays, no product): it lets a caller choose a schedule (``method="auto"`` of
 :meth:`sparse_scan.Sequential.plan`) before building anything costly.
 
+Both read one frozen record of the chain, :class:`ChainInfo` (plain data, no callback): its patterns
+are those of :func:`operands_needing_patterns`, a pure function of the schedule, so that a caller
+builds a layer's pattern only where a product needs it. Which mv steps go through a layer's weights
+instead of its JT's values follows the rules of the weights path
+(:mod:`sparse_scan.engine._weights_path`: :class:`WeightsPath`, :class:`WeightsPlan`).
+
 This module imports no executor: plans are plain data the CPU and GPU executors both read.
 """
 
@@ -20,11 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..csr import Pattern
+from ._chain import ChainInfo, ElementInfo
+from ._weights_path import WeightsPath, WeightsPlan, gemm_pays, weights_plan
 from .products import PRODUCT_PLAN_BYTES, PlanBudgetError, ProductPlan, count_multiply_adds, plan_product
 from .schedule import Element, checked_levels, live_schedule, scan_outputs
 
-__all__ = ["Candidate", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "ScheduleChoice",
-           "Step", "build_plan", "estimate_plan"]
+__all__ = ["Candidate", "ChainInfo", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan",
+           "ScheduleChoice", "Step", "WeightsPath", "WeightsPlan", "build_plan", "estimate_plan",
+           "operands_needing_patterns"]
 
 
 class ScanMemoryError(MemoryError):
@@ -37,28 +46,6 @@ class ScanCostError(RuntimeError):
     Raised before the step's symbolic product is built (counting its multiply-adds is cheap,
     expanding them is not), so a search over schedules can give up on one early.
     """
-
-
-@dataclass(frozen=True)
-class ElementInfo:
-    """What planning needs of a scan matrix without its pattern's arrays: an mv step needs only this;
-    the operands of a product need the pattern too.
-
-    Attributes
-    ----------
-    shape : tuple of int
-        ``(rows, cols)`` of the JT (or product).
-    nnz : int
-        Stored entries of its pattern.
-    kind : {"general", "diagonal", "selection"}
-    shared : bool
-        Whether its values are the same for every sample.
-    """
-
-    shape: tuple[int, int]
-    nnz: int
-    kind: str
-    shared: bool
 
 
 @dataclass
@@ -86,8 +73,8 @@ class Step:
         Index structure the numeric phase keeps for this step.
     dense : bool
         An mv by one layer's JT that the CPU runs as a dense GEMM over the layer's weights
-        (``Layer.dense_transposed_matvec``) instead of a CSR SpMV; the GPU scan runs it as an SpMV in
-        its level launch.
+        (``gemm_pays`` of the weights path; ``Layer.weights_matvec``) instead of a CSR SpMV; the GPU
+        scan runs it as an SpMV in its level launch.
     """
 
     level: int
@@ -211,6 +198,8 @@ class ScanPlan:
         that building the plan would enumerate (0 for a built plan).
     choice : ScheduleChoice, optional
         How ``method="auto"`` (or hybrid ``levels="auto"``) chose this plan.
+    weights : WeightsPlan
+        Which layer JTs a host run may apply through their layers' weights (none for an estimate).
     """
 
     method: str
@@ -221,7 +210,8 @@ class ScanPlan:
     element_bytes: dict[Element, tuple[int, int]] = field(default_factory=dict)
     estimated: bool = False
     symbolic_work: int = 0
-    choice: Any = None
+    choice: ScheduleChoice | None = None
+    weights: WeightsPlan = field(default_factory=WeightsPlan)
 
     @property
     def critical_flops(self) -> int:
@@ -261,28 +251,6 @@ class ScanPlan:
         return released
 
     @functools.cached_property
-    def weights_only(self) -> frozenset[int]:
-        """Scan elements ``j`` (layer JTs) that only ``dense`` steps read: a CPU run needs no values
-        for them, only their layers' dense transposed matvecs."""
-        return self._layer_jts_read_only_by(lambda step: step.dense)
-
-    @functools.cached_property
-    def mv_only(self) -> frozenset[int]:
-        """Scan elements ``j`` (layer JTs) that only matrix-vector steps read (every one in
-        back-propagation's schedule): a CPU run may apply them through their layers' weights instead
-        (:attr:`weights_only` is the part the plan already marks ``dense``)."""
-        return self._layer_jts_read_only_by(lambda step: step.kind == "mv")
-
-    def _layer_jts_read_only_by(self, chosen: Callable[[Step], bool]) -> frozenset[int]:
-        """Layer JTs (elements ``j``) that no step outside ``chosen`` reads."""
-        inside, outside = set(), set()
-        for step in self.steps:
-            for element in (step.left, step.right):
-                if element.lo == element.hi >= 1:
-                    (inside if chosen(step) else outside).add(element.lo)
-        return frozenset(inside - outside)
-
-    @functools.cached_property
     def levels_of_steps(self) -> list[list[int]]:
         """Indices of the steps of every level, in level order."""
         levels: dict[int, list[int]] = {}
@@ -295,10 +263,10 @@ class ScanPlan:
 
         The inputs (``g_n`` and every JT) are live from the start; the results of a level from that
         level (its steps may run at once); every value until the end of the level of its last use,
-        and the gradients to the end. On the CPU the JTs of :attr:`weights_only` hold no values; the
-        GPU (``device="gpu"``) holds them.
+        and the gradients to the end. On the CPU the JTs that only GEMMs over their layers' weights
+        read (``weights.gemm_only``) hold no values; the GPU (``device="gpu"``) holds them.
         """
-        valueless = self.weights_only if device == "cpu" else frozenset()
+        valueless = self.weights.gemm_only if device == "cpu" else frozenset()
 
         def size(element: Element) -> int:
             if element.lo == element.hi and element.lo in valueless:
@@ -342,74 +310,78 @@ class ScanPlan:
         }
 
 
+def operands_needing_patterns(n: int, method: str, levels: int | None) -> tuple[int, ...]:
+    """The scan elements (layer JTs ``j``) whose patterns a plan of this schedule reads: the operands
+    of its products (an mv needs an element's shape and ``nnz`` alone, so a chain of mvs reads none).
+
+    Examples
+    --------
+    >>> operands_needing_patterns(4, "linear", None)
+    ()
+    >>> operands_needing_patterns(4, "blelloch", None)   # the product JT_2 · JT_3 (g_4 · JT_1 is an mv)
+    (2, 3)
+    """
+    levels = checked_levels(n, method, levels)
+    return tuple(sorted({element.lo for _, _, left, right in live_schedule(n, method, levels)
+                         if not left.is_vector for element in (left, right) if element.lo == element.hi}))
+
+
+def _element_bytes(chain: ChainInfo) -> dict[Element, tuple[int, int]]:
+    """``(shared, per sample)`` entries of ``g_n`` and of every JT."""
+    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, chain.vector_sizes[0])}
+    for j, info in enumerate(chain.elements, start=1):
+        element_bytes[Element(j, j)] = (info.nnz, 0) if info.shared else (0, info.nnz)
+    return element_bytes
+
+
 def build_plan(
-    n: int,
+    chain: ChainInfo,
     method: str,
     levels: int | None,
-    element_info: Callable[[int], ElementInfo],
-    element_pattern: Callable[[int], Pattern],
-    vector_size: Callable[[int], int],
     product_cache: dict[tuple[Element, Element], ProductPlan],
     budget_bytes: int | None = None,
-    describe: Callable[[Element], str] = lambda e: f"elements {e.lo}..{e.hi}",
-    vector_channels: Callable[[int], int] | None = None,
     max_step_flops: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
-    dense_matvec: Callable[[int], bool] | None = None,
 ) -> ScanPlan:
-    """Plan a scan over ``n`` JTs: schedule, dead-step elimination, symbolic products.
+    """Plan a scan over a chain of JTs: schedule, dead-step elimination, symbolic products.
 
     Parameters
     ----------
-    n : int
-        Number of layers.
+    chain : ChainInfo
+        The chain, with the patterns of :func:`operands_needing_patterns` for this schedule.
     method : {"linear", "blelloch", "hybrid"}
     levels : int or None
         Up-sweep levels for ``hybrid`` (0 .. ``depth(n)``).
-    element_info : callable
-        ``j -> ElementInfo`` of scan element ``j >= 1`` (cheap: no pattern arrays).
-    element_pattern : callable
-        ``j -> Pattern`` of scan element ``j``, asked for only where a product needs it (an mv needs
-        the shape and ``nnz`` alone, so a chain of mvs builds no pattern).
-    vector_size : callable
-        ``j -> `` length of the gradient w.r.t. the input of element ``j`` (``j = 0`` is ``g_n``).
     product_cache : dict
         Symbolic products shared between plans of one chain (keyed by operand segments).
     budget_bytes : int, optional
         Memory one product's plan may hold; past it the lean ``rowwise`` method is used, and a
         :class:`ScanMemoryError` names the step when even that does not fit.
-    describe : callable
-        Names a segment of the scan input in error messages (e.g. by its layers).
-    vector_channels : callable, optional
-        ``j -> `` channels of that gradient (``C`` of ``(C, H, W)``, ``F`` of ``(F,)``): lets
-        products of dense channel blocks run as batched GEMMs (:mod:`sparse_scan.blocks`).
     max_step_flops : int, optional
         Give up with :class:`ScanCostError` before planning a product of more FLOPs (over the
         pattern) than this: deep levels of large networks can need billions of multiply-adds.
     progress : callable, optional
-        ``progress(phase, done, total)`` after each layer pattern built (``"patterns"``) and each step
-        (``"steps"``) is planned: long plan builds can show progress.
-    dense_matvec : callable, optional
-        ``j -> `` whether an mv by element ``j`` alone runs as a dense GEMM over its layer's weights
-        on the CPU (``Layer.dense_matvec_pays``): such steps are marked ``dense``.
+        ``progress("steps", done, total)`` after each step is planned: long plan builds can show
+        progress.
+
+    Products of dense channel blocks run as batched GEMMs (``chain.vector_channels``,
+    :mod:`sparse_scan.engine._blocks`); an mv by a JT whose layer's weights make it a cheaper GEMM
+    (``chain.weights``, :func:`~sparse_scan.engine._weights_path.gemm_pays`) is marked ``dense``, and
+    the plan's :attr:`ScanPlan.weights` says which JTs a host run may apply through their weights.
     """
     report = progress if progress is not None else (lambda phase, done, total: None)
+    n = chain.n
     levels = checked_levels(n, method, levels)
     kept = live_schedule(n, method, levels)
-    outputs = scan_outputs(n)
+    missing = sorted(set(operands_needing_patterns(n, method, levels)) - set(chain.patterns))
+    if missing:
+        raise ValueError(f"build_plan: the chain lacks the patterns of elements {missing}, operands of the "
+                         "schedule's products (operands_needing_patterns)")
 
-    info = {Element(j, j): element_info(j) for j in range(1, n + 1)}
-    raw_operands = sorted({element.lo for _, _, left, right in kept if not left.is_vector
-                           for element in (left, right) if element.lo == element.hi})
-    patterns: dict[Element, Pattern] = {}
-    for done, j in enumerate(raw_operands, start=1):
-        patterns[Element(j, j)] = element_pattern(j)
-        report("patterns", done, len(raw_operands))
-    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
-    for j in range(1, n + 1):
-        nnz, shared = info[Element(j, j)].nnz, info[Element(j, j)].shared
-        element_bytes[Element(j, j)] = (nnz, 0) if shared else (0, nnz)
-
+    info = {Element(j, j): element for j, element in enumerate(chain.elements, start=1)}
+    patterns: dict[Element, Pattern] = {Element(j, j): pattern for j, pattern in chain.patterns.items()}
+    element_bytes = _element_bytes(chain)
+    reads: dict[str, set[int]] = {"gemm": set(), "mv": set(), "products": set()}
     steps = []
     for lvl, phase, left, right in kept:
         out = Element(left.lo, right.hi)
@@ -419,65 +391,76 @@ def build_plan(
         step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
         if left.is_vector:
             step.scaling = right_kind == "diagonal"
-            step.dense = (not step.scaling and right.lo == right.hi and dense_matvec is not None
-                          and dense_matvec(right.lo))
+            step.dense = (not step.scaling and right.lo == right.hi
+                          and gemm_pays(right_info.nnz, chain.weights[right.lo - 1]))
             step.shape = (m, k, 1)
             step.flops = 2 * right_info.nnz
             step.flops_live = right_info.nnz if right_kind == "diagonal" else (
                 2 * k if right_kind == "selection" else step.flops)
             step.out_nnz = m
             element_bytes[out] = (0, m)
+            if right.lo == right.hi:
+                reads["gemm" if step.dense else "mv"].add(right.lo)
         else:
-            right_pattern, left_pattern = patterns[right], patterns[left]
-            left_kind = info[left].kind
-            key = (left, right)
-            product = product_cache.get(key)
-            if product is None:
-                if max_step_flops is not None and "diagonal" not in (right_kind, left_kind):
-                    flops = 2 * count_multiply_adds(right_pattern, left_pattern)
-                    if flops > max_step_flops:
-                        raise ScanCostError(
-                            f"scan step at level {lvl} ({phase} phase), the product of "
-                            f"{describe(right)} and {describe(left)}, needs {flops} FLOPs, over the "
-                            f"limit of {max_step_flops}")
-                channels = None if vector_channels is None else (
-                    vector_channels(right.hi), vector_channels(left.hi), vector_channels(left.lo - 1))
-                try:
-                    product = plan_product(right_pattern, left_pattern, right_kind, left_kind,
-                                           budget_bytes=budget_bytes, channels=channels)
-                except PlanBudgetError as error:
-                    raise ScanMemoryError(
-                        f"scan step at level {lvl} ({phase} phase), the product of "
-                        f"{describe(right)} and {describe(left)}: its result alone needs more than "
-                        f"{error.needed} bytes, over the memory budget of {error.budget} bytes "
-                        "(raise the budget, or use method='linear' or a hybrid with fewer levels)"
-                    ) from None
-                product_cache[key] = product
-            step.product = product
-            step.shape = (m, k, left_pattern.shape[1])
+            step.product = _planned_product(chain, step, patterns, info, product_cache, budget_bytes,
+                                            max_step_flops)
+            product = step.product
+            step.shape = (m, k, patterns[left].shape[1])
             step.flops = product.flops
             step.flops_live = product.flops_live
             step.out_nnz = product.out.nnz
             step.plan_bytes = product.nbytes
-            kind = "diagonal" if right_kind == left_kind == "diagonal" else "general"
+            kind = "diagonal" if right_kind == info[left].kind == "diagonal" else "general"
             shared = right_info.shared and info[left].shared
             patterns[out] = product.out
             info[out] = ElementInfo(tuple(product.out.shape), product.out.nnz, kind, shared)
             element_bytes[out] = (product.out.nnz, 0) if shared else (0, product.out.nnz)
+            reads["products"].update(element.lo for element in (left, right) if element.lo == element.hi)
         steps.append(step)
         report("steps", len(steps), len(kept))
-    return ScanPlan(method, levels, n, steps, outputs, element_bytes)
+    return ScanPlan(method, levels, n, steps, scan_outputs(n), element_bytes,
+                    weights=weights_plan(reads["gemm"], reads["mv"], reads["products"], chain.weights))
 
 
-def estimate_plan(n: int, method: str, levels: int | None,
-                  element_info: Callable[[int], ElementInfo],
-                  vector_size: Callable[[int], int]) -> ScanPlan:
+def _planned_product(chain: ChainInfo, step: Step, patterns: dict[Element, Pattern],
+                     info: dict[Element, ElementInfo],
+                     product_cache: dict[tuple[Element, Element], ProductPlan], budget_bytes: int | None,
+                     max_step_flops: int | None) -> ProductPlan:
+    """The symbolic product of an mm step (from the cache shared by the chain's plans, or planned)."""
+    left, right = step.left, step.right
+    key = (left, right)
+    product = product_cache.get(key)
+    if product is not None:
+        return product
+    right_pattern, left_pattern = patterns[right], patterns[left]
+    right_kind, left_kind = info[right].kind, info[left].kind
+    where = (f"scan step at level {step.level} ({step.phase} phase), the product of "
+             f"{chain.describe(right)} and {chain.describe(left)}")
+    if max_step_flops is not None and "diagonal" not in (right_kind, left_kind):
+        flops = 2 * count_multiply_adds(right_pattern, left_pattern)
+        if flops > max_step_flops:
+            raise ScanCostError(f"{where}, needs {flops} FLOPs, over the limit of {max_step_flops}")
+    channels = (chain.vector_channels[right.hi], chain.vector_channels[left.hi],
+                chain.vector_channels[left.lo - 1])
+    try:
+        product = plan_product(right_pattern, left_pattern, right_kind, left_kind,
+                               budget_bytes=budget_bytes, channels=channels)
+    except PlanBudgetError as error:
+        raise ScanMemoryError(
+            f"{where}: its result alone needs more than {error.needed} bytes, over the memory budget of "
+            f"{error.budget} bytes (raise the budget, or use method='linear' or a hybrid with fewer levels)"
+        ) from None
+    product_cache[key] = product
+    return product
+
+
+def estimate_plan(chain: ChainInfo, method: str, levels: int | None) -> ScanPlan:
     """The figures of :func:`build_plan`'s plan, estimated from the JTs' shapes and ``nnz`` alone.
 
-    Nothing is built: no pattern, no product. Each product's multiply-adds are estimated as if its
-    operands' entries were spread evenly over their rows and columns
-    (``nnz_A · nnz_B / k`` for ``A (m×k) · B (k×n)``; exact for diagonals, max-pool selections,
-    dense blocks and most of a convolution's rows) and its result's ``nnz`` as
+    Nothing is built: no pattern (``chain.patterns`` is not read), no product. Each product's
+    multiply-adds are estimated as if its operands' entries were spread evenly over their rows and
+    columns (``nnz_A · nnz_B / k`` for ``A (m×k) · B (k×n)``; exact for diagonals, max-pool
+    selections, dense blocks and most of a convolution's rows) and its result's ``nnz`` as
     ``min(m·n, multiply-adds)`` (every multiply-add a new entry until the result is dense): deep
     products of convolutions, whose multiply-adds mostly land on shared entries, are over-estimated,
     so a choice from these figures leans towards shallower schedules. A product with a diagonal is a
@@ -490,16 +473,12 @@ def estimate_plan(n: int, method: str, levels: int | None,
         ``plan_bytes`` (estimated index bytes), ``peak_bytes(...)`` and ``symbolic_work``: the
         pattern entries and multiply-adds that :func:`build_plan` would enumerate for it.
     """
+    n = chain.n
     levels = checked_levels(n, method, levels)
     kept = live_schedule(n, method, levels)
-    info = {Element(j, j): element_info(j) for j in range(1, n + 1)}
-    element_bytes: dict[Element, tuple[int, int]] = {Element(0, 0): (0, vector_size(0))}
-    for j in range(1, n + 1):
-        nnz, shared = info[Element(j, j)].nnz, info[Element(j, j)].shared
-        element_bytes[Element(j, j)] = (nnz, 0) if shared else (0, nnz)
-    operands = {element.lo for _, _, left, right in kept if not left.is_vector
-                for element in (left, right) if element.lo == element.hi}
-    work = sum(info[Element(j, j)].nnz for j in operands)
+    info = {Element(j, j): element for j, element in enumerate(chain.elements, start=1)}
+    element_bytes = _element_bytes(chain)
+    work = sum(info[Element(j, j)].nnz for j in operands_needing_patterns(n, method, levels))
     steps = []
     for lvl, phase, left, right in kept:
         out = Element(left.lo, right.hi)

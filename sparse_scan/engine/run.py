@@ -20,21 +20,26 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .. import backend as _backend
+from .._types import Array
+from ..csr import BatchedCSR
 from . import _cpu, _dense_cpu, _dense_gpu, _gpu
 from .dense_plan import auto_levels, dense_plan
 from .plan import ScanPlan
 from .products import ProductPlan
 
-__all__ = ["dense_scan", "multiply", "run_plan"]
+__all__ = ["dense_scan", "multiply", "run_plan", "through_weights"]
 
 _run_plan = _backend.twin(
-    cpu=lambda be, plan, grad_out, jacobians, threads, dense_matvecs: _cpu.run_plan(
-        plan, grad_out, jacobians, threads=threads, dense_matvecs=dense_matvecs),
-    gpu=lambda be, plan, grad_out, jacobians, threads, dense_matvecs: _gpu.run_plan(
+    cpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs: _cpu.run_plan(
+        plan, grad_out, jacobians, threads=threads, weights_matvecs=weights_matvecs),
+    gpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs: _gpu.run_plan(
         plan, grad_out, jacobians))
+# the GPU scan runs every mv as an SpMV in its level launch: no JT goes through its layer's weights
+_through_weights = _backend.twin(cpu=lambda be, plan, batch: plan.weights.through(batch),
+                                 gpu=lambda be, plan, batch: frozenset())
 _multiply = _backend.twin(cpu=lambda be, plan, a_data, b_data: _cpu.multiply(plan, a_data, b_data),
                           gpu=lambda be, plan, a_data, b_data: _gpu.multiply(plan, a_data, b_data))
 _run_dense_plan = _backend.twin(
@@ -42,9 +47,17 @@ _run_dense_plan = _backend.twin(
     gpu=lambda be, plan, blocks, direct, threads: _dense_gpu.run_dense_plan(plan, blocks, direct))
 
 
-def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Any, jacobians: Sequence[Any],
+def through_weights(be: _backend.Backend, plan: ScanPlan, batch: int) -> frozenset[int]:
+    """The layer JTs (scan elements ``j``) whose mv steps a run of ``plan`` for ``batch`` samples on
+    ``be`` applies through their layers' weights (``Layer.weights_matvec``) instead of their values:
+    ``plan.weights.through(batch)`` on the CPU (:mod:`sparse_scan.engine._weights_path`), none on the
+    GPU. ``plan.weights.valueless`` of them need no values at all."""
+    return _through_weights(be, plan, batch)
+
+
+def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
              threads: int | None = None,
-             dense_matvecs: Sequence[Callable[[Any], Any] | None] | None = None) -> list[Any]:
+             weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None) -> list[Array]:
     """Numeric phase of ``plan`` for one batch on ``be``.
 
     Parameters
@@ -57,24 +70,25 @@ def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Any, jacobians: Seq
         ``g_n``, flattened per sample.
     jacobians : sequence of BatchedCSR or None
         ``jacobians[j - 1]`` is scan element ``j`` (the JT of layer ``n - j + 1``), with the patterns
-        the plan was built from. On the CPU with ``dense_matvecs``, None for the JTs applied through
-        their layers' weights.
+        the plan was built from; None for those of :func:`through_weights` that the plan's
+        ``weights.valueless`` names.
     threads : int, optional
         CPU worker threads per level (default: the cores this process may use); the GPU runs a level
         as one launch.
-    dense_matvecs : sequence of callable, optional
-        CPU only: ``dense_matvecs[j - 1](g)`` computes ``JT_j @ g`` from the layer's weights; the
-        plan's ``dense`` steps and the mv steps by a JT given as None use it.
+    weights_matvecs : mapping, optional
+        CPU only: ``weights_matvecs[j](g)`` computes ``JT_j @ g`` from the layer's weights
+        (``Layer.weights_matvec``) for the JTs of :func:`through_weights`; every mv step by such a JT
+        uses it.
 
     Returns
     -------
     list of ndarray
         ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``, on ``be``.
     """
-    return _run_plan(be, plan, grad_out, jacobians, threads, dense_matvecs)
+    return _run_plan(be, plan, grad_out, jacobians, threads, weights_matvecs)
 
 
-def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
+def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:
     """Numeric phase of ``C = A @ B``: values of ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``, both NumPy or both
@@ -101,8 +115,8 @@ def multiply(plan: ProductPlan, a_data: Any, b_data: Any) -> Any:
     return _multiply(be, plan, a_data, b_data)
 
 
-def dense_scan(blocks: Any, direct: Any, method: str = "blelloch", levels: int | str | None = None,
-               threads: int | None = None) -> Any:
+def dense_scan(blocks: Array, direct: Array, method: str = "blelloch", levels: int | str | None = None,
+               threads: int | None = None) -> Array:
     """Total gradients of a recurrent chain by a scan over dense blocks.
 
     Parameters

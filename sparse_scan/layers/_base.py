@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from .. import backend as _backend
+from .._types import Array
 from ..csr import BatchedCSR, Pattern, choose_index_dtype
+from ..engine.plan import WeightsPath
 
 Shape = tuple[int, ...]
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -66,7 +68,7 @@ class Layer:
             raise self._error("input", f"per-sample sizes must be positive, got {list(shape)}")
         return shape
 
-    def _check_input(self, x: Any) -> Any:
+    def _check_input(self, x: Array) -> Array:
         """Validate a batched input: array, floating dtype, a non-empty batch axis first, known shape."""
         if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
             raise self._error("input", f"expected an ndarray, got {type(x).__name__}")
@@ -78,11 +80,11 @@ class Layer:
         return x
 
     # --- the protocol --------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         """Apply the layer to a batch ``x`` of shape ``(B, *in_shape)``."""
         raise NotImplementedError
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Array) -> Array:
         return self.forward(x)
 
     def pattern(self, in_shape: Shape, device: str = "cpu", index_dtype: Any = None) -> Pattern:
@@ -107,7 +109,7 @@ class Layer:
         building the pattern override this: a scan plan's mv steps need only the count)."""
         return self.pattern(in_shape).nnz
 
-    def transposed_jacobian(self, x: Any, index_dtype: Any = None) -> BatchedCSR:
+    def transposed_jacobian(self, x: Array, index_dtype: Any = None) -> BatchedCSR:
         """Return the batched transposed Jacobian at input ``x`` (NumPy or CuPy array).
 
         The pattern comes from the cache; only the values are computed for this batch. Values are
@@ -139,27 +141,25 @@ class Layer:
         """Build the pattern and any auxiliary index arrays the values fill needs."""
         raise NotImplementedError
 
-    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         """Fill JT's values for the batch ``x`` into the pattern's entry order."""
         raise NotImplementedError
 
-    # --- JT @ g through dense weights (layers with parameters override) -------------------------
-    def dense_matvec_pays(self, in_shape: Shape) -> bool:
-        """Whether :meth:`dense_transposed_matvec` beats a CSR SpMV of JT for ``in_shape``.
+    # --- JT @ g through the weights (layers with parameters override) ---------------------------
+    def weights_path(self, in_shape: Shape) -> WeightsPath | None:
+        """How :meth:`weights_matvec` computes ``JT @ g`` for ``in_shape`` (its GEMM's multiply-adds,
+        whether its weights multiply as CSR), for the planner to weigh against JT's SpMV
+        (:mod:`sparse_scan.engine._weights_path`); None where the layer has no weights to do it
+        with. Only layers whose JT is made of their weights (:class:`Conv2d`, :class:`Linear`) offer
+        one."""
+        return None
 
-        Only layers whose JT is made of dense weights (:class:`Conv2d`, :class:`Linear`) offer one.
-        """
-        return False
-
-    def dense_transposed_matvec(self, grad_out: Any, in_shape: Shape) -> Any:
-        """``JT @ g`` for a batch of flattened output gradients ``(B, out_size) -> (B, in_size)``,
-        computed from the layer's dense weights by BLAS, without JT's values."""
-        raise NotImplementedError(f"layer {self.label} has no dense transposed matvec")
-
-    def sparse_weights_matvec_pays(self, batch: int) -> bool:
-        """Whether, on the CPU, :meth:`dense_transposed_matvec` through the layer's CSR weights
-        (heavily pruned convolutions) beats JT's values fill plus its SpMV for ``batch`` samples."""
-        return False
+    def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
+        """``g -> JT @ g`` for batches of flattened output gradients ``(B, out_size) -> (B, in_size)``
+        on ``device``, computed from the layer's weights without JT's values (see
+        :meth:`weights_path`). The weights are read now, on the calling thread: the operator holds
+        until they change, and may run on any thread."""
+        raise NotImplementedError(f"layer {self.label} has no path through its weights")
 
 
 def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:

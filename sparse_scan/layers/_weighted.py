@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Hashable, Iterator
 
 import numpy as np
 
 from .. import backend as _backend
+from .._types import Array
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
 
@@ -26,40 +27,15 @@ _HELD = threading.local()  # .keys: layer id -> structure key, inside held_struc
 @contextlib.contextmanager
 def held_structure_keys() -> Iterator[None]:
     """Inside the block, on this thread, each layer's structure key is computed at most once (one
-    backward pass: its weights do not change meanwhile). Other threads are not affected."""
+    backward pass: its weights do not change meanwhile). Other threads are not affected: what runs
+    on them is resolved on this thread first (``Layer.weights_matvec`` reads the weights' structure
+    when it is bound)."""
     outer = getattr(_HELD, "keys", None)
     _HELD.keys = {} if outer is None else outer
     try:
         yield
     finally:
         _HELD.keys = outer
-
-
-def sharing_held_keys(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function``, to run on any thread inside the calling thread's :func:`held_structure_keys`
-    block (when there is one): the steps of one backward that run on pool threads then reuse its
-    keys instead of hashing the zero sets again."""
-    keys = getattr(_HELD, "keys", None)
-    if keys is None:
-        return function
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_HELD, "keys", None)
-        _HELD.keys = keys
-        try:
-            return function(*args, **kwargs)
-        finally:
-            _HELD.keys = outer
-
-    return run
-
-
-DENSE_MATVEC_MIN_DENSITY = 0.1
-"""A JT SpMV runs as a dense GEMM over the weights when its pattern holds at least this share of the
-GEMM's multiply-adds. Measured on VGG-11's convolutions (2-core CPU, float32, batch 4 and 16): SciPy's
-CSR SpMV costs 3.4-5.3 ns per stored entry, the GEMM plus the column scatter 0.08-0.5 ns per
-multiply-add, so the GEMM wins from a density of 0.02-0.1; unpruned layers (0.44-0.96) take the GEMM,
-97%-pruned ones (0.013-0.029) keep the SpMV."""
 
 
 def as_rng(rng: RngLike) -> np.random.Generator:
@@ -163,7 +139,7 @@ class WeightedLayer(Layer):
             self._bias = self._bias.astype(self._dtype)
         return self
 
-    def _check_input_dtype(self, x: Any) -> None:
+    def _check_input_dtype(self, x: Array) -> None:
         if np.dtype(x.dtype) != self._dtype:
             raise self._error(
                 "input",
@@ -199,7 +175,7 @@ class WeightedLayer(Layer):
 
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
-    ) -> tuple[Pattern, Any]:
+    ) -> tuple[Pattern, Array]:
         """Return the unpruned pattern and ``widx`` (flat weight index of every entry)."""
         raise NotImplementedError
 
@@ -211,19 +187,8 @@ class WeightedLayer(Layer):
             pattern, widx = _drop_zero_weights(be, pattern, widx, be.asarray(self._weight.ravel()))
         return pattern, {"widx": widx, "pruned": self.prune_pattern, "in_shape": in_shape}
 
-    # --- JT @ g through the dense weights ------------------------------------------------------
-    def dense_multiply_adds(self, in_shape: Shape) -> int:
-        """Multiply-adds of :meth:`dense_transposed_matvec` for one sample of ``in_shape``."""
-        raise NotImplementedError
-
-    def dense_matvec_pays(self, in_shape: Shape) -> bool:
-        """Whether the pattern holds at least :data:`DENSE_MATVEC_MIN_DENSITY` of the dense GEMM's
-        multiply-adds (unpruned layers always do; heavily pruned ones keep the SpMV)."""
-        shape = self.check_in_shape(in_shape)
-        return self.pattern_nnz(shape) >= DENSE_MATVEC_MIN_DENSITY * self.dense_multiply_adds(shape)
-
     # --- values --------------------------------------------------------------------------------
-    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         self._check_input_dtype(x)
         if not aux["pruned"]:
             filled = self._structured_values(be, pattern, aux)
@@ -231,14 +196,14 @@ class WeightedLayer(Layer):
                 return filled
         return be.xp.take(be.asarray(self._weight.ravel()), aux["widx"])
 
-    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Array:
         """A faster fill of the unpruned pattern's values, or None to use the gather."""
         return None
 
 
 def _drop_zero_weights(
-    be: _backend.Backend, pattern: Pattern, widx: Any, flat_weight: Any
-) -> tuple[Pattern, Any]:
+    be: _backend.Backend, pattern: Pattern, widx: Array, flat_weight: Array
+) -> tuple[Pattern, Array]:
     """Remove the entries whose weight is exactly zero from ``pattern`` (and ``widx``)."""
     xp = be.xp
     keep = flat_weight[widx] != 0

@@ -16,13 +16,14 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import number
+from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
 
 __all__ = ["ELU", "GELU", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"]
 
 
-def _sigmoid(x: Any) -> Any:
+def _sigmoid(x: Array) -> Array:
     """The logistic function without overflow warnings (exp of a non-positive argument only)."""
     xp = _backend.of(x).xp
     e = xp.exp(-xp.abs(x))
@@ -32,7 +33,7 @@ def _sigmoid(x: Any) -> Any:
 class _Elementwise(Layer):
     jacobian_kind = "diagonal"
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         return self._apply(self._check_input(x))
 
     def _build_pattern(
@@ -40,13 +41,13 @@ class _Elementwise(Layer):
     ) -> tuple[Pattern, dict[str, Any]]:
         return diagonal_pattern(be, int(np.prod(in_shape)), index_dtype), {}
 
-    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         return self._derivative(x.reshape(x.shape[0], -1))
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         raise NotImplementedError
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         """``d f(x) / dx`` elementwise, in ``x``'s dtype and array module."""
         raise NotImplementedError
 
@@ -57,10 +58,10 @@ class _Elementwise(Layer):
 class ReLU(_Elementwise):
     """``max(x, 0)``; derivative 1 where ``x > 0``, else 0 (PyTorch's convention at 0)."""
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return x * (x > 0)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         return (x > 0).astype(x.dtype)
 
 
@@ -77,10 +78,10 @@ class LeakyReLU(_Elementwise):
         super().__init__()
         self.negative_slope = number(negative_slope, f"layer {self.label}: negative_slope")
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return x * self._derivative(x)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         xp = _backend.of(x).xp
         return xp.where(x > 0, x.dtype.type(1), x.dtype.type(self.negative_slope))
 
@@ -91,10 +92,10 @@ class LeakyReLU(_Elementwise):
 class Tanh(_Elementwise):
     """``tanh(x)``; derivative ``1 - tanh(x)**2``."""
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return _backend.of(x).xp.tanh(x)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         y = self._apply(x)
         return 1 - y * y
 
@@ -102,21 +103,21 @@ class Tanh(_Elementwise):
 class Sigmoid(_Elementwise):
     """``1 / (1 + exp(-x))``; derivative ``s (1 - s)``."""
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return _sigmoid(x)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         s = self._apply(x)
         return s * (1 - s)
 
 
-def _erf_cpu(be: _backend.Backend, x: Any) -> Any:
+def _erf_cpu(be: _backend.Backend, x: Array) -> Array:
     import scipy.special  # noqa: PLC0415 - SciPy is imported only where it is needed
 
     return scipy.special.erf(x)
 
 
-def _erf_gpu(be: _backend.Backend, x: Any) -> Any:
+def _erf_gpu(be: _backend.Backend, x: Array) -> Array:
     import cupyx.scipy.special  # noqa: PLC0415 - GPU code only
 
     return cupyx.scipy.special.erf(x)
@@ -128,20 +129,20 @@ _erf = _backend.twin(cpu=_erf_cpu, gpu=_erf_gpu)
 class Identity(_Elementwise):
     """``x``; its transposed Jacobian is the identity (PyTorch's ``nn.Identity``)."""
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return x
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         return _backend.of(x).xp.ones_like(x)
 
 
 class SiLU(_Elementwise):
     """``x * sigmoid(x)``; derivative ``s (1 + x (1 - s))``."""
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return x * _sigmoid(x)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         s = _sigmoid(x)
         return s * (1 + x * (1 - s))
 
@@ -164,16 +165,16 @@ class GELU(_Elementwise):
                              f"got {approximate!r}")
         self.approximate = approximate
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         if self.approximate == "tanh":
             xp = _backend.of(x).xp
             return x * (1 + xp.tanh(self._K * (x + 0.044715 * x * x * x))) / 2
         return x * self._cdf(x)
 
-    def _cdf(self, x: Any) -> Any:
+    def _cdf(self, x: Array) -> Array:
         return ((1 + _erf(_backend.of(x), x / np.sqrt(2.0))) / 2).astype(x.dtype, copy=False)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         xp = _backend.of(x).xp
         if self.approximate == "tanh":
             inner = self._K * (x + 0.044715 * x * x * x)
@@ -201,11 +202,11 @@ class ELU(_Elementwise):
         super().__init__()
         self.alpha = number(alpha, f"layer {self.label}: alpha")
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         xp = _backend.of(x).xp
         return xp.where(x > 0, x, self.alpha * xp.expm1(xp.minimum(x, 0))).astype(x.dtype, copy=False)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         xp = _backend.of(x).xp
         return xp.where(x > 0, x.dtype.type(1), self.alpha * xp.exp(xp.minimum(x, 0))).astype(
             x.dtype, copy=False)
@@ -231,10 +232,10 @@ class Hardtanh(_Elementwise):
             raise ValueError(f"layer {self.label}: min_val ({self.min_val}) must be below max_val "
                              f"({self.max_val})")
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         return _backend.of(x).xp.clip(x, self.min_val, self.max_val).astype(x.dtype, copy=False)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         return ((x > self.min_val) & (x < self.max_val)).astype(x.dtype)
 
     def __repr__(self) -> str:
@@ -258,13 +259,13 @@ class Softplus(_Elementwise):
         self.beta = number(beta, f"layer {self.label}: beta", minimum=0.0, inclusive=False)
         self.threshold = number(threshold, f"layer {self.label}: threshold")
 
-    def _apply(self, x: Any) -> Any:
+    def _apply(self, x: Array) -> Array:
         xp = _backend.of(x).xp
         scaled = self.beta * x
         soft = xp.logaddexp(0, scaled) / self.beta
         return xp.where(scaled > self.threshold, x, soft).astype(x.dtype, copy=False)
 
-    def _derivative(self, x: Any) -> Any:
+    def _derivative(self, x: Array) -> Array:
         xp = _backend.of(x).xp
         scaled = self.beta * x
         slope = xp.where(scaled > self.threshold, x.dtype.type(1), _sigmoid(scaled))

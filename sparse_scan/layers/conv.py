@@ -11,15 +11,17 @@ stride's residue in the interior). The values fill exploits that: the rows of on
 same weights in the same order and lie at affine offsets, so each class pair is one strided block copy
 instead of an ``nnz``-long gather.
 
-The forward pass is one GEMM per group over the batch's columns (im2col). Pruned weights
+The forward pass is one GEMM per group over the batch's columns (im2col), and so is ``JT @ g`` through
+the weights (the transposed convolution, :meth:`Conv2d.weights_matvec`). Pruned weights
 (``prune_pattern=True``) at most :data:`SPARSE_FORWARD_MAX_DENSITY` dense multiply on the CPU as a
 SciPy CSR matrix instead, skipping the pruned multiply-adds.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import scipy.sparse
@@ -27,7 +29,9 @@ import scipy.sparse
 from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag, integer
+from .._types import Array
 from ..csr import Pattern, choose_index_dtype
+from ..engine.plan import WeightsPath
 from ._base import Shape
 from ._geometry import IntPair, output_size, pair, window_extent
 from ._weighted import RngLike, WeightedLayer
@@ -38,14 +42,9 @@ KERNEL_FILE = "conv_jt.cu"
 SPARSE_FORWARD_MAX_DENSITY = 0.05
 """Pruned weights with at most this fraction of non-zeros multiply the forward's columns as a CSR
 matrix on the CPU. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16): 2-4x
-faster at 3%, slower from about 6-10% (SciPy's product runs on one core)."""
-
-SPARSE_MATVEC_MAX_BATCH = 8
-"""Up to this batch, a backward on the CPU computes ``JT @ g`` of such a layer from its CSR weights
-(the transposed convolution, no JT values) where the plan only multiplies JT by vectors. Measured on
-VGG-11's eight 97%-pruned convolutions (2 cores, float32), against JT's values fill plus its SpMV:
-4.4x faster at batch 1, 2.1x at 4, 1.2x at 8, 0.74x at 16 (the taps' scatter grows with the batch,
-the shared JT values do not)."""
+faster at 3%, slower from about 6-10% (SciPy's product runs on one core). ``JT @ g`` through such
+weights pays at small batches even where JT's values would do: see
+:data:`~sparse_scan.engine._weights_path.SPARSE_MATVEC_MAX_BATCH`."""
 
 
 @dataclass(frozen=True)
@@ -239,15 +238,16 @@ class Conv2d(WeightedLayer):
         return (g.out_channels, g.out_height, g.out_width)
 
     # --- forward -------------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         """Cross-correlate the batch ``x`` (B, C, H, W) with the weights, plus bias."""
         x = self._check_input(x)
         self._check_input_dtype(x)
         g = self.geometry(x.shape[1:])
-        xp = _backend.of(x).xp
+        be = _backend.of(x)
+        xp = be.xp
         columns = self._columns(x, g)
         batch = x.shape[0]
-        sparse = self._sparse_weights(xp)
+        sparse = _host_sparse_weights(be, self, False)
         if sparse is None:
             weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
             out = xp.matmul(weight, columns)
@@ -258,12 +258,13 @@ class Conv2d(WeightedLayer):
             out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
         return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
 
-    def _sparse_weights(self, xp: Any = np, transposed: bool = False) -> list[scipy.sparse.csr_matrix] | None:
+    def _sparse_weights(self, transposed: bool = False) -> list[scipy.sparse.csr_matrix] | None:
         """Per group, the pruned weights ``(cout / groups, taps)`` (or, ``transposed``, their
-        transpose) as CSR for work in ``xp``, or None off the host (SciPy) or where they are not pruned
-        or too dense to pay (:data:`SPARSE_FORWARD_MAX_DENSITY`). The matrices are kept per zero set;
-        their values are gathered from the current weights at every call, into the kept arrays."""
-        layout = self._sparse_layout() if xp is np else None
+        transpose) as CSR for work on the host (SciPy; :func:`_host_sparse_weights` is the dispatch),
+        or None where they are not pruned or too dense to pay (:meth:`_csr_pays`). The matrices are
+        kept per zero set; their values are gathered from the current weights at every call, into the
+        kept arrays."""
+        layout = self._sparse_layout()
         if layout is None:
             return None
         flat = self._weight.ravel()
@@ -286,7 +287,7 @@ class Conv2d(WeightedLayer):
         if self._sparse_structure is None or self._sparse_structure[0] != key:
             groups = self._weight.reshape(self.groups, self.out_channels // self.groups, -1)
             layout = None
-            if np.count_nonzero(groups) <= SPARSE_FORWARD_MAX_DENSITY * groups.size:
+            if self._csr_pays():
                 layout = ([], [])
                 for index, group in enumerate(groups):
                     offset = index * group.size
@@ -295,7 +296,13 @@ class Conv2d(WeightedLayer):
             self._sparse_structure = (key, layout)
         return self._sparse_structure[1]
 
-    def _columns(self, x: Any, g: ConvGeometry) -> Any:
+    def _csr_pays(self) -> bool:
+        """Whether the weights are pruned to at most :data:`SPARSE_FORWARD_MAX_DENSITY` non-zeros,
+        so that they multiply as CSR on the host."""
+        return (self.prune_pattern
+                and np.count_nonzero(self._weight) <= SPARSE_FORWARD_MAX_DENSITY * self._weight.size)
+
+    def _columns(self, x: Array, g: ConvGeometry) -> Array:
         """``(groups, taps, B * out pixels)``: the input element each kernel tap of each output reads
         (``taps = in_channels / groups * kh * kw``, zeros in the padding), the batch folded into the
         columns so that one GEMM per group reads the weights once for every sample."""
@@ -329,16 +336,17 @@ class Conv2d(WeightedLayer):
             weights = np.full(g.kernel, g.out_channels * g.cin_per_group)
         return int((weights * inside).sum())
 
-    def dense_multiply_adds(self, in_shape: Shape) -> int:
+    # --- JT @ g through the weights -----------------------------------------------------------
+    def weights_path(self, in_shape: Shape) -> WeightsPath:
+        """The transposed convolution: one GEMM of every weight with every output pixel per sample,
+        or CSR weights where they are heavily pruned (:meth:`_csr_pays`)."""
         g = self.geometry(in_shape)
-        return (g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1]
-                * g.out_height * g.out_width)
+        multiply_adds = (g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1]
+                         * g.out_height * g.out_width)
+        return WeightsPath(multiply_adds, csr=self._csr_pays())
 
-    def sparse_weights_matvec_pays(self, batch: int) -> bool:
-        return batch <= SPARSE_MATVEC_MAX_BATCH and self._sparse_layout() is not None
-
-    def dense_transposed_matvec(self, grad_out: Any, in_shape: Shape) -> Any:
-        """``JT @ g`` for the batch ``grad_out`` ``(B, out_size)``: the transposed convolution.
+    def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
+        """``JT @ g`` for a batch ``g`` of ``(B, out_size)``: the transposed convolution.
 
         One GEMM per group over all samples, ``W_g^T (taps, cout) @ g (cout, B * pixels)``, gives
         every tap's contribution; they are added into the padded input at their strided positions
@@ -346,17 +354,25 @@ class Conv2d(WeightedLayer):
         (:meth:`_sparse_weights`) multiply as CSR on the CPU.
         """
         g = self.geometry(in_shape)
+        be = _backend.get(device)
+        sparse = _host_sparse_weights(be, self, True)
+        if sparse is None:
+            weight = be.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
+            taps_of = functools.partial(be.xp.matmul, weight.transpose(0, 2, 1))
+        else:
+            taps_of = functools.partial(_grouped_product, sparse)
+        return functools.partial(self._transposed_convolution, g, taps_of)
+
+    def _transposed_convolution(self, g: ConvGeometry, taps_of: Callable[[Array], Array],
+                                grad_out: Array) -> Array:
+        """:meth:`weights_matvec` of ``grad_out``, ``taps_of`` giving the taps' contributions
+        ``(groups, taps, B * pixels)`` of the gradient ``(groups, cout, B * pixels)``."""
         xp = _backend.of(grad_out).xp
         batch, pixels = grad_out.shape[0], g.out_height * g.out_width
         (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
         grad = (xp.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
                 .transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels))
-        sparse = self._sparse_weights(xp, transposed=True)
-        if sparse is None:
-            weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
-            taps = xp.matmul(weight.transpose(0, 2, 1), grad)
-        else:
-            taps = _grouped_product(sparse, grad)
+        taps = taps_of(grad)
         taps = taps.reshape(g.groups, g.cin_per_group, kh, kw, batch, g.out_height, g.out_width)
         top, bottom, left, right = self._pads
         padded = xp.zeros((batch, g.groups, g.cin_per_group, g.height + top + bottom,
@@ -368,7 +384,7 @@ class Conv2d(WeightedLayer):
                     taps[:, :, i, j].transpose(2, 0, 1, 3, 4))
         return padded[..., top:top + g.height, left:left + g.width].reshape(batch, -1)
 
-    def parameter_gradients(self, x: Any, grad_out: Any) -> dict[str, Any]:
+    def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch.
 
         ``dW[g] = sum_b grad_out[b, g] @ columns[b, g]^T``: one GEMM per group over all samples.
@@ -389,7 +405,7 @@ class Conv2d(WeightedLayer):
     # --- pattern -------------------------------------------------------------------------------
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
-    ) -> tuple[Pattern, Any]:
+    ) -> tuple[Pattern, Array]:
         g = self.geometry(in_shape)
         return _structural_pattern(be, g, index_dtype)
 
@@ -403,7 +419,7 @@ class Conv2d(WeightedLayer):
         return pattern, aux
 
     # --- values --------------------------------------------------------------------------------
-    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Array:
         return _fill_values(be, aux["geometry"], pattern, aux, be.asarray(self.weight))
 
     def __repr__(self) -> str:
@@ -579,7 +595,7 @@ def _fill_values_cpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, au
 
 
 # --- GPU twins ---------------------------------------------------------------------------------
-def _structural_pattern_gpu(be: _backend.Backend, g: ConvGeometry, index_dtype: Any) -> tuple[Pattern, Any]:
+def _structural_pattern_gpu(be: _backend.Backend, g: ConvGeometry, index_dtype: Any) -> tuple[Pattern, Array]:
     cp = be.xp
     rows, cols = g.shape
     host_counts = _row_counts(g)  # analytic, tiny host work
@@ -596,7 +612,7 @@ def _structural_pattern_gpu(be: _backend.Backend, g: ConvGeometry, index_dtype: 
 
 
 def _fill_values_gpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, aux: dict[str, Any],
-                     weight: Any) -> Any:
+                     weight: Array) -> Array:
     data = be.xp.empty(pattern.nnz, dtype=weight.dtype)
     kernel = _kernels.function(KERNEL_FILE, "conv_jt_fill_values", pattern.index_dtype, weight.dtype)
     _kernels.launch(kernel, g.shape[0] * g.cout_per_group,
@@ -605,6 +621,9 @@ def _fill_values_gpu(be: _backend.Backend, g: ConvGeometry, pattern: Pattern, au
 
 
 _structural_pattern = _backend.twin(cpu=_structural_pattern_cpu, gpu=_structural_pattern_gpu)
+# SciPy's CSR weights multiply on the host; the GPU multiplies the dense weights
+_host_sparse_weights = _backend.twin(cpu=lambda be, conv, transposed: conv._sparse_weights(transposed),
+                                     gpu=lambda be, conv, transposed: None)
 _fill_values = _backend.twin(cpu=_fill_values_cpu, gpu=_fill_values_gpu)
 # The GPU kernel computes every entry from the geometry: it needs no fill plan.
 _fill_plan = _backend.twin(cpu=_fill_plan_cpu, gpu=lambda be, g, indptr: None)

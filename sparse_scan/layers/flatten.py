@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import integer
+from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
 
@@ -53,7 +54,7 @@ class Flatten(Layer):
         self._axes(len(shape) + 1)
         return shape
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         x = self._check_input(x)
         return x.reshape((x.shape[0],) + self.output_shape(x.shape[1:]))
 
@@ -62,7 +63,7 @@ class Flatten(Layer):
     ) -> tuple[Pattern, dict[str, Any]]:
         return diagonal_pattern(be, int(np.prod(in_shape)), index_dtype), {}
 
-    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         return be.xp.ones(pattern.nnz, dtype=x.dtype)
 
     def __repr__(self) -> str:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import backend as _backend
 from .._checks import flag, integer
+from .._types import Array
 from ..csr import Pattern, choose_index_dtype
+from ..engine.plan import WeightsPath
 from ._base import Shape
 from ._weighted import RngLike, WeightedLayer
 
@@ -66,14 +68,14 @@ class Linear(WeightedLayer):
         self.check_in_shape(in_shape)
         return (self.out_features,)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         x = self._check_input(x)
         self._check_input_dtype(x)
         be = _backend.of(x)
         y = x @ be.asarray(self.weight).T
         return y if self.bias is None else y + be.asarray(self.bias)
 
-    def parameter_gradients(self, x: Any, grad_out: Any) -> dict[str, Any]:
+    def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch."""
         x = self._check_input(x)
         grad = _backend.of(x).asarray(grad_out)  # on x's device, wherever the backward ran
@@ -89,17 +91,20 @@ class Linear(WeightedLayer):
             return int(np.count_nonzero(self.weight))
         return self.in_features * self.out_features
 
-    def dense_multiply_adds(self, in_shape: Shape) -> int:
-        return self.in_features * self.out_features
-
-    def dense_transposed_matvec(self, grad_out: Any, in_shape: Shape) -> Any:
-        """``JT @ g = g W`` for the batch ``grad_out`` ``(B, out_features)``: one GEMM."""
+    def weights_path(self, in_shape: Shape) -> WeightsPath:
+        """The GEMM ``g W``: ``in_features · out_features`` multiply-adds per sample."""
         self.check_in_shape(in_shape)
-        return grad_out @ _backend.of(grad_out).asarray(self.weight)
+        return WeightsPath(self.in_features * self.out_features)
+
+    def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
+        """``JT @ g = g W`` for a batch ``g`` of ``(B, out_features)``: one GEMM."""
+        self.check_in_shape(in_shape)
+        weight = _backend.get(device).asarray(self.weight)
+        return lambda grad_out: grad_out @ weight
 
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
-    ) -> tuple[Pattern, Any]:
+    ) -> tuple[Pattern, Array]:
         n_in, n_out = self.in_features, self.out_features
         dtype = choose_index_dtype(n_in * n_out, n_out, index_dtype)
         xp = be.xp
@@ -110,7 +115,7 @@ class Linear(WeightedLayer):
                 + xp.arange(n_in, dtype=dtype)[:, None]).ravel()
         return Pattern(indptr, indices, (n_in, n_out)), widx
 
-    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Array:
         return be.asarray(self.weight).T.ravel()
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ from .._checks import flag
 from .._host_kernels import kernels, launch
 from .._scaled_gather import THREAD_MIN_VALUES
 from .._threads import cpu_threads, even_parts
+from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ._base import Layer, Shape
 from ._geometry import IntPair, output_size, pair
@@ -156,7 +157,7 @@ def _axis_taps(size: int, out: int, kernel: int, stride: int, pad: int, dilation
 
 
 # --- pattern twins -------------------------------------------------------------------------------
-def _pattern_cpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tuple[Any, Any, Any]:
+def _pattern_cpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tuple[Array, Array, Array]:
     """NumPy twin: ``(indptr, indices, slot)``, built for one channel and tiled over channels."""
     th, tw = _axis_taps(*g.axis(0)), _axis_taps(*g.axis(1))
     plane_in, plane_out = g.height * g.width, g.out_height * g.out_width
@@ -184,7 +185,7 @@ def _pattern_cpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tupl
     return indptr, indices, slot.reshape(g.offsets, g.outputs)
 
 
-def _pattern_gpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tuple[Any, Any, Any]:
+def _pattern_gpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tuple[Array, Array, Array]:
     """CUDA twin: per-row counts, CuPy cumsum, per-row fill of sorted indices and slots."""
     cp = be.xp
     geometry = cp.asarray(g.as_array())
@@ -204,7 +205,7 @@ _pattern = _backend.twin(cpu=_pattern_cpu, gpu=_pattern_gpu)
 
 
 # --- windows as strided views (forward, and the max-pool values on the CPU) -----------------------
-def _padded(xp: Any, x: Any, g: PoolGeometry, fill: float) -> Any:
+def _padded(xp: Any, x: Array, g: PoolGeometry, fill: float) -> Array:
     """``x`` inside a ``fill`` border wide enough for every window (``ceil_mode``'s included)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.stride, g.padding, g.dilation
     rows = max(ph + g.height, (kh - 1) * dh + (g.out_height - 1) * sh + 1)
@@ -216,7 +217,7 @@ def _padded(xp: Any, x: Any, g: PoolGeometry, fill: float) -> Any:
     return padded
 
 
-def _window_views(xp: Any, x: Any, g: PoolGeometry, fill: float) -> Iterator[Any]:
+def _window_views(xp: Any, x: Array, g: PoolGeometry, fill: float) -> Iterator[Array]:
     """Yield, per window offset in PyTorch's order, the ``(B, C, Ho, Wo)`` view of its elements."""
     padded = _padded(xp, x, g, fill)
     (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
@@ -226,7 +227,7 @@ def _window_views(xp: Any, x: Any, g: PoolGeometry, fill: float) -> Iterator[Any
             yield padded[:, :, i * dh:i * dh + rows:sh, j * dw:j * dw + cols:sw]
 
 
-def _window_max(xp: Any, x: Any, g: PoolGeometry) -> Any:
+def _window_max(xp: Any, x: Array, g: PoolGeometry) -> Array:
     """Max over each window; NaN propagates, as in PyTorch."""
     views = _window_views(xp, x, g, -np.inf)
     best = next(views).copy()
@@ -305,8 +306,8 @@ def _max_selection_2x2(x: np.ndarray, g: PoolGeometry, nnz: int) -> tuple[np.nda
 
 
 def _max_selection_gpu(
-    be: _backend.Backend, x: Any, aux: dict[str, Any], nnz: int
-) -> tuple[Any, bool]:
+    be: _backend.Backend, x: Array, aux: dict[str, Any], nnz: int
+) -> tuple[Array, bool]:
     """CUDA twin: one thread per (sample, output) writes 1 at its window's first maximum."""
     cp = be.xp
     g = aux["geometry"]
@@ -420,7 +421,7 @@ class MaxPool2d(_Pool2d):
         super().__init__(kernel_size, stride, padding, dilation, ceil_mode)
         self.dilation = dilation
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         x = self._check_input(x)
         return _window_max(_backend.of(x).xp, x, self._geometry(x.shape[1:]))
 
@@ -433,7 +434,7 @@ class MaxPool2d(_Pool2d):
         aux["first_entry"] = slot[first_offset, be.xp.arange(slot.shape[1])]
         return pattern, aux
 
-    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         data, nan_found = _max_selection(be, x, aux, pattern.nnz)
         if nan_found:
             raise self._error("input", "NaN in a pooling window: its maximum selects no element")
@@ -490,7 +491,7 @@ class AvgPool2d(_Pool2d):
             lengths.append((end - start) if self.count_include_pad else real)
         return np.outer(*lengths).astype(np.float64)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Array) -> Array:
         x = self._check_input(x)
         xp = _backend.of(x).xp
         g = self._geometry(x.shape[1:])
@@ -508,7 +509,7 @@ class AvgPool2d(_Pool2d):
         aux["inverse_divisor"] = be.asarray(inverse)
         return pattern, aux
 
-    def _values(self, be: _backend.Backend, x: Any, pattern: Pattern, aux: dict[str, Any]) -> Any:
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         key = f"values_{np.dtype(x.dtype).name}"
         if key not in aux:  # sample independent: one gather per dtype, reused by every batch
             aux[key] = be.xp.take(aux["inverse_divisor"].astype(x.dtype), pattern.indices)

@@ -1,0 +1,132 @@
+"""Through the weights: a layer's JT applied to vectors from the layer's weights, without JT's values.
+
+A layer whose JT is made of its weights (:class:`~sparse_scan.layers.Conv2d`,
+:class:`~sparse_scan.layers.Linear`) can compute ``JT @ g`` for a batch of vectors without JT's
+values: the transposed convolution (or ``g W``) is one GEMM over the weights, or a product with the
+weights as CSR where they are heavily pruned. This module is the one home of that idea:
+
+- what a layer offers, :class:`WeightsPath` (``Layer.weights_path``): the GEMM's multiply-adds and
+  whether its weights multiply as CSR. The model puts it in the planner's
+  :class:`~sparse_scan.engine.plan.ChainInfo`;
+- when it pays, two rules. At planning: an mv step by a JT whose pattern holds at least
+  :data:`DENSE_MATVEC_MIN_DENSITY` of the GEMM's multiply-adds runs as that GEMM (:func:`gemm_pays`;
+  the plan marks such steps ``dense``). Per batch: a JT that only mv steps read and whose layer
+  holds CSR weights goes through them up to :data:`SPARSE_MATVEC_MAX_BATCH` samples;
+- what a plan does with it, :class:`WeightsPlan` (``ScanPlan.weights``): for a batch, the JTs whose
+  mv steps a host run applies through their weights (:meth:`WeightsPlan.through`) and those of them
+  it needs no values of (:meth:`WeightsPlan.valueless`).
+
+A backward on the host asks :func:`sparse_scan.engine.run.through_weights` (the dispatch: the GPU
+scan runs every mv as an SpMV in its level launch) which JTs go through their weights, fills the
+values of the others, binds those layers' operators (``Layer.weights_matvec``) on its own thread,
+and hands both to the executor, which applies a bound operator wherever an mv step reads its JT.
+
+Examples
+--------
+>>> path = WeightsPath(multiply_adds=1000, csr=False)
+>>> gemm_pays(150, path), gemm_pays(50, path), gemm_pays(150, None)
+(True, False, False)
+>>> plan = weights_plan(gemm=[1], mv=[3, 4], products=[4], paths=[path, None, WeightsPath(80, True), path])
+>>> sorted(plan.through(batch=4)), sorted(plan.through(batch=16))
+([1, 3], [1])
+>>> sorted(plan.valueless(plan.through(batch=4))), sorted(plan.gemm_only)
+([1, 3], [1])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+__all__ = ["DENSE_MATVEC_MIN_DENSITY", "SPARSE_MATVEC_MAX_BATCH", "WeightsPath", "WeightsPlan", "gemm_pays",
+           "weights_plan"]
+
+DENSE_MATVEC_MIN_DENSITY = 0.1
+"""An mv by a JT runs as a dense GEMM over its layer's weights when the JT's pattern holds at least
+this share of the GEMM's multiply-adds. Measured on VGG-11's convolutions (2-core CPU, float32, batch
+4 and 16): SciPy's CSR SpMV costs 3.4-5.3 ns per stored entry, the GEMM plus the column scatter
+0.08-0.5 ns per multiply-add, so the GEMM wins from a density of 0.02-0.1; unpruned layers (0.44-0.96)
+take the GEMM, 97%-pruned ones (0.013-0.029) keep the SpMV."""
+
+SPARSE_MATVEC_MAX_BATCH = 8
+"""Up to this batch, a backward on the CPU computes ``JT @ g`` of a layer with CSR weights from those
+weights (the transposed convolution, no JT values) where the plan only multiplies JT by vectors.
+Measured on VGG-11's eight 97%-pruned convolutions (2 cores, float32), against JT's values fill plus
+its SpMV: 4.4x faster at batch 1, 2.1x at 4, 1.2x at 8, 0.74x at 16 (the taps' scatter grows with the
+batch, the shared JT values do not)."""
+
+
+@dataclass(frozen=True)
+class WeightsPath:
+    """How a layer can apply its JT to vectors through its weights (``Layer.weights_path``).
+
+    Attributes
+    ----------
+    multiply_adds : int
+        Of the dense GEMM over the weights, per sample.
+    csr : bool
+        The weights are pruned heavily enough to multiply as CSR on the host (the operator then
+        skips the pruned multiply-adds).
+    """
+
+    multiply_adds: int
+    csr: bool = False
+
+
+def gemm_pays(nnz: int, path: WeightsPath | None) -> bool:
+    """Whether an mv by a JT of ``nnz`` stored entries runs faster as the GEMM over its layer's weights
+    (``path``; None: the layer has none) than as an SpMV: :data:`DENSE_MATVEC_MIN_DENSITY`."""
+    return path is not None and nnz >= DENSE_MATVEC_MIN_DENSITY * path.multiply_adds
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    """Which layer JTs (scan elements ``j``) of a plan a host run may apply through their weights.
+
+    Attributes
+    ----------
+    gemm : frozenset of int
+        JTs whose mv steps run as GEMMs over the weights at any batch (the steps marked ``dense``).
+    mv_only : frozenset of int
+        JTs that only mv steps read (every one in back-propagation's schedule).
+    csr : frozenset of int
+        Those of ``mv_only`` whose layers hold CSR weights: through them up to
+        :data:`SPARSE_MATVEC_MAX_BATCH` samples.
+    """
+
+    gemm: frozenset[int] = frozenset()
+    mv_only: frozenset[int] = frozenset()
+    csr: frozenset[int] = frozenset()
+
+    @property
+    def gemm_only(self) -> frozenset[int]:
+        """JTs that only GEMM steps read: a host run holds no values for them at any batch."""
+        return self.gemm & self.mv_only
+
+    def through(self, batch: int) -> frozenset[int]:
+        """The JTs whose mv steps a host run of ``batch`` samples applies through their weights."""
+        return self.gemm | self.csr if batch <= SPARSE_MATVEC_MAX_BATCH else self.gemm
+
+    def valueless(self, through: frozenset[int]) -> frozenset[int]:
+        """Of the JTs a run applies ``through`` their weights, those it needs no values of (no product
+        reads them)."""
+        return through & self.mv_only
+
+
+def weights_plan(gemm: Iterable[int], mv: Iterable[int], products: Iterable[int],
+                 paths: Sequence[WeightsPath | None]) -> WeightsPlan:
+    """The :class:`WeightsPlan` of a plan's steps.
+
+    Parameters
+    ----------
+    gemm, mv, products : iterable of int
+        The layer JTs (scan elements ``j >= 1``) read by an mv step marked ``dense``, by another mv
+        step, and by a product.
+    paths : sequence of WeightsPath or None
+        ``paths[j - 1]``: element ``j``'s layer's path through its weights
+        (:attr:`ChainInfo.weights <sparse_scan.engine.plan.ChainInfo.weights>`).
+    """
+    gemm, mv, products = frozenset(gemm), frozenset(mv), frozenset(products)
+    mv_only = (gemm | mv) - products
+    csr = frozenset(j for j in mv_only if paths[j - 1] is not None and paths[j - 1].csr)
+    return WeightsPlan(gemm, mv_only, csr)
