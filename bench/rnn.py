@@ -37,7 +37,7 @@ import numpy as np
 from common import machine
 
 from sparse_scan import backend
-from sparse_scan.engine.dense_plan import auto_levels, dense_plan
+from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import GRU, RNN, Bitstream, chain_through_factors
@@ -214,7 +214,7 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
             entry.update(critical_steps=steps, work_flops=flops, critical_flops=flops,
                          peak_bytes=(factors[1].nbytes + (steps + 1) * batch * hidden * 4), factored=True)
         else:
-            plan = dense_plan(steps, method, resolved).sized(hidden, affine=seed.ndim == 3)
+            plan = build_dense_plan(steps, method, resolved).sized(hidden, affine=seed.ndim == 3)
             entry.update(critical_steps=plan.critical_steps, work_flops=plan.work_flops * batch,
                          critical_flops=plan.critical_flops * batch, peak_bytes=plan.peak_bytes(batch, 4))
         if baseline is not None:

@@ -6,7 +6,8 @@ Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed J
 ``Sequential`` from a YAML model spec, :mod:`sparse_scan.spec`), :mod:`sparse_scan.recurrent` (RNN,
 GRU and LSTM whose backward is a scan over dense blocks), :mod:`sparse_scan.engine` (the scan engine
 itself: schedules, plans and their executors), :mod:`sparse_scan.optim`, :mod:`sparse_scan.train`,
-:mod:`sparse_scan.weights`, :mod:`sparse_scan.flops` and :mod:`sparse_scan.distributed`. Every other
+:mod:`sparse_scan.weights`, :mod:`sparse_scan.loss`, :mod:`sparse_scan.flops` and
+:mod:`sparse_scan.distributed`. Every other
 module is private by name (``_...``); ``sparse_scan.scan``, ``sparse_scan.spgemm`` and
 ``sparse_scan.dense_scan`` are deprecated aliases of parts of :mod:`sparse_scan.engine`.
 
@@ -24,12 +25,12 @@ from ._version import __version__
 
 __all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
            "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads", "csr",
-           "distributed", "engine", "export_torch", "flops", "layers", "load_model", "optim", "recurrent",
-           "train", "weights"]
+           "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "optim",
+           "recurrent", "train", "weights"]
 
-_MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "optim", "recurrent", "train",
-            "weights")
-_NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "export", "Sequential": "model",
+_MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "loss", "optim", "recurrent",
+            "train", "weights")
+_NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "_export", "Sequential": "_model",
           "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",
           "SCHEDULES": "engine.schedule", "GPUUnavailableError": "backend", "SpecError": "spec",
           "load_model": "spec", "cpu_threads": "_threads"}
@@ -46,4 +47,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})

@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ._model import Sequential
 from .csr import choose_index_dtype
 from .engine.figures import ScanPlanLike, critical_path
 from .layers import Layer
-from .model import Sequential
 
 __all__ = ["analyse", "layer_stats"]
 

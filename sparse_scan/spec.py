@@ -44,6 +44,7 @@ import numpy as np
 import yaml
 
 from ._checks import MAX_SIZE, is_int
+from ._model import Sequential
 from .layers import (
     ELU,
     GELU,
@@ -63,7 +64,6 @@ from .layers import (
     Tanh,
 )
 from .layers._weighted import as_float_dtype
-from .model import Sequential
 from .weights import read_npz
 
 __all__ = ["LAYER_TYPES", "SpecError", "load_model"]

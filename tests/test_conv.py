@@ -12,7 +12,7 @@ from oracles import finite_difference_jt, torch_jt
 from sparse_scan import backend
 from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import Conv2d
-from sparse_scan.layers.conv import SPARSE_FORWARD_MAX_DENSITY, _structural_pattern_cpu
+from sparse_scan.layers._conv import SPARSE_FORWARD_MAX_DENSITY, _structural_pattern_cpu
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
 # asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sparse_scan.engine import _dense_cpu as dense_host
-from sparse_scan.engine.dense_plan import auto_levels, dense_plan
+from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
 
@@ -78,10 +78,10 @@ def test_auto_levels_is_a_valid_hybrid_and_deeper_on_a_gpu_model():
 
 
 def test_plans_are_cached_and_report_the_scan_figures():
-    plan = dense_plan(1000, "blelloch")
-    assert dense_plan(1000, "blelloch") is plan
+    plan = build_dense_plan(1000, "blelloch")
+    assert build_dense_plan(1000, "blelloch") is plan
     size = 20
-    linear = dense_plan(1000, "linear").sized(size)
+    linear = build_dense_plan(1000, "linear").sized(size)
     assert linear.critical_steps == 1000
     assert linear.work_flops == linear.critical_flops == 1000 * 2 * size**2
     assert plan.critical_steps <= 2 * depth(1000) + 1
@@ -97,7 +97,7 @@ def test_plans_are_cached_and_report_the_scan_figures():
 
 
 def test_a_scan_without_direct_gradients_counts_no_vector_parts():
-    plan, size = dense_plan(64, "blelloch"), 5
+    plan, size = build_dense_plan(64, "blelloch"), 5
     affine, last_only = plan.sized(size), plan.sized(size, affine=False)
     block_products = sum(1 for step in affine.steps if step.kind == "mm")
     assert affine.work_flops - last_only.work_flops == block_products * 2 * size**2
@@ -114,8 +114,8 @@ def test_shape_mismatches_are_named(blocks_shape, direct_shape):
 
 def test_bad_methods_and_levels_are_errors():
     with pytest.raises(ValueError, match="method must be one of"):
-        dense_plan(4, "tree")
+        build_dense_plan(4, "tree")
     with pytest.raises(ValueError, match="hybrid needs levels"):
-        dense_plan(4, "hybrid", 7)
+        build_dense_plan(4, "hybrid", 7)
     with pytest.raises(ValueError, match="at least one step"):
-        dense_plan(0)
+        build_dense_plan(0)

@@ -19,7 +19,7 @@ from cuda_on_cpu import compile_for_cpu, pointer
 from sparse_scan import _kernels, backend
 from sparse_scan.engine import _dense_gpu, _tables, run
 from sparse_scan.engine._dense_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS
-from sparse_scan.engine.dense_plan import dense_plan
+from sparse_scan.engine.dense_plan import build_dense_plan
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
 from sparse_scan.recurrent import GRU, RNN
@@ -337,7 +337,7 @@ def test_gpu_every_schedule_launches_per_level_and_equals_numpy(dense_launches, 
         blocks, direct = chain(rng, n, batch, size, dtype, affine)
         device_blocks, device_direct = on_device(blocks, direct)
         for method, levels in schedules(n):
-            plan = dense_plan(n, method, levels)
+            plan = build_dense_plan(n, method, levels)
             got = _dense_gpu.run_dense_plan(plan, device_blocks, device_direct)
             assert_close(to_host(got), dense_scan(blocks, direct, method, levels, threads=1),
                          TOLERANCE[np.dtype(dtype)] * 10)
@@ -357,7 +357,7 @@ def test_gpu_tiled_levels_equal_numpy(dense_launches, monkeypatch, n, size, affi
     blocks, direct = chain(np.random.default_rng(n + size), n, 2, size, np.float64, affine)
     device_blocks, device_direct = on_device(blocks, direct)
     for method, levels in [("blelloch", None), ("hybrid", 1), ("linear", None)]:
-        plan = dense_plan(n, method, levels)
+        plan = build_dense_plan(n, method, levels)
         assert_close(to_host(_dense_gpu.run_dense_plan(plan, device_blocks, device_direct)),
                      dense_scan(blocks, direct, method, levels), 1e-12)
         assert dense_launches == expected_launches(plan, size)
@@ -371,7 +371,7 @@ def test_gpu_dense_scan_twin_is_a_launch_per_level(dense_launches):
     gpu = backend.get("gpu")
     rng = np.random.default_rng(5)
     blocks, direct = chain(rng, 5, 2, 3, np.float64, affine=True)
-    plan = dense_plan(5, "blelloch")
+    plan = build_dense_plan(5, "blelloch")
     gpu_twin = run._run_dense_plan.twins["gpu"]
     got = gpu_twin(gpu, plan, *on_device(blocks, direct), None)
     assert len(dense_launches) == plan.critical_steps + 1 == _dense_gpu.launch_count(plan)  # no chain
@@ -402,7 +402,7 @@ def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uplo
     """One workspace per batch, affine flag, dtype and device; the table goes up again only when the
     blocks moved; the returned gradients are not workspace memory."""
     rng = np.random.default_rng(3)
-    plan = dense_plan(13, "hybrid", 2)
+    plan = build_dense_plan(13, "hybrid", 2)
     blocks, direct = chain(rng, 13, 2, 5, np.float64, affine=True)
     device_blocks, device_direct = on_device(blocks, direct)
     first = _dense_gpu.run_dense_plan(plan, device_blocks, device_direct)
@@ -434,7 +434,7 @@ def test_gpu_non_contiguous_blocks(dense_launches):
     gpu = backend.get("gpu")
     rng = np.random.default_rng(4)
     blocks, direct = chain(rng, 8, 3, 4, np.float64, affine=True)
-    plan = dense_plan(8, "blelloch")
+    plan = build_dense_plan(8, "blelloch")
     transposed = gpu.xp.swapaxes(gpu.asarray(np.swapaxes(blocks, 2, 3).copy()), 2, 3)  # F-order blocks
     assert not transposed.flags.c_contiguous
     got = _dense_gpu.run_dense_plan(plan, transposed, gpu.asarray(direct))
@@ -444,7 +444,7 @@ def test_gpu_non_contiguous_blocks(dense_launches):
 @pytest.mark.gpu
 def test_gpu_intermediates_share_memory_across_levels(dense_launches):
     rng = np.random.default_rng(2)
-    plan = dense_plan(21, "blelloch")
+    plan = build_dense_plan(21, "blelloch")
     blocks, direct = chain(rng, 21, 2, 3, np.float64, affine=True)
     assert_close(to_host(_dense_gpu.run_dense_plan(plan, *on_device(blocks, direct))),
                  dense_scan(blocks, direct), 1e-12)
@@ -464,7 +464,7 @@ def test_gpu_intermediates_share_memory_across_levels(dense_launches):
 @pytest.mark.gpu
 def test_gpu_rejects_other_dtypes_and_shapes():
     xp = backend.get("gpu").xp
-    plan = dense_plan(3, "blelloch")
+    plan = build_dense_plan(3, "blelloch")
     with pytest.raises(TypeError, match="float32 or float64"):
         _dense_gpu.run_dense_plan(plan, xp.zeros((3, 1, 2, 2), np.float16), xp.zeros((3, 1, 2), np.float16))
     with pytest.raises(ValueError, match=r"\(3, B, H, H\)"):
@@ -506,7 +506,7 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, tiled_from, monkeypatch):
                 got = dense_scan(gpu.asarray(blocks), gpu.asarray(direct), method, levels)
                 assert backend.of(got).name == "gpu"
                 assert_close(gpu.to_host(got), want, TOLERANCE[np.dtype(dtype)] * 10)
-                assert len(launches) == _dense_gpu.launch_count(dense_plan(n, method, levels))
+                assert len(launches) == _dense_gpu.launch_count(build_dense_plan(n, method, levels))
                 launches.clear()
 
 

@@ -120,7 +120,7 @@ PARAMETER_UPLOADS = ("sparse_scan/backend.py", "in asarray"), ("sparse_scan/recu
                                                               "in _parameters_on")
 """Where a warm backward may wait for the host: parameters live on the host as NumPy arrays, and each
 GPU backward uploads the ones it uses (README, GPU section)."""
-MAX_POOL_NAN_CHECK = ("sparse_scan/layers/pooling.py", "in _max_selection_gpu")
+MAX_POOL_NAN_CHECK = ("sparse_scan/layers/_pooling.py", "in _max_selection_gpu")
 """... and each max-pool checks its input for NaN (one flag read per layer, before its JT is used)."""
 
 

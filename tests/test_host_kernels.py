@@ -234,7 +234,7 @@ def max_pool_oracle(x):
 @pytest.mark.parametrize("size", [(8, 8), (7, 9), (4, 34), (2, 2)])
 @pytest.mark.parametrize("threaded", [False, True])
 def test_two_by_two_max_pool_values_equal_the_first_maximum(monkeypatch, dtype, size, threaded):
-    from sparse_scan.layers import pooling
+    from sparse_scan.layers import _pooling as pooling
 
     if threaded:
         monkeypatch.setattr(pooling, "THREAD_MIN_VALUES", 1)

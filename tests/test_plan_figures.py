@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from sparse_scan import Sequential
-from sparse_scan.engine.dense_plan import dense_plan
+from sparse_scan.engine.dense_plan import build_dense_plan
 from sparse_scan.engine.figures import TOTALS, ScanPlanLike, critical_path, totals
 from sparse_scan.engine.schedule import depth
 from sparse_scan.flops import analyse
@@ -35,7 +35,7 @@ def dense_chain(n: int, size: int) -> Sequential:
 
 def test_both_plan_kinds_satisfy_the_protocol_with_the_same_report_keys():
     sparse = dense_chain(5, 2).plan((2,), "blelloch")
-    dense = dense_plan(5, "blelloch").sized(2)
+    dense = build_dense_plan(5, "blelloch").sized(2)
     assert isinstance(sparse, ScanPlanLike) and isinstance(dense, ScanPlanLike)
     reports = [plan.report(batch=3, itemsize=8) for plan in (sparse, dense)]
     assert [set(report) for report in reports] == [{"method", "levels", "n", "steps", "totals"}] * 2
@@ -54,7 +54,7 @@ def test_a_sparse_chain_of_dense_blocks_has_the_dense_plans_figures(n, size):
     model = dense_chain(n, size)
     for method, levels in schedules(n):
         sparse = model.plan((size,), method, levels)
-        dense = dense_plan(n, method, levels).sized(size, affine=False)
+        dense = build_dense_plan(n, method, levels).sized(size, affine=False)
         label = f"{method} {levels}"
         assert step_rows(sparse) == step_rows(dense), label
         assert (sparse.critical_flops, sparse.work_flops, sparse.critical_steps) == (

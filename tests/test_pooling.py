@@ -14,9 +14,9 @@ from cuda_on_cpu import compile_for_cpu, pointer
 from oracles import finite_difference_jt, torch_jt
 
 from sparse_scan import backend
-from sparse_scan.layers import pooling
+from sparse_scan.layers import _pooling as pooling
 from sparse_scan.layers._geometry import output_size
-from sparse_scan.layers.pooling import (
+from sparse_scan.layers._pooling import (
     AvgPool2d,
     MaxPool2d,
     _max_selection_cpu,

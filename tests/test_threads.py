@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from sparse_scan import _threads
+from sparse_scan._model import Sequential
 from sparse_scan._threads import cpu_threads, kernel_pool, step_pool, worker_pool
 from sparse_scan.engine import _cpu as host
 from sparse_scan.engine import _dense_cpu as dense_host
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
 from sparse_scan.layers._weighted import held_structure_keys
-from sparse_scan.model import Sequential
 
 
 def test_step_pool_is_shared_at_the_core_count_and_owned_otherwise():

@@ -62,9 +62,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._model import Sequential, default_memory_budget
 from ..engine.plan import ScanCostError
 from ..engine.products import PlanBudgetError
-from ..model import Sequential, default_memory_budget
 from ._mpi import (
     Channel,
     DistributedError,

@@ -25,20 +25,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["METHODS", "SCHEDULES", "DenseScanPlan", "Element", "ElementInfo", "PlanBudgetError",
-           "ProductPlan", "ScanCostError", "ScanMemoryError", "ScanPlan", "ScanPlanLike",
-           "SizedDenseScanPlan", "Step", "auto_levels", "build_plan", "checked_levels",
-           "count_multiply_adds", "critical_path", "dense_plan", "dense_scan", "depth", "estimate_plan",
-           "live_schedule", "multiply", "plan_product", "run_plan"]
+__all__ = ["METHODS", "SCHEDULES", "ChainInfo", "DenseScanPlan", "Element", "ElementInfo",
+           "PlanBudgetError", "ProductPlan", "ScanCostError", "ScanMemoryError", "ScanPlan", "ScanPlanLike",
+           "SizedDenseScanPlan", "Step", "WeightsPath", "WeightsPlan", "auto_levels", "build_dense_plan",
+           "build_plan", "checked_levels", "count_multiply_adds", "critical_path", "dense_scan", "depth",
+           "estimate_plan", "live_schedule", "multiply", "operands_needing_patterns", "plan_product",
+           "run_plan", "through_weights"]
 
 _HOMES = {
     "schedule": ("METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule"),
     "products": ("PlanBudgetError", "ProductPlan", "count_multiply_adds", "plan_product"),
-    "plan": ("ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step", "build_plan",
-             "estimate_plan"),
-    "dense_plan": ("DenseScanPlan", "SizedDenseScanPlan", "auto_levels", "dense_plan"),
+    "plan": ("ChainInfo", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan", "Step",
+             "WeightsPath", "WeightsPlan", "build_plan", "estimate_plan", "operands_needing_patterns"),
+    "dense_plan": ("DenseScanPlan", "SizedDenseScanPlan", "auto_levels", "build_dense_plan"),
     "figures": ("ScanPlanLike", "critical_path"),
-    "run": ("dense_scan", "multiply", "run_plan"),
+    "run": ("dense_scan", "multiply", "run_plan", "through_weights"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -52,4 +53,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})

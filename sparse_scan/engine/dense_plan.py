@@ -37,7 +37,7 @@ Examples
 >>> bp = dense_scan(blocks, direct, method="linear")
 >>> scan.shape, bool(np.allclose(scan, bp))           # G_0 .. G_5
 ((6, 2, 3), True)
->>> figures = dense_plan(5, "blelloch").sized(3)       # for 3x3 blocks
+>>> figures = build_dense_plan(5, "blelloch").sized(3)       # for 3x3 blocks
 >>> figures.critical_steps, figures.critical_flops, figures.work_flops
 (4, 126, 162)
 """
@@ -56,7 +56,7 @@ from .figures import critical_path, totals
 from .schedule import Element, checked_levels, depth, live_schedule, scan_outputs
 
 __all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "DenseStep", "Location", "SizedDenseScanPlan",
-           "auto_levels", "dense_plan"]
+           "auto_levels", "build_dense_plan"]
 
 INPUT = 0  # buffer id of the scan input: blocks (T, B, H, H) and direct vectors (T + 1, B, H)
 
@@ -381,7 +381,7 @@ class SizedDenseScanPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def dense_plan(n: int, method: str = "blelloch", levels: int | None = None) -> DenseScanPlan:
+def build_dense_plan(n: int, method: str = "blelloch", levels: int | None = None) -> DenseScanPlan:
     """Plan a dense-block scan over ``n`` steps (cached per ``n``, method and levels).
 
     Parameters
@@ -453,7 +453,7 @@ def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bo
         raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
-        plan = dense_plan(n, "hybrid", levels)
+        plan = build_dense_plan(n, "hybrid", levels)
         figures = plan.sized(size)  # affine: every block product's vector part counted
         if factored and levels == 0:
             cost = n * _FACTORED_STEP_SECONDS[device] + figures.work_flops * batch / _FLOPS_PER_SECOND[device]

@@ -28,8 +28,8 @@ bookkeeping: it imports no part of the engine, and plan modules import it.
 
 Examples
 --------
->>> from sparse_scan.engine.dense_plan import dense_plan
->>> plan = dense_plan(6, "blelloch").sized(2, affine=False)       # six 2x2 blocks
+>>> from sparse_scan.engine.dense_plan import build_dense_plan
+>>> plan = build_dense_plan(6, "blelloch").sized(2, affine=False)       # six 2x2 blocks
 >>> isinstance(plan, ScanPlanLike)
 True
 >>> path = critical_path(plan.steps)

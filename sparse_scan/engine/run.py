@@ -26,7 +26,7 @@ from .. import backend as _backend
 from .._types import Array
 from ..csr import BatchedCSR
 from . import _cpu, _dense_cpu, _dense_gpu, _gpu
-from .dense_plan import auto_levels, dense_plan
+from .dense_plan import auto_levels, build_dense_plan
 from .plan import ScanPlan
 from .products import ProductPlan
 
@@ -147,5 +147,5 @@ def dense_scan(blocks: Array, direct: Array, method: str = "blelloch", levels: i
     size = blocks.shape[2]
     if levels == "auto":
         method, levels = "hybrid", auto_levels(n, batch, size, be.name)
-    plan = dense_plan(n, method, levels)
+    plan = build_dense_plan(n, method, levels)
     return _run_dense_plan(be, plan, blocks, be.xp.asarray(direct, dtype=blocks.dtype), threads)

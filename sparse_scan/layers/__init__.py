@@ -5,12 +5,12 @@ transposed Jacobian, cached per shape) and ``transposed_jacobian(x)`` (a :class:
 BatchedCSR`: the cached pattern plus this batch's values).
 """
 
+from ._activation import ELU, GELU, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from ._base import Layer
-from .activation import ELU, GELU, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
-from .conv import Conv2d
-from .flatten import Flatten
-from .linear import Linear
-from .pooling import AvgPool2d, MaxPool2d
+from ._conv import Conv2d
+from ._flatten import Flatten
+from ._linear import Linear
+from ._pooling import AvgPool2d, MaxPool2d
 
 __all__ = [
     "AvgPool2d",

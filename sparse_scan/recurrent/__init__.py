@@ -14,12 +14,12 @@ back-propagates a user's loop over a cell with the same scan.
 """
 
 from ._base import chain_through_factors
-from .bitstream import Bitstream
-from .cells import CellSequence, GRUCell, LSTMCell, RNNCell
-from .classifier import RecurrentClassifier, train_recurrent
-from .gru import GRU
-from .lstm import LSTM
-from .rnn import RNN
+from ._bitstream import Bitstream
+from ._cells import CellSequence, GRUCell, LSTMCell, RNNCell
+from ._classifier import RecurrentClassifier, train_recurrent
+from ._gru import GRU
+from ._lstm import LSTM
+from ._rnn import RNN
 
 __all__ = ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell", "RNNCell",
            "RecurrentClassifier", "chain_through_factors", "train_recurrent"]

@@ -42,8 +42,8 @@ from typing import Any
 from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell, fill_blocks
+from ._gru import sigmoid
 from ._module import RecurrentModule, legacy_alias
-from .gru import sigmoid
 
 __all__ = ["LSTM", "LSTMSteps"]
 

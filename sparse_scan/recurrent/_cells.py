@@ -35,10 +35,10 @@ from .._types import Array
 from ..engine.schedule import checked_levels
 from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ._base import Cell, Run, resolve_levels
+from ._gru import GRUSteps
+from ._lstm import LSTMSteps
 from ._module import as_real_array, copy_parameters
-from .gru import GRUSteps
-from .lstm import LSTMSteps
-from .rnn import ElmanSteps, check_nonlinearity
+from ._rnn import ElmanSteps, check_nonlinearity
 
 __all__ = ["CellSequence", "GRUCell", "LSTMCell", "RNNCell"]
 

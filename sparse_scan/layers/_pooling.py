@@ -18,7 +18,7 @@ dispatched through :func:`sparse_scan.backend.twin`; both give identical arrays.
 Examples
 --------
 >>> import numpy as np
->>> from sparse_scan.layers.pooling import MaxPool2d
+>>> from sparse_scan.layers._pooling import MaxPool2d
 >>> pool = MaxPool2d(2)
 >>> x = np.arange(16, dtype=np.float64).reshape(1, 1, 4, 4)
 >>> pool(x)[0, 0]
