@@ -18,9 +18,7 @@ before NumPy loads it (:data:`SCHEDULES` and :func:`cpu_threads` import no NumPy
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_attributes
 from ._version import __version__
 
 __all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
@@ -36,15 +34,4 @@ _NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "_export", "Seq
           "load_model": "spec", "cpu_threads": "_threads"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MODULES:
-        return importlib.import_module(f".{name}", __name__)
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _NAMES, _MODULES)

@@ -22,8 +22,7 @@ The names below load on first use, so ``from sparse_scan.engine import SCHEDULES
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_attributes
 
 __all__ = ["METHODS", "SCHEDULES", "ChainInfo", "DenseScanPlan", "Element", "ElementInfo",
            "PlanBudgetError", "ProductPlan", "ScanCostError", "ScanMemoryError", "ScanPlan", "ScanPlanLike",
@@ -44,13 +43,4 @@ _HOMES = {
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _MODULE_OF)

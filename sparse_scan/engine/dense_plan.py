@@ -28,15 +28,8 @@ Its figures depend on the block size: :meth:`DenseScanPlan.sized` gives a
 
 Examples
 --------
->>> import numpy as np
->>> from sparse_scan.engine.run import dense_scan
->>> rng = np.random.default_rng(0)
->>> blocks = rng.standard_normal((5, 2, 3, 3)) / 3     # T=5 steps, batch 2, H=3: A_1 .. A_5
->>> direct = rng.standard_normal((5, 2, 3))           # d_1 .. d_5
->>> scan = dense_scan(blocks, direct, method="blelloch")
->>> bp = dense_scan(blocks, direct, method="linear")
->>> scan.shape, bool(np.allclose(scan, bp))           # G_0 .. G_5
-((6, 2, 3), True)
+The numeric scan of such a plan: :func:`sparse_scan.engine.run.dense_scan` (its example).
+
 >>> figures = build_dense_plan(5, "blelloch").sized(3)       # for 3x3 blocks
 >>> figures.critical_steps, figures.critical_flops, figures.work_flops
 (4, 126, 162)
