@@ -6,15 +6,21 @@ BatchedCSR`: the cached pattern plus this batch's values).
 """
 
 from ._activation import ELU, GELU, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
+from ._adaptive_pool import AdaptiveAvgPool2d
 from ._base import Layer
 from ._conv import Conv2d
+from ._dropout import Dropout
 from ._flatten import Flatten
 from ._linear import Linear
+from ._normalization import BatchNorm2d
 from ._pooling import AvgPool2d, MaxPool2d
 
 __all__ = [
+    "AdaptiveAvgPool2d",
     "AvgPool2d",
+    "BatchNorm2d",
     "Conv2d",
+    "Dropout",
     "ELU",
     "Flatten",
     "GELU",
