@@ -68,6 +68,7 @@ def touch_every_kernel() -> None:
         x = np.random.default_rng(0).standard_normal((2, 2, 4, 4)).astype(dtype)
         pool, conv = MaxPool2d(2), Conv2d(2, 2, 3, padding=1, dtype=dtype, rng=0)
         s, c = pool.transposed_jacobian(x), conv.transposed_jacobian(pool.forward(x))  # 2x2 fill
+        MaxPool2d(3, 2, 1).transposed_jacobian(x)  # the window loop
         ca = conv.transposed_jacobian(x[:, :, :2, :2])
         sr = pool.transposed_jacobian(np.ones((2, 2, 2, 2), dtype) + np.arange(4, dtype=dtype).reshape(2, 2))
         multiply(plan_product(s.pattern, c.pattern, "selection", "general"), s.data, c.data)  # gather

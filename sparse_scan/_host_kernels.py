@@ -90,14 +90,19 @@ def parts(batch: int, count: int, workers: int) -> list[tuple[int, int, int, int
 
 
 def launch(kernel: Callable[..., None], args: tuple, pieces: list[tuple[int, ...]]) -> None:
-    """``kernel(*args, *piece)`` for every piece: on the kernel pool's threads when there are several
-    (the kernels release the GIL), else on the calling thread."""
+    """``kernel(*args, *piece)`` for every piece: all but the last on the kernel pool's threads when
+    there are several (the kernels release the GIL), the last on the calling thread, which then
+    waits for the others (one hand-off fewer: 15 µs instead of 28-63 µs for two pieces on this
+    2-core machine)."""
     pool = kernel_pool() if len(pieces) > 1 else None
     if pool is None:
         for piece in pieces:
             kernel(*args, *piece)
-    else:
-        list(pool.map(lambda piece: kernel(*args, *piece), pieces))
+        return
+    others = [pool.submit(kernel, *args, *piece) for piece in pieces[:-1]]
+    kernel(*args, *pieces[-1])
+    for future in others:
+        future.result()
 
 
 def rows2d(array: np.ndarray, dtype: np.dtype) -> np.ndarray:

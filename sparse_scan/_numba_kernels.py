@@ -123,56 +123,105 @@ def live_products(selection, other, entries, valid, column_of_slot, out_pos, oth
                 o[p] = ov[u(other_pos[live, t])] * weight
 
 
-@njit(**_OPTIONS, inline="always")
-def _max_pool_window(x, top, bottom, out, top_out, bottom_out):
-    """One 2x2 window: inputs ``x[top:top + 2]`` over ``x[bottom:bottom + 2]``, values likewise in
-    ``out``. The first maximum in PyTorch's order (a, b / p, q) as selects on a column-first
-    comparison: the left column's winner (p only if p > a), the right column's (q only if q > b),
-    then the right one if it is greater, or equal while it is on top and the left one is not.
-    Returns the window's NaN count."""
-    a, b = x[u(top)], x[u(top + 1)]
-    p, q = x[u(bottom)], x[u(bottom + 1)]
-    bottom_left = p > a
-    bottom_right = q > b
-    left = max(p, a)
-    right = max(q, b)
-    take_right = (right > left) | ((right == left) & (not bottom_right) & bottom_left)
-    out[u(top_out)] = (not take_right) & (not bottom_left)
-    out[u(top_out + 1)] = take_right & (not bottom_right)
-    out[u(bottom_out)] = (not take_right) & bottom_left
-    out[u(bottom_out + 1)] = take_right & bottom_right
-    return (a != a) + (b != b) + (p != p) + (q != q)
+@njit(**_OPTIONS)
+def max_pool_2x2(x, out, out_width, j0, j1, chunk):
+    """Max-pool values of 2x2 windows of stride 2 that tile the input exactly (``H = 2 Ho``,
+    ``W = 2 Wo``, no padding or dilation): 1 at each window's first maximum (PyTorch's order a, b /
+    p, q), 0 elsewhere. The values are then the input's shape, so ``x`` and ``out`` are flat
+    ``(B, C, H, W)`` arrays read as horizontal pairs ``(x[2j], x[2j + 1])``; the kernel fills the
+    pairs ``j0:j1`` (whole rows of windows: multiples of ``2 out_width``). Returns whether one of
+    those inputs is NaN.
 
-
-@njit(**_OPTIONS, inline="always")
-def _max_pool_row_pair(x, top, bottom, out, top_out, bottom_out, windows):
-    """One row of 2x2 windows (flat arrays and offsets: views would cost reference counting per
-    row), eight windows at a time with a constant trip count (rows are short: a loop vectoriser
-    would leave them to its scalar remainder; unrolled, the SLP vectoriser packs them)."""
-    nans = 0
-    w = 0
-    while w + 8 <= windows:
-        for k in range(8):
-            nans += _max_pool_window(x, top + 2 * (w + k), bottom + 2 * (w + k), out,
-                                     top_out + 2 * (w + k), bottom_out + 2 * (w + k))
-        w += 8
-    for k in range(w, windows):
-        nans += _max_pool_window(x, top + 2 * k, bottom + 2 * k, out, top_out + 2 * k, bottom_out + 2 * k)
-    return nans
+    Two vectorised passes per ``chunk`` pairs (no per-window branch, no short row loops): each pair's
+    maximum and whether its right element wins (strictly greater: ties keep the left), then per pair
+    whether it holds its window's maximum (the top pair unless the pair below is strictly greater),
+    read off a pattern of top/bottom pairs, period ``2 out_width``. The first maximum of a, b, p, q is
+    the top pair's winner unless the bottom pair's maximum is strictly greater, so this is PyTorch's
+    choice."""
+    wo = out_width
+    period = 2 * wo
+    size = period * max(1, chunk // period)
+    top = np.empty(size, dtype=np.bool_)
+    for r in range(0, size, period):
+        for i in range(wo):
+            top[r + i] = True
+            top[r + wo + i] = False
+    pair_max = np.zeros(size + 2 * wo, dtype=x.dtype)  # pair i at wo + i: the pair above is at i
+    right = np.empty(size, dtype=out.dtype)
+    nan = False
+    for c in range(j0, j1, size):
+        n = min(size, j1 - c)
+        base = 2 * c
+        for i in range(n):
+            a = x[u(base + 2 * i)]
+            b = x[u(base + 2 * i + 1)]
+            wins = b > a
+            pair_max[u(wo + i)] = b if wins else a
+            right[u(i)] = wins
+            nan |= (a != a) | (b != b)
+        for i in range(n):
+            mine = pair_max[u(wo + i)]
+            top_holds = not (pair_max[u(wo + i + wo)] > mine)  # read for both, chosen below: no branch
+            bottom_holds = mine > pair_max[u(i)]
+            holds = out.dtype.type(top_holds if top[u(i)] else bottom_holds)
+            on_right = right[u(i)] * holds
+            out[u(base + 2 * i + 1)] = on_right
+            out[u(base + 2 * i)] = holds - on_right
+    return nan
 
 
 @njit(**_OPTIONS)
-def max_pool_2x2(x, out, planes, height, width, out_height, out_width, p0, p1):
-    """Max-pool values of 2x2 windows of stride 2 without padding, every window full, for the
-    (sample, channel) planes ``p0:p1``: ``x`` is the flat ``(B, C, H, W)`` input, ``out`` the flat
-    ``(B, C, 2 Ho, 2 Wo)`` values (the JT's entries in input order), 1 at each window's first maximum
-    and 0 elsewhere. Returns whether a window holds a NaN. Branch-free per window (a generic loop
-    over window offsets does not vectorise)."""
-    nans = 0
-    row, row_out = width, 2 * out_width
+def max_pool_windows(x, slot, geometry, out, p0, p1):
+    """Max-pool values of any window geometry for the (sample, channel) planes ``p0:p1``: per output,
+    the first maximum over its window's real elements in window order (a later element wins only if
+    strictly greater; a NaN wins and stays), 1 at its JT entry ``slot[offset, output]`` of a zeroed
+    run of the channel's entries, as ``rawkernels/pooling.cu``'s ``maxpool_values`` computes it.
+    ``x`` is the flat ``(B, C, H, W)`` input, ``out`` the ``(B, nnz)`` values, ``geometry`` the tuple
+    of the 13 ints of :meth:`sparse_scan.layers._pooling.PoolGeometry.as_array`. Returns whether a
+    window holds a NaN.
+
+    A row of outputs at a time, window offset by offset, each offset updating the whole row (the
+    outputs' running maxima are independent: one window at a time would wait on each compare)."""
+    channels, height, width, out_height, out_width, kh, kw, sh, sw, ph, pw, dh, dw = geometry
+    per_channel = out.shape[1] // channels
+    zero, one = out.dtype.type(0), out.dtype.type(1)
+    inside_from = np.empty(kw, dtype=np.int64)  # per column offset j: outputs whose input column
+    inside_to = np.empty(kw, dtype=np.int64)  # ow * sw - pw + j * dw lies inside the input
+    for j in range(kw):
+        shift = j * dw - pw
+        first = 0
+        while first < out_width and first * sw + shift < 0:
+            first += 1
+        last = out_width
+        while last > first and (last - 1) * sw + shift >= width:
+            last -= 1
+        inside_from[j], inside_to[j] = first, last
+    best = np.empty(out_width, dtype=x.dtype)
+    best_k = np.empty(out_width, dtype=np.int64)
+    nan = False
     for plane in range(p0, p1):
-        base, base_out = plane * height * width, plane * 4 * out_height * out_width
+        sample, channel = plane // channels, plane % channels
+        values = out[sample]
+        for e in range(channel * per_channel, (channel + 1) * per_channel):
+            values[u(e)] = zero
         for oh in range(out_height):
-            top, top_out = base + 2 * oh * row, base_out + 2 * oh * row_out
-            nans += _max_pool_row_pair(x, top, top + row, out, top_out, top_out + row_out, out_width)
-    return nans > 0
+            for ow in range(out_width):
+                best_k[u(ow)] = -1
+            for i in range(kh):
+                ih = oh * sh - ph + i * dh
+                if ih < 0 or ih >= height:
+                    continue
+                for j in range(kw):
+                    k = i * kw + j
+                    start = (plane * height + ih) * width + j * dw - pw
+                    for ow in range(inside_from[u(j)], inside_to[u(j)]):
+                        v, b, c = x[u(start + ow * sw)], best[u(ow)], best_k[u(ow)]
+                        take = (c < 0) | (v > b) | (v != v)
+                        best[u(ow)] = v if take else b
+                        best_k[u(ow)] = k if take else c
+            row = (channel * out_height + oh) * out_width
+            for ow in range(out_width):
+                nan |= best[u(ow)] != best[u(ow)]
+                if best_k[u(ow)] >= 0:  # (PyTorch's output sizes leave no window in the padding)
+                    values[u(slot[u(best_k[u(ow)]), u(row + ow)])] = one
+    return nan

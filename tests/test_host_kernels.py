@@ -2,8 +2,8 @@
 
 Oracles: SciPy's ``A @ B`` per sample (its CSR product sums every entry from zero in the order
 (A entry, B entry), as the compiled general and row-wise products do: equal bit for bit), NumPy's
-one-shot expressions for scalings, dense products for selection gathers, and a reshape-argmax for the
-2x2 max-pool values.
+one-shot expressions for scalings, dense products for selection gathers, a reshape-argmax for the
+2x2 max-pool values and a plain loop over the windows for the max-pool values of any geometry.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def test_two_by_two_max_pool_values_equal_the_first_maximum(monkeypatch, dtype, 
     from sparse_scan.layers import _pooling as pooling
 
     if threaded:
-        monkeypatch.setattr(pooling, "THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(pooling, "MAX_POOL_THREAD_MIN_VALUES", 1)
         monkeypatch.setattr(pooling, "cpu_threads", lambda: 3)
     rng = np.random.default_rng(size)
     x = rng.integers(-2, 3, (3, 2) + size).astype(dtype)  # many ties
@@ -249,3 +249,53 @@ def test_two_by_two_max_pool_values_equal_the_first_maximum(monkeypatch, dtype, 
     x[2, 1, size[0] // 2 * 2 - 1, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         layer.transposed_jacobian(x)
+
+
+def first_maximum_oracle(layer, x):
+    """Dense JTs ``(B, inputs, outputs)``: per output, 1 at the first element of its window (window
+    order, real elements only) that no later one exceeds strictly, written as a plain loop."""
+    batch, channels, height, width = x.shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer._kernel, layer._stride, layer._padding, layer._dilation
+    _, ho, wo = layer.output_shape(x.shape[1:])
+    out = np.zeros((batch, channels * height * width, channels * ho * wo), dtype=x.dtype)
+    for b in range(batch):
+        for c in range(channels):
+            for oh in range(ho):
+                for ow in range(wo):
+                    best = None
+                    for i in range(kh):
+                        for j in range(kw):
+                            ih, iw = oh * sh - ph + i * dh, ow * sw - pw + j * dw
+                            if 0 <= ih < height and 0 <= iw < width and (
+                                    best is None or x[b, c, ih, iw] > x[b, c, best[0], best[1]]):
+                                best = (ih, iw)
+                    out[b, (c * height + best[0]) * width + best[1], (c * ho + oh) * wo + ow] = 1
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threaded", [False, True])
+def test_max_pool_values_of_any_window_geometry_equal_the_first_maximum(monkeypatch, dtype, threaded):
+    """The window loop (:func:`max_pool_windows`) on overlapping, padded, dilated, clipped and odd
+    windows, cut over planes or not, with ties and -inf."""
+    from sparse_scan.layers import _pooling as pooling
+
+    if threaded:
+        monkeypatch.setattr(pooling, "MAX_POOL_THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(pooling, "cpu_threads", lambda: 3)
+    rng = np.random.default_rng(11)
+    for kwargs, shape in [(dict(kernel_size=3, stride=2, padding=1), (2, 7, 6)),
+                          (dict(kernel_size=(2, 3), stride=(1, 2), dilation=(2, 1), ceil_mode=True),
+                           (3, 6, 7)),
+                          (dict(kernel_size=2, ceil_mode=True), (2, 5, 5)),
+                          (dict(kernel_size=2), (2, 5, 4)),
+                          (dict(kernel_size=1), (1, 3, 3))]:
+        layer = MaxPool2d(**kwargs)
+        x = rng.integers(-2, 3, (4,) + shape).astype(dtype)  # many ties
+        x[0, 0, :3, :3] = -np.inf
+        jt = layer.transposed_jacobian(x)
+        np.testing.assert_array_equal(jt.todense(), first_maximum_oracle(layer, x))
+        assert np.signbit(jt.data).sum() == 0
+        x[3, -1, 0, 0] = np.nan  # in the first window of every geometry here
+        with pytest.raises(ValueError, match="NaN"):
+            layer.transposed_jacobian(x)

@@ -40,7 +40,6 @@ from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag
 from .._host_kernels import kernels, launch
-from .._scaled_gather import THREAD_MIN_VALUES
 from .._threads import cpu_threads, even_parts
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
@@ -204,7 +203,7 @@ def _pattern_gpu(be: _backend.Backend, g: PoolGeometry, dtype: np.dtype) -> tupl
 _pattern = _backend.twin(cpu=_pattern_cpu, gpu=_pattern_gpu)
 
 
-# --- windows as strided views (forward, and the max-pool values on the CPU) -----------------------
+# --- windows as strided views (the forward) ------------------------------------------------------
 def _padded(xp: Any, x: Array, g: PoolGeometry, fill: float) -> Array:
     """``x`` inside a ``fill`` border wide enough for every window (``ceil_mode``'s included)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.stride, g.padding, g.dilation
@@ -237,72 +236,57 @@ def _window_max(xp: Any, x: Array, g: PoolGeometry) -> Array:
 
 
 # --- max-pool value twins ------------------------------------------------------------------------
+MAX_POOL_CHUNK = 512
+"""Pairs of inputs per pass of the compiled 2x2 kernel (its temporaries stay in L1). Measured on
+VGG-11's pools at batch 16 (one thread): 256-1024 alike, within 5 %."""
+
+MAX_POOL_THREAD_MIN_VALUES = 2**22
+"""Max-pool values fills of at least this many values run one run of planes per core. Measured on
+2 cores (2x2 windows, float32): two threads lose below (2M values: 0.67 ms on one, 0.72 ms on two;
+1M: 0.36 and 0.42 ms) and win above (4M: 1.28 and 0.77 ms; 13M: 11.7 and 7.2 ms)."""
+
+
 def _max_selection_cpu(
     be: _backend.Backend, x: np.ndarray, aux: dict[str, Any], nnz: int
 ) -> tuple[np.ndarray, bool]:
-    """CPU twin: 1 at each window's first maximum; also whether some window's maximum is NaN.
+    """CPU twin: 1 at each window's first maximum; also whether some window holds a NaN.
 
-    2x2 windows of stride 2 (VGG's pools) run a compiled kernel (:func:`_max_selection_2x2`); other
-    geometries the NumPy passes below (a generic compiled port measured no faster than them).
-
-    One pass per window offset, tracking the selected JT entry itself. It starts at the window's
-    first real element and moves only to a strictly greater element (padding is -inf and never
-    wins). A window's entries grow with its offset (rows are input pixels in order, and later offsets
-    are later pixels), so a running maximum of ``entry_k * (view > best)`` tracks it. Each strided
-    view is first copied into a contiguous buffer: NumPy's ufuncs crawl over the short rows of a
-    strided view, and the copy is the cheapest such pass. Then ones go to the selected entries of a
-    zeroed buffer through flat indices.
+    Compiled kernels over runs of (sample, channel) planes, one run per core from
+    :data:`MAX_POOL_THREAD_MIN_VALUES` values. 2x2 windows of stride 2 (VGG's pools) run a
+    vectorised kernel (:func:`sparse_scan._numba_kernels.max_pool_2x2`) on the inputs they cover, in
+    input order: the values are those inputs' shape (an odd last row or column, in no window, is cut
+    off by a copy first). Every other geometry runs the window loop of the CUDA twin
+    (:func:`sparse_scan._numba_kernels.max_pool_windows`).
     """
     g = aux["geometry"]
-    if _two_by_two(g):
-        return _max_selection_2x2(x, g, nnz)
-    slot = aux["slot"]
-    views = _window_views(np, x, g, -np.inf)
-    best = next(views).copy()
-    plane = best.shape[1:]
-    entry = np.broadcast_to(aux["first_entry"].reshape(plane), best.shape).copy()
-    window = np.empty_like(best)
-    greater = np.empty(best.shape, dtype=bool)
-    candidate = np.empty_like(entry)
-    for k, view in enumerate(views, start=1):
-        np.copyto(window, view)
-        np.greater(window, best, out=greater)
-        np.maximum(best, window, out=best)
-        np.multiply(greater, slot[k].reshape(plane), out=candidate)
-        np.maximum(entry, candidate, out=entry)
     batch = x.shape[0]
-    flat = entry.reshape(batch, -1) + np.arange(0, batch * nnz, nnz, dtype=np.intp)[:, None]
-    data = np.zeros((batch, nnz), dtype=x.dtype)
-    data.reshape(-1)[flat] = 1
-    return data, bool(np.isnan(best).any())
+    planes = batch * g.channels
+    pieces = even_parts(planes, cpu_threads()) if batch * nnz >= MAX_POOL_THREAD_MIN_VALUES else [(0, planes)]
+    data = np.empty((batch, nnz), dtype=x.dtype)
+    if _two_by_two(g):
+        covered = np.ascontiguousarray(x[:, :, :2 * g.out_height, :2 * g.out_width]).reshape(-1)
+        kernel, pairs = kernels().max_pool_2x2, 2 * g.out_height * g.out_width  # pairs per plane
+        args = [(covered, data.reshape(-1), g.out_width, p0 * pairs, p1 * pairs, MAX_POOL_CHUNK)
+                for p0, p1 in pieces]
+    else:  # the kernel zeroes each plane's entries
+        kernel, geometry = kernels().max_pool_windows, tuple(g.as_array().tolist())
+        args = [(np.ascontiguousarray(x).reshape(-1), aux["slot"], geometry, data, p0, p1)
+                for p0, p1 in pieces]
+    if len(args) == 1:
+        return data, kernel(*args[0])
+    flags = [False] * len(args)
+
+    def run(index: int) -> None:
+        flags[index] = kernel(*args[index])
+
+    launch(run, (), [(index,) for index in range(len(args))])
+    return data, any(flags)
 
 
 def _two_by_two(g: PoolGeometry) -> bool:
     """2x2 windows of stride 2, no padding or dilation, every window inside the input."""
     return (g.kernel == (2, 2) and g.stride == (2, 2) and g.padding == (0, 0) and g.dilation == (1, 1)
             and 2 * g.out_height <= g.height and 2 * g.out_width <= g.width)
-
-
-def _max_selection_2x2(x: np.ndarray, g: PoolGeometry, nnz: int) -> tuple[np.ndarray, bool]:
-    """The compiled 2x2 case (:func:`sparse_scan._numba_kernels.max_pool_2x2`): each input row pair
-    holds a row of windows, and the JT's entries are the windows' inputs in input order, so the
-    values are ``(B, C, 2 Ho, 2 Wo)``; runs of (sample, channel) planes per core."""
-    batch = x.shape[0]
-    data = np.empty((batch, nnz), dtype=x.dtype)
-    planes = batch * g.channels
-    workers = cpu_threads() if data.size >= THREAD_MIN_VALUES else 1
-    pieces = even_parts(planes, workers)
-    flags = [False] * len(pieces)
-    flat_x, flat_data = np.ascontiguousarray(x).reshape(-1), data.reshape(-1)
-    kernel = kernels().max_pool_2x2
-
-    def run(index: int) -> None:
-        p0, p1 = pieces[index]
-        flags[index] = kernel(flat_x, flat_data, planes, g.height, g.width, g.out_height, g.out_width,
-                              p0, p1)
-
-    launch(run, (), [(i,) for i in range(len(pieces))])
-    return data, any(flags)
 
 
 def _max_selection_gpu(
@@ -333,6 +317,7 @@ class _Pool2d(Layer):
         self, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool
     ) -> None:
         super().__init__()
+        self._geometries: dict[tuple[Shape, bool], PoolGeometry] = {}
         self.kernel_size, self.padding = kernel_size, padding
         self.ceil_mode = flag(ceil_mode, f"layer {self.label}: ceil_mode")
         self.stride = kernel_size if stride is None else stride
@@ -348,8 +333,12 @@ class _Pool2d(Layer):
             )
 
     def _geometry(self, in_shape: Shape) -> PoolGeometry:
-        """Validate a per-sample ``(C, H, W)`` shape and compute the window geometry."""
+        """Validate a per-sample ``(C, H, W)`` shape and compute the window geometry (kept per shape:
+        every values fill asks for it)."""
         shape = tuple(int(s) for s in in_shape)
+        known = self._geometries.get((shape, self.ceil_mode))
+        if known is not None:
+            return known
         if len(shape) != 3:
             raise self._error("input", f"expected a per-sample shape (C, H, W), got {shape}")
         if min(shape) < 1:
@@ -365,8 +354,9 @@ class _Pool2d(Layer):
                 f"window {self.kernel_size!r} (dilation {self._dilation}) does not fit the input "
                 f"{shape[1:]} padded by {self._padding}: output size {out}",
             )
-        return PoolGeometry(*shape, *out, self._kernel, self._stride, self._padding,
-                            self._dilation)
+        geometry = PoolGeometry(*shape, *out, self._kernel, self._stride, self._padding, self._dilation)
+        self._geometries[(shape, self.ceil_mode)] = geometry
+        return geometry
 
     def check_in_shape(self, in_shape: Shape) -> Shape:
         self._geometry(in_shape)
@@ -424,15 +414,6 @@ class MaxPool2d(_Pool2d):
     def forward(self, x: Array) -> Array:
         x = self._check_input(x)
         return _window_max(_backend.of(x).xp, x, self._geometry(x.shape[1:]))
-
-    def _build_pattern(
-        self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
-    ) -> tuple[Pattern, dict[str, Any]]:
-        pattern, aux = super()._build_pattern(be, in_shape, index_dtype)
-        slot = aux["slot"]  # the entry of every window element (-1: padding)
-        first_offset = be.xp.argmax(slot >= 0, axis=0)
-        aux["first_entry"] = slot[first_offset, be.xp.arange(slot.shape[1])]
-        return pattern, aux
 
     def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         data, nan_found = _max_selection(be, x, aux, pattern.nnz)
