@@ -122,15 +122,41 @@ def load_weights(network: Any, path: pathlib.Path) -> None:
         fail(f"--weights {path}: {error}")
 
 
+BITSTREAM = "bitstream"
+BITSTREAM_SAMPLES = (2048, 512)
+"""``--data bitstream[:TRAIN[:TEST]]``: the paper's synthetic task, TRAIN and TEST sequences by default."""
+
+
+def _bitstream(data: str, input_shape: tuple[int, ...], classes: int) -> Any:
+    """The dataset of ``--data bitstream[:TRAIN[:TEST]]`` for a model of ``input_shape`` ``(T, 1)``
+    and ``classes`` outputs (at most 10), sequences of ``T`` steps; a one-line error otherwise."""
+    from sparse_scan.recurrent import Bitstream  # noqa: PLC0415 - imports NumPy
+
+    parts = data.split(":")[1:]
+    if len(parts) > 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        fail(f"--data {data}: expected bitstream, bitstream:TRAIN or bitstream:TRAIN:TEST with positive "
+             "sample counts")
+    train, test = [int(part) for part in parts] + list(BITSTREAM_SAMPLES[len(parts):])
+    if len(input_shape) != 2 or input_shape[1] != 1:
+        fail(f"--data {data}: bitstream sequences are (time steps, 1), the model takes "
+             f"{list(input_shape)}")
+    if classes > 10:
+        fail(f"--data {data}: the bitstream task has 10 classes, the model {classes} outputs")
+    return Bitstream(input_shape[0], samples=train + test, classes=classes).split(test)
+
+
 def load_dataset_for(network: Any, model: pathlib.Path, data: str, needs: str) -> Any:
     """``--data`` for the classifier ``network`` (from ``model``): the dataset
-    (:func:`sparse_scan.train.load_dataset`) of its input shape and classes, or a one-line error when
-    its output is not flat (``needs`` names what needs it: ``training``, ``eval``)."""
+    (:func:`sparse_scan.train.load_dataset`, or the bitstream task) of its input shape and classes,
+    or a one-line error when its output is not flat (``needs`` names what needs it: ``training``,
+    ``eval``)."""
     from sparse_scan.train import load_dataset  # noqa: PLC0415 - imports NumPy
 
     classes = network.shapes(network.input_shape)[-1]
     if len(classes) != 1:
         fail(f"{model}: {needs} needs a flat (classes,) output, the model gives {list(classes)}")
+    if data == BITSTREAM or data.startswith(f"{BITSTREAM}:"):
+        return _bitstream(data, network.input_shape, classes[0])
     return load_dataset(data, network.input_shape, classes[0])
 
 

@@ -73,7 +73,8 @@ dtype_option = click.option(
 """``--dtype`` of the commands that take a value type (run, flops)."""
 
 data_option = click.option(
-    "--data", required=True, help="'digits' (scikit-learn's) or a .npz with x_train, y_train, x_test, y_test")
+    "--data", required=True, help="'digits' (scikit-learn's), 'bitstream[:TRAIN[:TEST]]' (the paper's "
+    "sequences, 2048 and 512 by default) or a .npz with x_train, y_train, x_test, y_test")
 """``--data`` of the commands that read a dataset (train, eval)."""
 
 

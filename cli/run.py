@@ -1,8 +1,9 @@
 """``sparse-scan run MODEL.yaml``: the backward pass of a model on data, by a scan.
 
-Parses the options, loads the spec and the arrays, calls :class:`sparse_scan.Sequential` and writes the
-gradients (``.npz``, atomically, never over an existing file without ``--force``) and a timing
-breakdown. Every problem is one line on stderr with exit code 2, and then nothing is written.
+Parses the options, loads the spec and the arrays, calls :class:`sparse_scan.Sequential` (or, for a
+recurrent spec, :class:`sparse_scan.recurrent.RecurrentClassifier`) and writes the gradients
+(``.npz``, atomically, never over an existing file without ``--force``) and a timing breakdown. Every
+problem is one line on stderr with exit code 2, and then nothing is written.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ from ._options import (
 COMBINES = ("chain", "exscan", "relay")
 """``--combine`` choices: :data:`sparse_scan.distributed.COMBINES` (repeated here, where NumPy is not
 imported yet; a test keeps them equal)."""
+
+
+TIMING_LABELS = {"forward_s": "forward", "plan_s": "plan", "values_s": "JT values", "scan_s": "scan",
+                 "parameter_grads_s": "parameter grads", "backward_s": "backward (all grads)"}
+"""The timing breakdown's lines, in order (a recurrent model's backward is one figure)."""
 
 
 def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int, dtype: Any) -> Any:
@@ -105,7 +111,8 @@ def _upstream(output: Any, grad_path: pathlib.Path | None,
 @model_argument
 @file_option("--weights", "weights_path",
              help="use these weights (.npz by state_dict name, e.g. train --out) instead of the spec's")
-@file_option("--input", "input_path", help="inputs (N, *input_shape) as .npy")
+@file_option("--input", "input_path",
+             help="inputs (N, *input_shape) as .npy (a recurrent model's: (N, time steps, features))")
 @click.option("--random", type=click.IntRange(min=1), help="N seeded random inputs instead of --input")
 @seed_option(help="seed of --random")
 @file_option("--grad", "grad_path",
@@ -143,7 +150,8 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     """
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
-    from sparse_scan import cpu_threads, load_model  # noqa: PLC0415
+    from sparse_scan import load_model  # noqa: PLC0415
+    from sparse_scan.recurrent import RecurrentClassifier  # noqa: PLC0415
 
     comm = _distributed.world() if distributed else None
     if comm is None and (split is not None or combine != "chain"):
@@ -160,6 +168,10 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     be = backend_or_fail("cpu" if comm is not None else device)
     with model_errors(model):
         network = load_model(model, dtype=dtype)
+    recurrent = isinstance(network, RecurrentClassifier)
+    if recurrent and comm is not None:
+        fail(f"{model}: --distributed splits the layers of a sequential model; a recurrent one runs in one "
+             "process")
     if weights_path is not None:
         load_weights(network, weights_path)
     try:
@@ -171,6 +183,52 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
                                      lambda output: _upstream(output, grad_path, labels_path), method,
                                      levels_value, dtype, split_counts, combine, timeout, check, out, as_json)
         return
+    if recurrent:
+        report, grads, parameters = _recurrent(model, network, be, x, grad_path, labels_path, method,
+                                               levels_value, dtype, check)
+    else:
+        report, grads, parameters = _sequential(model, network, be, x, grad_path, labels_path, method,
+                                                levels_value, max_step_flops, dtype, check, quiet)
+    if out is not None:
+        write_or_fail("--out", out,
+                      lambda: write_gradients(out, network.layers, grads, parameters, be.to_host))
+        report["out"] = str(out)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{model}: {schedule_label(report['method'], report['levels'])} on {be.name} "
+               f"({report['threads']} CPU threads), batch {report['batch']}, {dtype}")
+    for line in schedule_lines(report["schedule"]):
+        click.echo(line)
+    for name, label in TIMING_LABELS.items():
+        if name in report["timings"]:
+            if name == "plan_s" and "plan_cache_hit" in report:
+                label += f" ({'cache hit' if report['plan_cache_hit'] else 'built'})"
+            click.echo(f"  {label:22} {report['timings'][name] * 1e3:10.2f} ms")
+    if "loss" in report:
+        click.echo(f"  loss {report['loss']:.6g}")
+    if "max_rel_error_vs_linear" in report:
+        click.echo(f"  max relative error vs linear scan: {report['max_rel_error_vs_linear']:.3g}")
+    if out is not None:
+        click.echo(f"  gradients written to {out}")
+
+
+def _max_relative_error(be: Any, pairs: Any) -> float:
+    """The largest ``max|g - r| / max|r|`` over pairs of gradients."""
+    return max(float(be.to_host(abs(g - r).max())) / max(float(be.to_host(abs(r).max())), 1e-30)
+               for g, r in pairs)
+
+
+def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
+                labels_path: pathlib.Path | None, method: str, levels: int | str | None,
+                max_step_flops: float, dtype: str, check: bool,
+                quiet: bool) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    """Forward, planned scan and parameter gradients of a sequential model: the report, the
+    gradients w.r.t. every activation and the parameters'."""
+    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
+
+    from sparse_scan import cpu_threads  # noqa: PLC0415
+
     timings: dict[str, float] = {}
     with model_errors(model):
         start = time.perf_counter()
@@ -185,7 +243,7 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
         grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
         builds = network.plan_builds
         start = time.perf_counter()
-        plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops),
+        plan = network.plan(network.input_shape, method, levels, max_step_flops=int(max_step_flops),
                             progress=plan_progress(quiet))
         planned = time.perf_counter() - start
         grads = network.backward(be.asarray(grad), plan.method, plan.levels, timings=timings)
@@ -204,28 +262,52 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     if loss is not None:
         report["loss"] = loss
     if reference is not None:
-        report["max_rel_error_vs_linear"] = max(
-            float(be.to_host(abs(g - r).max())) / max(float(be.to_host(abs(r).max())), 1e-30)
-            for g, r in zip(grads, reference, strict=True))
-    if out is not None:
-        write_or_fail("--out", out,
-                      lambda: write_gradients(out, network.layers, grads, parameters, be.to_host))
-        report["out"] = str(out)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
-    click.echo(f"{model}: {schedule_label(plan.method, plan.levels)} on {be.name} ({cpu_threads()} CPU "
-               f"threads), batch {x.shape[0]}, {dtype}")
-    for line in schedule_lines(schedule):
-        click.echo(line)
-    plan_note = "cache hit" if report["plan_cache_hit"] else "built"
-    for name, label in (("forward_s", "forward"), ("plan_s", f"plan ({plan_note})"),
-                        ("values_s", "JT values"), ("scan_s", "scan"),
-                        ("parameter_grads_s", "parameter grads")):
-        click.echo(f"  {label:22} {timings[name] * 1e3:10.2f} ms")
+        report["max_rel_error_vs_linear"] = _max_relative_error(be, zip(grads, reference, strict=True))
+    return report, grads, parameters
+
+
+def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
+               labels_path: pathlib.Path | None, method: str, levels: int | str | None, dtype: str,
+               check: bool) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    """Forward and backward (a scan per layer and direction) of a recurrent classifier: the report,
+    the gradients w.r.t. the input, the recurrent layer's outputs and the logits, and the
+    parameters'."""
+    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
+
+    from sparse_scan import cpu_threads  # noqa: PLC0415
+
+    timings: dict[str, float] = {}
+    batch = int(x.shape[0])
+    with model_errors(model):
+        start = time.perf_counter()
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, by layer
+            output = network.forward(be.asarray(x))
+        be.synchronize()
+        timings["forward_s"] = time.perf_counter() - start
+        overflowing = network.non_finite_output()
+        if overflowing is not None:
+            fail(f"{model}: layer {overflowing!r}: its output holds NaN or Inf on this input (a {dtype} "
+                 "overflow? try --dtype float64)")
+        grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
+        start = time.perf_counter()
+        plan = network.plan(network.input_shape, method, levels, batch=batch, device=be.name)
+        timings["plan_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        grads = network.backward(be.asarray(grad), plan.method, plan.levels)
+        parameters = network.parameter_gradients(grads)
+        be.synchronize()
+        timings["backward_s"] = time.perf_counter() - start
+        if check:
+            reference = network.backward(be.asarray(grad), "linear")
+            reference_parameters = network.parameter_gradients(reference)
+            pairs = list(zip(grads, reference, strict=True)) + [
+                (value, reference_parameters[key]) for key, value in parameters.items()]
+    report: dict[str, Any] = {"model": str(model), "method": plan.method, "levels": plan.levels,
+                              "device": be.name, "threads": cpu_threads(), "dtype": dtype, "batch": batch,
+                              "timings": timings,
+                              "schedule": plan.explain(batch, np.dtype(dtype).itemsize)}
     if loss is not None:
-        click.echo(f"  loss {loss:.6g}")
-    if reference is not None:
-        click.echo(f"  max relative error vs linear scan: {report['max_rel_error_vs_linear']:.3g}")
-    if out is not None:
-        click.echo(f"  gradients written to {out}")
+        report["loss"] = loss
+    if check:
+        report["max_rel_error_vs_linear"] = _max_relative_error(be, pairs)
+    return report, grads, parameters

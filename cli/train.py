@@ -1,11 +1,11 @@
 """``sparse-scan train MODEL.yaml --data NAME_OR_PATH``: train with BPPSA gradients.
 
-Parses the options, loads the spec, the starting weights (``--weights``) and the data, runs
-:func:`sparse_scan.train.train` and reports as it goes: a line per epoch (loss, accuracy, time) on
-stdout (stderr with ``--json``), the CSV log appended and flushed per iteration, the weights
-(``--out``) written atomically after every epoch and on Ctrl-C, never over an existing file without
-``--force``; at the end a summary with the test accuracy (or JSON) and the loss plot. Errors: one line,
-exit code 2, before anything is written.
+Parses the options, loads the spec (a sequential or a recurrent model), the starting weights
+(``--weights``) and the data, runs :func:`sparse_scan.train.train` and reports as it goes: a line per
+epoch (loss, accuracy, time) on stdout (stderr with ``--json``), the CSV log appended and flushed per
+iteration, the weights (``--out``) written atomically after every epoch and on Ctrl-C, never over an
+existing file without ``--force``; at the end a summary with the test accuracy (or JSON) and the loss
+plot. Errors: one line, exit code 2, before anything is written.
 """
 
 from __future__ import annotations
@@ -151,21 +151,32 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
     test accuracy at the end."""
     import sparse_scan.train as training  # noqa: PLC0415 - not at import: --help and --threads first
     from sparse_scan import load_model  # noqa: PLC0415
+    from sparse_scan.recurrent import RecurrentClassifier  # noqa: PLC0415
     from sparse_scan.weights import write_npz_atomically  # noqa: PLC0415
 
     check_outputs(force, out=out, log=log_path, plot=plot)
     if optimizer_name == "adam" and momentum:
         fail("--momentum applies to --optimizer sgd only")
     levels_value = parse_levels(levels)
-    backend_or_fail(device)
+    be = backend_or_fail(device)
     with model_errors(model):
         network = load_model(model)
+        recurrent = isinstance(network, RecurrentClassifier)
+        if recurrent and network.recurrent.dropout and network.recurrent.num_layers > 1:
+            fail(f"{model}: layer {network.recurrent.name!r}: dropout {network.recurrent.dropout:g}: "
+                 "sparse-scan train applies no dropout (its test figures would drop too); set dropout: 0, "
+                 "or train from Python (sparse_scan.recurrent.train_recurrent)")
         baseline = load_model(model) if compare_bp else None
         for net in (network, baseline):
             if net is not None and weights_path is not None:
                 load_weights(net, weights_path)
         dataset = load_dataset_for(network, model, data, "training")
-        plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
+        if recurrent:
+            plan = network.plan(network.input_shape, method, levels_value, batch=batch_size, device=be.name)
+            explained = plan.explain(batch_size, 4)
+        else:
+            plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
+            explained = plan.explain(batch_size, 4, device)
     schedule = schedule_label(plan.method, plan.levels)
     lines: IO[str] | None = None if quiet else (sys.stderr if as_json else sys.stdout)
     per_epoch = -(-len(dataset.x_train) // batch_size)
@@ -176,7 +187,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
 
     say(f"{model}: {len(dataset.x_train)} training and {len(dataset.x_test)} test samples ({data}), "
         f"{epochs} epochs of {per_epoch} batches of {batch_size}, {optimizer_name} lr={lr:g}")
-    for line in schedule_lines(plan.explain(batch_size, 4, device)):
+    for line in schedule_lines(explained):
         say(line)
     optimizer = _optimizer(optimizer_name, network, lr, momentum)
     pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
@@ -215,7 +226,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         write_or_fail("--plot", plot, lambda: _plot(records, plot, schedule))
     final = summaries[-1]
     report: dict[str, Any] = {
-        "model": str(model), "data": data, "schedule": plan.explain(batch_size, 4, device),
+        "model": str(model), "data": data, "schedule": explained,
         "optimizer": optimizer_name, "lr": lr, "epochs": epochs, "batch_size": batch_size,
         "iterations": len(records), "seconds": final["elapsed_s"], "final": final, "per_epoch": summaries}
     if compare_bp:

@@ -1,4 +1,6 @@
-"""Export a PyTorch ``nn.Sequential`` of supported layers to a model spec plus ``.npz`` weights.
+"""Export a PyTorch ``nn.Sequential`` of supported layers, or a recurrent classifier (an ``nn.RNN``,
+``nn.GRU`` or ``nn.LSTM`` followed by an ``nn.Linear`` head on its last output), to a model spec plus
+``.npz`` weights.
 
 PyTorch is imported by the caller's module only: this module reads attributes of the modules it is
 given and never imports torch itself.
@@ -45,17 +47,46 @@ the spec, ignored (``inplace``: no effect on values or gradients; deprecated ali
 other arguments), or a tuple of the only values the spec represents (anything else is refused).
 An argument not listed (a newer PyTorch's) is refused too: nothing is dropped silently."""
 
+_RECURRENT: dict[str, tuple[str, dict[str, Any]]] = {
+    kind: (kind.lower(), {"mode": IGNORED, "input_size": WRITTEN, "hidden_size": WRITTEN,
+                          "num_layers": WRITTEN, "bias": WRITTEN, "batch_first": WRITTEN, "dropout": WRITTEN,
+                          "bidirectional": WRITTEN, "proj_size": WRITTEN if kind == "LSTM" else (0,)})
+    for kind in ("RNN", "GRU", "LSTM")}
+"""The recurrent modules, by the arguments of their common base ``RNNBase`` (theirs are ``*args``):
+``mode`` is the module's type (and, for ``nn.RNN``, its ``nonlinearity``, written); ``proj_size``
+is the LSTM's only."""
+
 _KEEP_FIELDS = ("device", "dtype")  # constructor arguments that leave no trace in the module
 
 
-def _entry(name: str, child: Any) -> dict[str, Any]:
-    """The spec entry of one module: every constructor argument written or refused."""
+def _constructor(cls: type) -> inspect.Signature:
+    """The signature of ``cls.__init__``, or for a recurrent module its base's (``nn.LSTM.__init__``
+    takes ``*args, **kwargs`` and passes them to ``RNNBase.__init__``, the first along the MRO
+    that names them)."""
+    if cls.__name__ not in _RECURRENT:
+        return inspect.signature(cls.__init__)
+    for klass in cls.__mro__:
+        signature = inspect.signature(klass.__init__)
+        if not any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+            return signature
+    raise ValueError(f"{cls.__name__}: no constructor with named arguments")
+
+
+def _entry(name: str, child: Any, position: int, count: int) -> dict[str, Any]:
+    """The spec entry of child ``position`` of ``count``: every constructor argument written or
+    refused; a recurrent module only first, followed by the linear head alone."""
     kind = type(child).__name__
-    if kind not in _MODULES:
-        raise ValueError(f"layer {name!r}: type: {kind} is not supported (supported: {', '.join(_MODULES)})")
-    spec_type, arguments = _MODULES[kind]
+    supported = ", ".join(list(_MODULES) + list(_RECURRENT))
+    if kind not in _MODULES and kind not in _RECURRENT:
+        raise ValueError(f"layer {name!r}: type: {kind} is not supported (supported: {supported})")
+    if kind in _RECURRENT and (position != 0 or count != 2):
+        raise ValueError(f"layer {name!r}: type: a {kind} must be the first of two layers, followed by the "
+                         "Linear classifier head on its last output")
+    spec_type, arguments = _MODULES[kind] if kind in _MODULES else _RECURRENT[kind]
     entry: dict[str, Any] = {"name": name, "type": spec_type}
-    for argument, parameter in inspect.signature(type(child).__init__).parameters.items():
+    if kind == "RNN":
+        entry["nonlinearity"] = child.nonlinearity
+    for argument, parameter in _constructor(type(child)).parameters.items():
         if argument == "self" or argument in _KEEP_FIELDS or parameter.kind in (
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
@@ -64,7 +95,9 @@ def _entry(name: str, child: Any) -> dict[str, Any]:
             raise ValueError(f"layer {name!r}: {argument}: an argument of {kind} the spec cannot represent")
         if rule == IGNORED:
             continue
-        value = (getattr(child, "bias", None) is not None) if argument == "bias" else getattr(child, argument)
+        value = getattr(child, argument)
+        if argument == "bias" and not isinstance(value, bool):  # a layer's bias tensor, a recurrent flag
+            value = value is not None
         if rule == WRITTEN:
             entry[argument] = _plain(value)
         elif value not in rule:
@@ -85,14 +118,19 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
 
     Parameters
     ----------
-    module : torch.nn.Sequential
-        Of Conv2d (zeros padding), Linear, MaxPool2d, AvgPool2d (no ``divisor_override``), Flatten,
-        ReLU, LeakyReLU, Tanh, Sigmoid, Identity, SiLU, GELU, ELU, Hardtanh and Softplus modules;
-        layer names are the module's child names. Every argument of every module is written to the
-        spec, or refused with a ``ValueError`` naming the layer and the argument (before anything is
-        written) where the spec cannot represent it.
+    module : torch.nn.Module
+        An ``nn.Sequential`` (or any module whose children run in order) of Conv2d (zeros padding),
+        Linear, MaxPool2d, AvgPool2d (no ``divisor_override``), Flatten, ReLU, LeakyReLU, Tanh,
+        Sigmoid, Identity, SiLU, GELU, ELU, Hardtanh and Softplus modules; or a recurrent classifier:
+        two children, an ``nn.RNN``, ``nn.GRU`` or ``nn.LSTM`` (any of their arguments) and an
+        ``nn.Linear`` head, which the spec applies to the recurrent layer's last output (PyTorch's
+        ``fc(output[:, -1])``, ``fc(output[-1])`` without ``batch_first``; the module's own
+        ``forward`` is not read), loaded as a :class:`~sparse_scan.recurrent.RecurrentClassifier`.
+        Layer names are the module's child names, weights keep PyTorch's state_dict names. Every
+        argument of every module is written to the spec, or refused with a ``ValueError`` naming the
+        layer and the argument (before anything is written) where the spec cannot represent it.
     input_shape : sequence of int
-        One sample's shape, no batch axis.
+        One sample's shape, no batch axis: ``(time steps, input_size)`` for a recurrent classifier.
     path : str or path-like
         The spec to write; neither it nor the weights file may exist.
 
@@ -112,12 +150,11 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
         if target.exists():
             raise FileExistsError(f"{target} exists; export_torch never overwrites")
     layers, weights = [], {}
-    for name, child in module.named_children():
-        layers.append(_entry(name, child))
-        for parameter in ("weight", "bias"):
-            tensor = getattr(child, parameter, None)
-            if tensor is not None:
-                weights[f"{name}.{parameter}"] = tensor.detach().cpu().numpy()
+    children = list(module.named_children())
+    for position, (name, child) in enumerate(children):
+        layers.append(_entry(name, child, position, len(children)))
+        for parameter, tensor in child.named_parameters():
+            weights[f"{name}.{parameter}"] = tensor.detach().cpu().numpy()
     spec = {"input_shape": [int(s) for s in input_shape], "weights": weights_path.name, "layers": layers}
     np.savez(weights_path, **weights)
     path.write_text(yaml.safe_dump(spec, sort_keys=False, default_flow_style=None))

@@ -18,6 +18,21 @@
 problem is a :class:`SpecError` naming the file, the layer and the field; the spec and the weights file
 are only read.
 
+A recurrent model is a recurrent layer (``rnn``, ``gru`` or ``lstm``, PyTorch's ``nn.RNN``/``nn.GRU``/
+``nn.LSTM`` arguments) followed by one ``linear`` layer, the classifier head on the last output; it
+loads as a :class:`~sparse_scan.recurrent.RecurrentClassifier` (in eval mode: no dropout). One sample
+is ``[time steps, input_size]`` (batch-first data ``(N, T, input_size)`` whatever ``batch_first``
+says: that argument is the module's call layout), ``input_size`` and ``in_features`` are inferred, and
+the weights have PyTorch's state_dict names (``rnn.weight_ih_l0``, ``rnn.weight_hh_l1_reverse``, ...):
+
+.. code-block:: yaml
+
+    input_shape: [1000, 1]
+    init: {seed: 0}
+    layers:
+      - {name: rnn, type: lstm, hidden_size: 20, num_layers: 2, bidirectional: true}
+      - {name: fc, type: linear, out_features: 10}
+
 Examples
 --------
 >>> import pathlib, tempfile
@@ -64,9 +79,10 @@ from .layers import (
     Tanh,
 )
 from .layers._weighted import as_float_dtype
+from .recurrent import GRU, LSTM, RNN, RecurrentClassifier
 from .weights import read_npz
 
-__all__ = ["LAYER_TYPES", "SpecError", "load_model"]
+__all__ = ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model"]
 
 LAYER_TYPES: dict[str, type[Layer]] = {
     "conv2d": Conv2d, "linear": Linear, "relu": ReLU, "leaky_relu": LeakyReLU, "tanh": Tanh,
@@ -75,9 +91,13 @@ LAYER_TYPES: dict[str, type[Layer]] = {
 }
 """Spec ``type`` -> layer class (arguments: the class's, PyTorch's names)."""
 
+RECURRENT_TYPES: dict[str, type] = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
+"""Spec ``type`` of a recurrent first layer -> its class (arguments: PyTorch's; ``input_size`` inferred)."""
+
 TOP_LEVEL = ("input_shape", "layers", "weights", "init", "prune")
 INFERRED = {Conv2d: ("in_channels", lambda shape: shape[0]), Linear: ("in_features", lambda shape: shape[0])}
 ENGINE_ARGUMENTS = ("dtype", "rng", "prune_pattern")  # set by the loader, not by the spec
+RECURRENT_ENGINE_ARGUMENTS = ("dtype", "rng", "name", "seed")
 _LAYER_MESSAGE = re.compile(r"^layer [^:]+: ([^:]+): (.*)$", re.DOTALL)
 
 
@@ -150,17 +170,26 @@ def _options(path: pathlib.Path, spec: dict[str, Any], key: str, field: str, che
     return value
 
 
-def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, ...], dtype: Any,
-                 rng: np.random.Generator, prune: bool) -> tuple[Layer, str]:
+def _layer_name(path: pathlib.Path, index: int, entry: Any) -> tuple[str, str]:
+    """The name of ``layers[index]`` (its index by default) and how messages name the layer."""
     if not isinstance(entry, dict):
         raise _fail(path, f"layers[{index}]", "type", f"each layer must be a mapping, got {entry!r}")
     name = entry.get("name", str(index))
     if not isinstance(name, str) or not name:
         raise _fail(path, f"layers[{index}]", "name", f"must be a non-empty string, got {name!r}")
-    where = f"layer {name!r} (layers[{index}])"
+    return name, f"layer {name!r} (layers[{index}])"
+
+
+def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, ...], dtype: Any,
+                 rng: np.random.Generator, prune: bool) -> tuple[Layer, str]:
+    name, where = _layer_name(path, index, entry)
     kind = entry.get("type")
+    if isinstance(kind, str) and kind in RECURRENT_TYPES:
+        raise _fail(path, where, "type", f"a recurrent layer ({kind}) must be the first layer, followed by "
+                    "one linear layer (the classifier head)")
     if not isinstance(kind, str) or kind not in LAYER_TYPES:
-        raise _fail(path, where, "type", f"unknown layer type {kind!r} (known: {', '.join(LAYER_TYPES)})")
+        raise _fail(path, where, "type", f"unknown layer type {kind!r} (known: {', '.join(LAYER_TYPES)}; "
+                    f"first layer of a recurrent model: {', '.join(RECURRENT_TYPES)})")
     cls = LAYER_TYPES[kind]
     arguments = {k: v for k, v in entry.items() if k not in ("name", "type")}
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self",)]
@@ -227,8 +256,9 @@ def _magnitude_prune(layer: Any, amount: float) -> None:
     layer.weight = weight
 
 
-def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential:
-    """Build the :class:`~sparse_scan.Sequential` a spec describes.
+def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential | RecurrentClassifier:
+    """Build the :class:`~sparse_scan.Sequential` (or, for a recurrent first layer, the
+    :class:`~sparse_scan.recurrent.RecurrentClassifier`) a spec describes.
 
     Parameters
     ----------
@@ -239,8 +269,9 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential:
 
     Returns
     -------
-    Sequential
-        With ``input_shape`` (per-sample) set.
+    Sequential or RecurrentClassifier
+        With ``input_shape`` (per-sample) set; a recurrent one in eval mode (no dropout:
+        ``model.recurrent.train()`` turns it on).
 
     Raises
     ------
@@ -259,6 +290,12 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential:
     stored = _load_weights(path, spec["weights"]) if "weights" in spec else {}
     if not isinstance(spec["layers"], list) or not spec["layers"]:
         raise _fail(path, "", "layers", "must be a non-empty list of layers")
+    first = spec["layers"][0]
+    if isinstance(first, dict) and isinstance(first.get("type"), str) and first["type"] in RECURRENT_TYPES:
+        if amount is not None:
+            raise _fail(path, "", "prune", "applies to the conv2d and linear weights of a sequential model, "
+                        "not to a recurrent one")
+        return _load_recurrent(path, spec["layers"], shape, dtype, seed, stored)
     rng = np.random.default_rng(seed)
     layers, names, in_shape = [], set(), shape
     for index, entry in enumerate(spec["layers"]):
@@ -276,6 +313,28 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential:
     return Sequential(*layers, input_shape=in_shape)
 
 
+def _stored(path: pathlib.Path, where: str, name: str, parameter: str, stored: dict[str, np.ndarray],
+            initialised: bool, dtype: Any) -> np.ndarray | None:
+    """Parameter ``parameter`` of layer ``name`` from the weights file, checked and cast to ``dtype``
+    (None where the file has none and ``init`` initialised it)."""
+    key = f"{name}.{parameter}"
+    if key not in stored:
+        if not initialised:
+            raise _fail(path, where, parameter, f"no {key!r} in the weights file and no init: seed "
+                        "to initialise it")
+        return None
+    value = stored[key]
+    if value.dtype.kind != "f":
+        raise _fail(path, where, parameter, f"{key!r} has dtype {value.dtype}, expected floats")
+    if not np.all(np.isfinite(value)):
+        raise _fail(path, where, parameter, f"{key!r} holds NaN or Inf")
+    with np.errstate(over="ignore"):
+        cast = value.astype(dtype)
+    if not np.all(np.isfinite(cast)):
+        raise _fail(path, where, parameter, f"{key!r} holds values too large for {dtype}")
+    return cast
+
+
 def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str, np.ndarray],
                  initialised: bool) -> None:
     if not hasattr(layer, "weight"):
@@ -283,23 +342,66 @@ def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str,
     where = f"layer {layer.name!r} (layers[{index}])"
     parameters = ["weight"] + (["bias"] if layer.bias is not None else [])
     for parameter in parameters:
-        key = f"{layer.name}.{parameter}"
-        if key not in stored:
-            if not initialised:
-                raise _fail(path, where, parameter, f"no {key!r} in the weights file and no init: seed "
-                            "to initialise it")
+        cast = _stored(path, where, layer.name, parameter, stored, initialised, layer.dtype)
+        if cast is None:
             continue
-        value = stored[key]
-        if value.dtype.kind != "f":
-            raise _fail(path, where, parameter, f"{key!r} has dtype {value.dtype}, expected floats")
-        if not np.all(np.isfinite(value)):
-            raise _fail(path, where, parameter, f"{key!r} holds NaN or Inf")
-        with np.errstate(over="ignore"):
-            cast = value.astype(layer.dtype)
-        if not np.all(np.isfinite(cast)):
-            raise _fail(path, where, parameter, f"{key!r} holds values too large for {layer.dtype}")
         try:
             setattr(layer, parameter, cast)
         except ValueError as error:
             match = _LAYER_MESSAGE.match(str(error))
             raise _fail(path, where, parameter, match.group(2) if match else str(error)) from None
+
+
+def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ...], dtype: Any,
+                    seed: int | None, stored: dict[str, np.ndarray]) -> RecurrentClassifier:
+    """A recurrent first layer and its linear head (see the module docstring)."""
+    name, where = _layer_name(path, 0, entries[0])
+    kind = entries[0]["type"]
+    cls = RECURRENT_TYPES[kind]
+    if len(shape) != 2:
+        raise _fail(path, "", "input_shape", f"a recurrent model takes [time steps, input_size] per sample, "
+                    f"got {list(shape)}")
+    arguments = {k: v for k, v in entries[0].items() if k not in ("name", "type")}
+    accepted = [p for p in inspect.signature(cls.__init__).parameters
+                if p != "self" and p not in RECURRENT_ENGINE_ARGUMENTS]
+    for argument in arguments:
+        if argument not in accepted:
+            raise _fail(path, where, argument, f"unknown argument of {kind} (allowed: {', '.join(accepted)})")
+    if "hidden_size" not in arguments:
+        raise _fail(path, where, "hidden_size", f"missing (required by {kind})")
+    if arguments.setdefault("input_size", shape[1]) != shape[1]:
+        raise _fail(path, where, "input_size", f"is {arguments['input_size']!r} but the input has {shape[1]} "
+                    f"features (input_shape {list(shape)})")
+    rng = np.random.default_rng(seed)
+    try:
+        recurrent = cls(**arguments, dtype=dtype, rng=rng, name=name, seed=seed)
+    except (TypeError, ValueError, OverflowError) as error:
+        match = _LAYER_MESSAGE.match(str(error))
+        field, message = match.groups() if match else ("arguments", str(error))
+        raise _fail(path, where, field, message) from None
+    recurrent.eval()
+    if len(entries) != 2:
+        raise _fail(path, where, "layers", f"a recurrent layer is followed by exactly one linear layer (the "
+                    f"classifier head on its last output); the spec has {len(entries) - 1} after it")
+    head_name, head_where = _layer_name(path, 1, entries[1])
+    if entries[1].get("type") != "linear":
+        raise _fail(path, head_where, "type", f"the layer after a recurrent layer is its classifier head: "
+                    f"linear, got {entries[1].get('type')!r}")
+    if head_name == name:
+        raise _fail(path, head_where, "name", "used by an earlier layer")
+    head, _ = _build_layer(path, 1, entries[1], (recurrent.num_directions * recurrent.output_size,), dtype,
+                           rng, False)
+    model = RecurrentClassifier(recurrent, head=head, input_shape=shape)
+    for parameter, expected in recurrent.parameter_shapes().items():
+        cast = _stored(path, where, name, parameter, stored, seed is not None, recurrent.dtype)
+        if cast is None:
+            continue
+        if cast.shape != expected:
+            raise _fail(path, where, parameter, f"'{name}.{parameter}' has shape {list(cast.shape)}, "
+                        f"expected {list(expected)}")
+        setattr(recurrent, parameter, cast)
+    _set_weights(path, 1, head, stored, seed is not None)
+    unused = sorted(set(stored) - set(model.state_dict()))
+    if unused:
+        raise _fail(path, "", "weights", f"{unused[0]!r} in the weights file matches no layer parameter")
+    return model

@@ -11,6 +11,9 @@ Examples
 ((3, 100, 1), 'float32', True)
 >>> bool((Bitstream(steps=100, seed=0).batch([2])[0] == x[2:]).all())
 True
+>>> dataset = Bitstream(steps=100, samples=50).split(test=10)   # what sparse_scan.train trains on
+>>> dataset.x_train.shape, dataset.y_test.shape
+((40, 100, 1), (10,))
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._checks import integer
+from ..train import Dataset
 
 __all__ = ["Bitstream"]
 
@@ -65,3 +69,12 @@ class Bitstream:
             uniform = np.random.default_rng([self.seed, 1, int(index)]).random(self.steps)
             x[row, :, 0] = uniform < probability
         return x, self.labels[indices]
+
+    def split(self, test: int) -> Dataset:
+        """Every sequence, generated now, as a :class:`sparse_scan.train.Dataset`: the last ``test``
+        for testing, the others for training (what :func:`sparse_scan.train.train` and the command
+        line's ``--data bitstream`` read)."""
+        integer(test, "Bitstream: test", 1, self.samples - 1, note=" (samples - 1)")
+        x, y = self.batch(np.arange(self.samples))
+        cut = self.samples - test
+        return Dataset(x[:cut], y[:cut], x[cut:], y[cut:])

@@ -90,6 +90,12 @@ class RecurrentModule:
         Dropout between layers applies in training mode only (:meth:`train`, :meth:`eval`).
     dropout_masks : list
         The masks of the last forward, one per layer below the top (None where none applied).
+    output_size : int
+        Size of each direction's output ``h`` (``proj_size`` of a projected LSTM, else
+        ``hidden_size``).
+    state_size : int
+        Size of the state each layer and direction scans over: ``output_size``, plus ``hidden_size``
+        for the LSTM's cell state.
     """
 
     gates = 1
@@ -120,6 +126,7 @@ class RecurrentModule:
         self._dropout_rng = np.random.default_rng(seed)
         self.num_directions = 2 if self.bidirectional else 1
         self.output_size = self.proj_size or self.hidden_size
+        self.state_size = sum(size for _, size in self._state_parts())
         shapes = self.parameter_shapes()
         self.parameter_names = tuple(shapes)
         generator, bound = as_rng(rng), 1.0 / math.sqrt(self.hidden_size)  # PyTorch's initialisation
