@@ -1,7 +1,10 @@
-"""``sparse-scan flops MODEL.yaml``: static FLOP analysis of the backward pass (no values).
+"""``sparse-scan flops MODEL.yaml``: FLOP analysis of the backward pass, static and (for a batch) live.
 
 Parses the options, loads the spec, calls :func:`sparse_scan.flops.analyse` and prints a table or
-JSON; ``--plot`` draws the paper's Fig. 10 (FLOPs per step against ``m·n·k``) with matplotlib.
+JSON; ``--plot`` draws the paper's Fig. 10 (FLOPs per step against ``m·n·k``) with matplotlib. With
+``--input X.npy`` or ``--random N``, :func:`sparse_scan.flops.live` adds the FLOPs on that batch's
+live entries (``--convention ours|paper``): a ``live`` section after the static one, a ``live`` key in
+the JSON, and ``--plot`` draws the live figures. Without them the output is the static analysis alone.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import click
 
 from ._common import (
     check_outputs,
+    fail,
+    load_npy,
     model_errors,
     parse_levels,
     plan_progress,
@@ -32,7 +37,32 @@ from ._options import (
     method_option,
     model_argument,
     quiet_option,
+    seed_option,
 )
+
+CONVENTIONS = ("ours", "paper")
+"""``--convention`` choices: :data:`sparse_scan.flops.CONVENTIONS` (repeated here, where NumPy is not
+imported yet; a test keeps them equal)."""
+
+
+def _live_inputs(shape: tuple[int, ...], input_path: pathlib.Path | None, random: int | None, seed: int,
+                 dtype: str) -> Any:
+    """The batch of ``--input`` (checked: shape, numbers, finite) or ``--random`` (standard normal)."""
+    import numpy as np  # noqa: PLC0415 - not at import: --help comes first
+
+    if input_path is None:
+        return np.random.default_rng(seed).standard_normal((random,) + tuple(shape)).astype(dtype)
+    x = load_npy(input_path, "--input")
+    if tuple(x.shape[1:]) != tuple(shape) or not len(x):
+        fail(f"--input {input_path}: shape {list(x.shape)}, the model takes "
+             f"(N, {', '.join(map(str, shape))}) with N >= 1")
+    if x.dtype.kind not in "fiu":
+        fail(f"--input {input_path}: dtype {x.dtype}, expected numbers")
+    with np.errstate(over="ignore"):
+        cast = x.astype(dtype)
+    if not np.all(np.isfinite(cast)):
+        fail(f"--input {input_path}: holds NaN or Inf (or values too large for {dtype})")
+    return cast
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -61,22 +91,55 @@ def _table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _live_table(live: dict[str, Any]) -> str:
+    """The live section: per step its static and live FLOPs (mean, min, max over the samples), then
+    the totals."""
+    lines = ["", f"live FLOPs on {live['samples']} sample{'s' if live['samples'] > 1 else ''}, "
+             f"convention {live['convention']} (critical: the level's costliest step by mean live FLOPs)",
+             f"{'level':>5} {'phase':6} {'kind':4} {'m·n·k':>24} {'static FLOPs':>14} {'live mean':>14} "
+             f"{'live min':>14} {'live max':>14} critical"]
+    for step in live["steps"]:
+        mnk = "x".join(str(s) for s in step["mnk"])
+        spread = step["live"]
+        note = "" if step["in_plan"] else " (not in the plan: the paper's unused product)"
+        lines.append(f"{step['level']:>5} {step['phase']:6} {step['kind']:4} {mnk:>24} {step['static']:>14,} "
+                     f"{spread['mean']:>14,.0f} {spread['min']:>14,} {spread['max']:>14,} "
+                     f"{'*' if step['critical_live'] else ''}{note}")
+    lines.append("")
+    totals = live["totals"]
+    for label, key in (("BP FLOPs", "bp_flops"), ("BPPSA critical FLOPs", "critical_flops"),
+                       ("BPPSA work FLOPs", "work_flops")):
+        spread = totals[key]["live"]
+        lines.append(f"{label:22} static {totals[key]['static']:>16,}   live {spread['mean']:>16,.0f} "
+                     f"(min {spread['min']:,}, max {spread['max']:,})")
+    return "\n".join(lines)
+
+
 def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
-    """The paper's Fig. 10: FLOPs per step against m·n·k, BP's gradient operators beside."""
+    """The paper's Fig. 10: FLOPs per step against m·n·k, BP's gradient operators beside (the live
+    figures' means where the report has them)."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.4, 4.8))
-    bp = [(layer["shape"][0] * layer["shape"][1], 2 * layer["nnz"]) for layer in report["layers"]]
+    live = report.get("live")
+    if live is None:
+        bp = [(layer["shape"][0] * layer["shape"][1], 2 * layer["nnz"]) for layer in report["layers"]]
+        steps = [(step, step["flops"], step["critical"]) for step in report["steps"]]
+        title = f"{report['method']}: FLOPs per step"
+    else:
+        bp = [(layer["shape"][0] * layer["shape"][1], layer["live"]["mean"]) for layer in live["bp"]]
+        steps = [(step, step["live"]["mean"], step["critical_live"]) for step in live["steps"]]
+        title = (f"{report['method']}: live FLOPs per step ({live['convention']}, mean of "
+                 f"{live['samples']})")
     axes.scatter(*zip(*bp, strict=True), marker="s", facecolors="none", edgecolors="grey",
                  label="BP: gradient operator (JT·g)")
     for kind, marker in (("mm", "o"), ("mv", "^")):
         for critical, colour in ((False, "tab:blue"), (True, "tab:red")):
-            points = [(max(1, s["mnk"][0] * s["mnk"][1] * s["mnk"][2]), max(1, s["flops"]))
-                      for s in report["steps"] if s["kind"] == kind and s["critical"] == critical]
+            points = [(max(1, s["mnk"][0] * s["mnk"][1] * s["mnk"][2]), max(1, flops))
+                      for s, flops, on_path in steps if s["kind"] == kind and on_path == critical]
             if points:
                 axes.scatter(*zip(*points, strict=True), marker=marker, color=colour, alpha=0.7,
                              label=f"BPPSA {kind}{' (critical path)' if critical else ''}")
-    axes.set(xscale="log", yscale="log", xlabel="m·n·k", ylabel="FLOPs",
-             title=f"{report['method']}: FLOPs per step")
+    axes.set(xscale="log", yscale="log", xlabel="m·n·k", ylabel="FLOPs", title=title)
     axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path)
@@ -92,21 +155,42 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 @dtype_option
 @max_step_flops_option
 @json_option()
-@file_option("--plot", help="write the paper's Fig. 10 (needs matplotlib)")
+@file_option("--plot", help="write the paper's Fig. 10 (needs matplotlib; the live figures with --input or "
+             "--random)")
 @force_option(help="overwrite an existing --plot file")
 @quiet_option()
+@file_option("--input", "input_path",
+             help="also count the live FLOPs of these inputs (N, *input_shape) as .npy")
+@click.option("--random", type=click.IntRange(min=1),
+              help="also count the live FLOPs of N seeded standard normal inputs")
+@seed_option(help="seed of --random")
+@click.option("--convention", type=click.Choice(CONVENTIONS), default=None,
+              help="FLOPs of the live figures: ours (ARCHITECTURE.md, the static figures' own; default) or "
+              "paper (the paper's artifact: scalings 2 per entry, no dL/dx0 step, unused up-sweep products "
+              "counted, its BP formula)")
 def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtype: str,
           max_step_flops: float, as_json: bool, plot: pathlib.Path | None, force: bool,
-          quiet: bool) -> None:
-    """Static FLOP analysis of MODEL's backward pass: per layer, per scan step, totals."""
+          quiet: bool, input_path: pathlib.Path | None, random: int | None, seed: int,
+          convention: str | None) -> None:
+    """FLOP analysis of MODEL's backward pass: per layer, per scan step, totals; with --input or
+    --random, also on the live entries of that batch."""
     from sparse_scan import load_model  # noqa: PLC0415 - not at import: --help comes first
-    from sparse_scan.flops import analyse  # noqa: PLC0415
+    from sparse_scan.flops import analyse, live  # noqa: PLC0415
 
+    if input_path is not None and random is not None:
+        fail("give at most one of --input X.npy and --random N")
+    if convention is not None and input_path is None and random is None:
+        fail("--convention applies to the live figures: give --input X.npy or --random N")
     check_outputs(force, plot=plot)
     with model_errors(model):
         network = load_model(model, dtype=dtype)
         report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops),
                          progress=plan_progress(quiet))
+        if input_path is not None or random is not None:
+            x = _live_inputs(network.input_shape, input_path, random, seed, dtype)
+            report["live"] = live(network, x, method, parse_levels(levels), convention or "ours",
+                                  int(max_step_flops), progress=plan_progress(quiet))
     if plot is not None:
         write_or_fail("--plot", plot, lambda: _plot(report, plot))
-    click.echo(json.dumps(report, indent=2) if as_json else _table(report))
+    text = _table(report) + ("" if "live" not in report else "\n" + _live_table(report["live"]))
+    click.echo(json.dumps(report, indent=2) if as_json else text)

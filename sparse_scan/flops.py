@@ -1,4 +1,4 @@
-"""Static FLOP analysis of a model's backward pass: from patterns and the scan plan, no values.
+"""FLOP analysis of a model's backward pass: static (patterns and the scan plan, no values) and live.
 
 The symbolic half of the engine reports itself: per layer the JT's figures (paper Table 1,
 :func:`layer_stats`), per scan step its level, phase, kind, ``m·n·k`` and FLOPs (ARCHITECTURE.md
@@ -21,6 +21,17 @@ Examples
 ['bp_flops', 'critical_flops', 'critical_steps', 'peak_bytes', 'work_flops']
 >>> report["totals"]["bp_flops"] == sum(2 * layer["nnz"] for layer in report["layers"])
 True
+
+:func:`live` counts the same steps on the non-zeros of a batch (the paper's Fig. 10 measure): a ReLU's
+off units and a max-pool's non-maximum entries are dropped from every product, per sample.
+
+>>> x = np.random.default_rng(0).standard_normal((3, 1, 6, 6)).astype(np.float32)
+>>> figures = live(model, x, "blelloch")
+>>> figures["convention"], figures["samples"], len(figures["steps"]) == len(report["steps"])
+('ours', 3, True)
+>>> critical = figures["totals"]["critical_flops"]
+>>> critical["static"] == report["totals"]["critical_flops"], critical["live"]["max"] <= critical["static"]
+(True, True)
 """
 
 from __future__ import annotations
@@ -30,12 +41,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ._live import CONVENTIONS, LiveCounts, live_counts
 from ._model import Sequential
 from .csr import choose_index_dtype
 from .engine.figures import ScanPlanLike, critical_path
 from .layers import Layer
 
-__all__ = ["analyse", "layer_stats"]
+__all__ = ["CONVENTIONS", "analyse", "layer_stats", "live"]
 
 LAYER_KEYS = ("name", "type", "shape", "nnz", "sparsity", "csr_bytes", "dense_bytes")
 STEP_KEYS = ("level", "phase", "kind", "method", "mnk", "flops", "flops_live", "out_nnz")
@@ -149,3 +161,96 @@ def analyse(model: Sequential, method: str = "auto", levels: int | str | None = 
     return {"method": plan.method, "levels": plan.levels, "layers": layers, "steps": steps,
             "totals": {key: totals[key] for key in sorted(totals)},
             "schedule": plan.explain(batch, itemsize)}
+
+
+def _spread(values: np.ndarray) -> dict[str, Any]:
+    """``mean``, ``min``, ``max`` and ``samples`` (each sample's figure) of per-sample figures."""
+    values = np.asarray(values, dtype=np.int64)
+    return {"mean": float(values.mean()), "min": int(values.min()), "max": int(values.max()),
+            "samples": [int(value) for value in values]}
+
+
+def _live_report(counts: LiveCounts, model: Sequential, in_shape: tuple[int, ...]) -> dict[str, Any]:
+    """The JSON-friendly report of :func:`live` (its Returns)."""
+    costliest: dict[int, tuple[int, int]] = {}  # level -> (index of static maximum, of mean live maximum)
+    for index, row in enumerate(counts.rows):
+        by_static, by_live = costliest.get(row.level, (index, index))
+        costliest[row.level] = (index if row.static > counts.rows[by_static].static else by_static,
+                                index if row.live.mean() > counts.rows[by_live].live.mean() else by_live)
+    steps = [{"level": row.level, "phase": row.phase, "kind": row.kind, "mnk": list(row.mnk),
+              "left": [row.left.lo, row.left.hi], "right": [row.right.lo, row.right.hi],
+              "in_plan": row.in_plan, "static": row.static, "live": _spread(row.live),
+              "critical": costliest[row.level][0] == index, "critical_live": costliest[row.level][1] == index}
+             for index, row in enumerate(counts.rows)]
+    shapes = model.shapes(in_shape)
+    bp = [{"name": layer.name or type(layer).__name__, "type": type(layer).__name__,
+           "shape": [math.prod(shapes[index]), math.prod(shapes[index + 1])],
+           "static": int(static), "live": _spread(per_sample)}
+          for index, (layer, static, per_sample) in enumerate(zip(model.layers, counts.bp_static,
+                                                                  counts.bp_live, strict=True))]
+    totals = {"critical_flops": {"static": counts.critical_static(), "live": _spread(counts.critical_live())},
+              "work_flops": {"static": sum(row.static for row in counts.rows),
+                             "live": _spread(counts.work_live())},
+              "bp_flops": {"static": int(counts.bp_static.sum()),
+                           "live": _spread(counts.bp_live.sum(axis=0))},
+              "critical_steps": len(costliest)}
+    return {"convention": counts.convention, "steps": steps, "bp": bp, "totals": totals}
+
+
+def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | str | None = None,
+         convention: str = "ours", max_step_flops: int | None = None,
+         progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """FLOPs of ``model``'s backward pass on the live entries of the batch ``x``, per step and sample.
+
+    Runs ``model.forward(x)`` and takes every layer's JT for the batch; for each sample, the zeros of
+    the JTs (a ReLU's off units, a max-pool's non-maximum window entries) are dropped and the rest
+    propagated through the plan's steps as a zero-dropping SpGEMM would (a product's live pattern is
+    the boolean product of its operands' live patterns; the output gradient counts as dense). The
+    count is structural: an exact numerical cancellation stays live. Next to each figure, the static
+    one (every stored entry live) in the same convention.
+
+    Parameters
+    ----------
+    model : Sequential
+    x : ndarray, shape (B, *input_shape)
+        The batch (host array).
+    method, levels
+        The schedule (as in :meth:`Sequential.backward`; ``auto`` chooses one from static figures).
+    convention : {"ours", "paper"}
+        ``ours``: ARCHITECTURE.md's, as the plan's static ``flops`` (an mv and an mm 2 per
+        multiply-add, a scaling by a diagonal 1 per entry; back-propagation is the mv chain on the
+        live entries). ``paper``: the paper's artifact's (2 per multiply-add, scalings too; no step
+        for ``dL/dx_0``; the up-sweep products nothing reads counted; BP by its baseline's formula,
+        per layer ``2·nnz``, ``rows + live entries`` for a diagonal JT, ``rows + cols`` for a
+        max-pool's).
+    max_step_flops : int, optional
+        Give up (:class:`~sparse_scan.engine.plan.ScanCostError`) before planning a costlier product.
+    progress : callable, optional
+        ``progress(phase, done, total)`` while the plan is built and (phase ``"live"``) after each
+        sample is counted.
+
+    Returns
+    -------
+    dict
+        ``convention``, ``method``, ``levels``, ``samples`` (B); ``steps[]`` (``level, phase, kind,
+        mnk, left, right``, ``in_plan`` (false for a step only ``paper`` counts), ``static``,
+        ``live``, ``critical`` (the level's costliest statically), ``critical_live`` (... by mean live
+        FLOPs)); ``bp[]`` per layer (``name, type, shape, static, live``); ``totals``
+        (``critical_flops``, ``work_flops``, ``bp_flops``: each ``static`` and ``live``;
+        ``critical_steps``). Every ``live`` is ``{mean, min, max, samples}`` over the batch, a live
+        critical path being each sample's own (each level's costliest step for that sample).
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}; got {convention!r}")
+    if not isinstance(x, np.ndarray) or x.ndim < 1 or not len(x):
+        raise ValueError("x: expected a NumPy array (B, *input_shape) of one sample or more")
+    in_shape = tuple(int(s) for s in x.shape[1:])
+    if model.input_shape is not None and in_shape != tuple(model.input_shape):
+        raise ValueError(f"x: samples of shape {list(in_shape)}, the model takes {list(model.input_shape)}")
+    plan = model.plan(in_shape, method, levels, max_step_flops=max_step_flops, progress=progress)
+    model.forward(x)
+    jacobians = model.transposed_jacobians()[::-1]  # scan element j is the JT of layer n - j
+    kinds = [layer.jacobian_kind for layer in reversed(model.layers)]
+    counts = live_counts(plan, jacobians, kinds, len(x), convention, progress)
+    return {"method": plan.method, "levels": plan.levels, "samples": len(x),
+            **_live_report(counts, model, in_shape)}

@@ -138,3 +138,75 @@ def test_installed_command_runs_as_a_subprocess():
                           text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["totals"]["bp_flops"] > 0
+
+
+def test_live_options_only_add_to_the_static_output():
+    # without --input/--random the output is the static analysis alone; with them, the same then more
+    static_text = invoke(DATA / "tiny.yaml", "--method", "blelloch").output
+    static_json = json.loads(invoke(DATA / "tiny.yaml", "--method", "blelloch", "--json").output)
+    assert "live" not in static_json and "live FLOPs on" not in static_text
+    text = invoke(DATA / "tiny.yaml", "--method", "blelloch", "--random", "3")
+    assert text.exit_code == 0, text.output
+    assert text.output.startswith(static_text.rstrip("\n") + "\n\nlive FLOPs on 3 samples, convention ours")
+    assert "BPPSA critical FLOPs   static" in text.output
+    report = json.loads(invoke(DATA / "tiny.yaml", "--method", "blelloch", "--random", "3", "--json").output)
+    live = report.pop("live")
+    assert report == static_json
+    assert live["convention"] == "ours" and live["samples"] == 3
+    assert [step["static"] for step in live["steps"]] == [step["flops"] for step in static_json["steps"]]
+    assert live["totals"]["critical_flops"]["static"] == static_json["totals"]["critical_flops"]
+    for step in live["steps"]:
+        assert len(step["live"]["samples"]) == 3 and step["live"]["max"] <= step["static"]
+
+
+def test_input_file_equals_the_same_random_batch(tmp_path):
+    import numpy as np
+
+    shape = load_model(DATA / "tiny.yaml").input_shape
+    x = np.random.default_rng(5).standard_normal((2,) + shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    args = (DATA / "tiny.yaml", "--method", "hybrid", "--levels", "1", "--convention", "paper", "--json")
+    from_file = json.loads(invoke(*args, "--input", tmp_path / "x.npy").output)["live"]
+    from_seed = json.loads(invoke(*args, "--random", "2", "--seed", "5").output)["live"]
+    assert from_file == from_seed and from_file["convention"] == "paper"
+    assert all(step["phase"] != "final" for step in from_file["steps"])
+
+
+def test_conventions_match_the_library():
+    from sparse_scan.cli.flops import CONVENTIONS
+    from sparse_scan.flops import CONVENTIONS as LIBRARY
+
+    assert CONVENTIONS == LIBRARY
+
+
+def test_live_plot_draws_the_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "fig.png"
+    result = invoke(DATA / "tiny.yaml", "--random", "2", "--plot", target)
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_live_input_errors_are_one_line_with_exit_2(tmp_path):
+    import numpy as np
+
+    np.save(tmp_path / "wrong.npy", np.zeros((2, 3, 4), np.float32))
+    np.save(tmp_path / "nan.npy", np.full((1,) + load_model(DATA / "tiny.yaml").input_shape, np.nan))
+    (tmp_path / "text.npy").write_text("1 2 3")
+    cases = [
+        (["--random", "2", "--input", tmp_path / "wrong.npy"],
+         "give at most one of --input X.npy and --random N"),
+        (["--convention", "paper"],
+         "--convention applies to the live figures: give --input X.npy or --random N"),
+        (["--input", tmp_path / "wrong.npy"], "wrong.npy: shape [2, 3, 4], the model takes (N, "),
+        (["--input", tmp_path / "nan.npy"], "nan.npy: holds NaN or Inf"),
+        (["--input", tmp_path / "text.npy"], "text.npy: not a .npy file"),
+        (["--input", tmp_path / "missing.npy"], f"--input {tmp_path / 'missing.npy'}: no such file"),
+        (["--random", "0"], "--random"),
+        (["--random", "1", "--convention", "artifact"], "--convention"),
+    ]
+    for args, fragment in cases:
+        result = invoke(DATA / "tiny.yaml", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert fragment in result.output and result.output.count("\n") == 1, (args, result.output)
+        assert "Traceback" not in result.output

@@ -55,7 +55,7 @@ PUBLIC = {
     "sparse_scan.engine.run": ["dense_scan", "multiply", "run_plan", "through_weights"],
     "sparse_scan.engine.schedule": ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth",
                                     "live_schedule", "scan_outputs", "schedule"],
-    "sparse_scan.flops": ["analyse", "layer_stats"],
+    "sparse_scan.flops": ["CONVENTIONS", "analyse", "layer_stats", "live"],
     "sparse_scan.layers": ["AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm2d", "Conv2d", "Dropout", "ELU",
                            "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU", "Linear",
                            "MaxPool2d", "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"],
