@@ -44,7 +44,6 @@ from .engine.products import ProductPlan
 from .engine.run import run_plan, through_weights
 from .engine.schedule import Element, checked_levels, depth
 from .layers import Layer
-from .layers._weighted import held_structure_keys
 
 __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
 
@@ -412,22 +411,21 @@ class Sequential:
             if timings is not None:
                 timings[name] = clock[-1] - clock[-2]
 
-        with held_structure_keys():  # pruned layers hash their zero sets once, not once per use
-            plan = self.plan(shapes[0], method, levels)
-            lap("plan_s")
-            n = len(self.layers)  # scan element j is the JT of layer n - j
-            batch = grad_out.shape[0]
-            through = through_weights(be, plan, batch)  # JTs applied through their layers' weights
-            valueless = plan.weights.valueless(through)
-            jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
-                         for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
-            if timings is not None:
-                be.synchronize()  # the fills are asynchronous on a GPU
-            lap("values_s")
-            # bound here, on this thread (inside the held structure keys), run on the scan's threads
-            matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
-            flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
-            if timings is not None:
-                be.synchronize()
-            lap("scan_s")
+        plan = self.plan(shapes[0], method, levels)
+        lap("plan_s")
+        n = len(self.layers)  # scan element j is the JT of layer n - j
+        batch = grad_out.shape[0]
+        through = through_weights(be, plan, batch)  # JTs applied through their layers' weights
+        valueless = plan.weights.valueless(through)
+        jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
+                     for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
+        if timings is not None:
+            be.synchronize()  # the fills are asynchronous on a GPU
+        lap("values_s")
+        # bound here, on this thread, run on the scan's threads
+        matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
+        flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
+        if timings is not None:
+            be.synchronize()
+        lap("scan_s")
         return [g.reshape((batch,) + shape) for g, shape in zip(flat, shapes, strict=True)]

@@ -6,7 +6,9 @@ assigned). The same hyper-parameters give PyTorch's trajectory (``torch.optim.SG
 ``torch.optim.Adam``, single-tensor implementation, same order of operations and roundings). Weights of
 layers with ``prune_pattern=True`` that are zero when the optimizer is created stay exactly zero: their
 gradients count as zero (non-finite ones too), so only the live weights are updated (with state for
-those only: 3% of the work on a 97%-pruned layer) and the pruned Jacobian pattern stays valid.
+those only: 3% of the work on a 97%-pruned layer, written through the layer's ``update_weights``), and
+the pruned Jacobian pattern stays valid: a step changes it only where a live weight lands on exactly
+zero (or weights loaded since made a pruned one live), and then the next backward re-plans.
 
 Examples
 --------
@@ -86,10 +88,11 @@ class Optimizer:
                 self._update(target, grad, state)
                 continue
             # a pruned weight's gradient is zero and so is its update: only the live entries move
-            # (their state is kept compressed), and a pruned weight is never written
+            # (their state is kept compressed), and a pruned weight is never written; the layer
+            # writes them (its weight is read-only) and notes a changed zero set
             values = np.take(target.reshape(-1), live)
             self._update(values, np.take(grad.reshape(-1), live), state)
-            target.reshape(-1)[live] = values
+            layers[key.rpartition(".")[0]].update_weights(live, values)
 
     def _own(self, key: str, parameter: np.ndarray, layers: dict[str, Any]) -> np.ndarray:
         """``parameter`` if this optimizer made it, else a copy that the layer now holds."""

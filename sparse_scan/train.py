@@ -36,7 +36,6 @@ import numpy as np
 
 from . import backend as _backend
 from ._checks import integer
-from .layers._weighted import held_structure_keys
 from .loss import softmax_cross_entropy
 from .optim import check_built_on
 from .weights import read_npz
@@ -241,11 +240,10 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
             x, y = data.x_train[batch], data.y_train[batch]
             record: dict[str, Any] = {"epoch": epoch, "iteration": iteration, "samples": len(batch)}
             for prefix, net, opt, net_method, net_levels in runs:
-                with held_structure_keys():  # the weights change in the step only: hash zero sets once
-                    logits = be.to_host(net.forward(be.asarray(x)))
-                    loss, grad = softmax_cross_entropy(logits, y)
-                    grads = net.backward(be.asarray(grad), method=net_method, levels=net_levels)
-                    parameter_grads = net.parameter_gradients(grads)
+                logits = be.to_host(net.forward(be.asarray(x)))
+                loss, grad = softmax_cross_entropy(logits, y)
+                grads = net.backward(be.asarray(grad), method=net_method, levels=net_levels)
+                parameter_grads = net.parameter_gradients(grads)
                 opt.step({k: be.to_host(v) for k, v in parameter_grads.items()})
                 test = evaluate(net, data.x_test, data.y_test, device=device)
                 record.update({f"{prefix}train_loss": loss, f"{prefix}train_accuracy": _accuracy(logits, y),

@@ -59,8 +59,8 @@ def torch_modules(model) -> list:
             module = torch.nn.LeakyReLU(layer.negative_slope)
         else:
             module = getattr(torch.nn, name)()
-        if hasattr(layer, "weight"):
-            module.weight.data = torch.from_numpy(np.asarray(layer.weight, np.float64))
+        if hasattr(layer, "weight"):  # copied: a pruned layer's weight is read-only
+            module.weight.data = torch.from_numpy(np.array(layer.weight, np.float64))
             if layer.bias is not None:
                 module.bias.data = torch.from_numpy(np.asarray(layer.bias, np.float64))
         modules.append(module.double())

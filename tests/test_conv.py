@@ -319,8 +319,8 @@ def test_the_gemm_over_the_weights_pays_for_unpruned_weights_not_for_heavily_pru
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
     """At most SPARSE_FORWARD_MAX_DENSITY non-zeros: the CPU forward and the transposed convolution
-    take CSR weights (every geometry), equal to the direct definition and to JT, following in-place
-    value and zero-set changes."""
+    take CSR weights (every geometry), equal to the direct definition and to JT, following assigned
+    values (same zero set: the kept CSR structure) and zero sets."""
     conv, x = make_conv(cfg, dtype=dtype, prune_pattern=True), make_input(cfg, dtype=dtype)
     weight = conv.weight.copy()
     keep = max(1, int(SPARSE_FORWARD_MAX_DENSITY * weight.size))
@@ -329,7 +329,9 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
     assert conv._sparse_weights() is not None
     rtol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
-    conv.weight *= 3  # in place, same zero set: the kept structure, the current values
+    layout = conv._sparse_layout()
+    conv.weight = conv.weight * 3  # same zero set: the kept structure, the current values
+    assert conv._sparse_layout() is layout
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     # the transposed convolution through the same CSR weights is JT @ g (finite differences)
     grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size)).astype(dtype)
@@ -340,27 +342,56 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
         fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
         np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
     np.testing.assert_allclose(got, grad @ conv.transposed_jacobian(x).todense().T, rtol=rtol, atol=rtol)
-    conv.weight[conv.weight == 0] = 1.0  # dense now: back to the GEMM
+    conv.weight = np.where(conv.weight == 0, dtype(1), conv.weight)  # dense now: back to the GEMM
     assert conv._sparse_weights() is None and not conv.weights_path(x.shape[1:]).csr
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
-    conv.weight[conv.weight == 1.0] = 0.0
-    conv.weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error
+    weight = np.where(conv.weight == 1.0, dtype(0), conv.weight)
+    weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error
+    conv.weight = weight
     assert np.isnan(conv.forward(x)).any()
 
 
-def test_pruned_pattern_follows_in_place_changes_of_the_zero_set():
+def test_pruned_pattern_follows_assigned_zero_sets_and_refuses_writes_in_place():
     conv = Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
     x = make_input((2, 3, 3, 1, 1, 1, 1, 5, 5))
     full = conv.transposed_jacobian(x).nnz
-    conv.weight[0, 0] = 0.0  # in place: 9 weights of one (out, in) pair, 25 entries each at most
+    with pytest.raises(ValueError, match="read-only"):  # the zero set changes only where it is counted
+        conv.weight[0, 0] = 0.0
+    weight = conv.weight.copy()
+    weight[0, 0] = 0.0  # 9 weights of one (out, in) pair, 25 entries each at most
+    conv.weight = weight
+    weight[0, 1] = 0.0  # the layer holds a copy: the caller's array is theirs to change
     pruned = conv.transposed_jacobian(x)
     assert pruned.nnz < full
     np.testing.assert_allclose(pruned.todense(), finite_difference_jt(lambda v: naive_conv(conv, v), x[0]),
                                atol=1e-8)
     assert conv.transposed_jacobian(x).pattern is pruned.pattern  # unchanged zero set: cached
-    conv.weight[0, 0, 0, 0] = np.nan  # a new non-zero that is not finite cannot define a pattern
+    conv.weight = conv.weight * 2  # a new version, the same zero set: the same pattern
+    assert conv.transposed_jacobian(x).pattern is pruned.pattern
+    weight = conv.weight.copy()
+    weight[0, 0, 0, 0] = np.nan  # a new non-zero that is not finite cannot define a pattern
+    conv.weight = weight
     with pytest.raises(ValueError, match=r"layer Conv2d: weight: non-finite"):
         conv.transposed_jacobian(x)
+
+
+def test_update_weights_counts_zero_set_changes_only():
+    """The optimizers' path: values changed in place at given positions; the zero set is derived
+    again only where one of them became zero or non-zero."""
+    conv = Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
+    x = make_input((2, 3, 3, 1, 1, 1, 1, 5, 5))
+    pattern = conv.transposed_jacobian(x).pattern
+    version = conv._version
+    conv.update_weights(np.array([0, 5]), np.array([0.25, -0.5]))  # non-zero stays non-zero
+    assert conv._version == version and conv.weight.flat[5] == -0.5
+    assert conv.transposed_jacobian(x).pattern is pattern
+    conv.update_weights(np.array([0]), np.array([0.0]))  # a live weight lands on zero
+    smaller = conv.transposed_jacobian(x)
+    assert conv._version > version and smaller.nnz < pattern.nnz
+    conv.update_weights(np.array([0]), np.array([1.0]))  # and comes back
+    assert conv.transposed_jacobian(x).nnz == pattern.nnz
+    np.testing.assert_allclose(conv.transposed_jacobian(x).todense(),
+                               finite_difference_jt(lambda v: naive_conv(conv, v), x[0]), atol=1e-8)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)

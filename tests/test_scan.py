@@ -28,6 +28,7 @@ from sparse_scan.layers import (
     Sigmoid,
     Tanh,
 )
+from sparse_scan.optim import SGD
 
 POINTWISE = (ReLU, lambda: LeakyReLU(0.1), Tanh, Sigmoid)
 
@@ -477,37 +478,84 @@ def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threa
         np.testing.assert_allclose(got[sample], want, rtol=1e-12, atol=1e-12)
 
 
+def pruned_pair(rng_offset=0):
+    return [Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=rng_offset, prune_pattern=True),
+            Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=rng_offset + 1, prune_pattern=True)]
+
+
+def dense_reference(convs, x, grad):
+    """BP through unpruned copies of the pruned convolutions."""
+    reference = Sequential(ReLU(), Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
+                           Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1), ReLU(), input_shape=(2, 5, 5))
+    for layer, conv in zip(reference.layers[1::2], convs, strict=True):
+        layer.weight, layer.bias = conv.weight.copy(), conv.bias.copy()
+    reference.forward(x)
+    return reference.backward(grad, "linear")
+
+
 @pytest.mark.parametrize("method", ["linear", "blelloch"])
-def test_a_backward_hashes_each_pruned_zero_set_once_and_sees_in_place_changes_after(monkeypatch, method):
-    """Once per pruned layer and backward, on the scan's step threads too (blelloch runs steps
-    concurrently: two threads forced)."""
+def test_a_backward_on_a_plan_hit_hashes_no_zero_set_and_assigned_zero_sets_re_plan(monkeypatch, method):
+    """The pruned layers' structure keys follow their weights' version: a backward over unchanged
+    weights derives none (on the scan's step threads neither: two threads forced for blelloch);
+    weights assigned with the same zero set keep the plan, a new zero set is planned for."""
     from sparse_scan.layers import _weighted
 
     monkeypatch.setattr(host, "cpu_threads", lambda: 2)
-
     calls = []
     real = _weighted.WeightedLayer._zero_set_key
     monkeypatch.setattr(_weighted.WeightedLayer, "_zero_set_key",
                         lambda layer: (calls.append(layer.name), real(layer))[1])
-    convs = [Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True),
-             Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1, prune_pattern=True)]
+    convs = pruned_pair()
     model = Sequential(ReLU(), convs[0], ReLU(), convs[1], ReLU(), input_shape=(2, 5, 5))
     x = np.random.default_rng(0).standard_normal((2, 2, 5, 5))
     grad = np.random.default_rng(1).standard_normal((2, 2, 5, 5))
     model.forward(x)
-    calls.clear()
     first = model.backward(grad, method)
-    assert sorted(calls) == sorted(conv.name for conv in convs)  # once per pruned layer, not per use
-    convs[0].weight[0] = 0.0  # in place, between two backward passes: a new zero set and pattern
+    builds, calls[:] = model.plan_builds, []
+    model.forward(x)
+    model.backward(grad, method)
+    assert calls == [] and model.plan_builds == builds  # a hit: no hash, no plan
+    convs[1].weight = convs[1].weight * 2  # a new version, the same zero set: hashed once, same plan
+    model.forward(x)
+    model.backward(grad, method)
+    assert calls == [convs[1].name] and model.plan_builds == builds
+    weight = convs[0].weight.copy()
+    weight[0] = 0.0  # a new zero set: a new pattern and plan
+    model.load_state_dict({f"{convs[0].name}.weight": weight}, strict=False)
     model.forward(x)
     second = model.backward(grad, method)
-    reference = Sequential(ReLU(), Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(),
-                           Conv2d(3, 2, 3, padding=1, dtype=np.float64, rng=1), ReLU(), input_shape=(2, 5, 5))
-    reference.layers[1].weight = convs[0].weight.copy()
-    reference.forward(x)
-    for got, want in zip(second, reference.backward(grad, "linear"), strict=True):
+    assert model.plan_builds == builds + 1
+    for got, want in zip(second, dense_reference(convs, x, grad), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert not np.allclose(first[0], second[0])
+
+
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_an_optimizer_step_that_revives_a_pruned_weight_re_plans(method):
+    """An optimizer built before other weights were loaded updates the weights it saw live: one that
+    is zero now comes back to life, and the next backward plans for its new zero set."""
+    convs = pruned_pair()
+    model = Sequential(ReLU(), convs[0], ReLU(), convs[1], ReLU(), input_shape=(2, 5, 5))
+    optimizer = SGD(model, lr=0.1)
+    weight = convs[0].weight.copy()
+    weight[0, 0] = 0.0
+    convs[0].weight = weight
+    x = np.random.default_rng(0).standard_normal((2, 2, 5, 5))
+    grad = np.random.default_rng(1).standard_normal((2, 2, 5, 5))
+    model.forward(x)
+    optimizer.step(model.parameter_gradients(model.backward(grad, method)))
+    builds = model.plan_builds
+    assert np.count_nonzero(convs[0].weight[0, 0]) > 0  # revived by the step
+    model.forward(x)
+    revived = model.backward(grad, method)
+    assert model.plan_builds == builds + 1
+    for got, want in zip(revived, dense_reference(convs, x, grad), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    model.forward(x)
+    optimizer.step(model.parameter_gradients(model.backward(grad, method)))  # no zero-set change
+    model.forward(x)
+    model.backward(grad, method)
+    assert model.plan_builds == builds + 1
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 9])

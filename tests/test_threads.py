@@ -14,7 +14,6 @@ from sparse_scan.engine import _cpu as host
 from sparse_scan.engine import _dense_cpu as dense_host
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
-from sparse_scan.layers._weighted import held_structure_keys
 
 
 def test_step_pool_is_shared_at_the_core_count_and_owned_otherwise():
@@ -73,16 +72,15 @@ def test_worker_pool_honours_an_explicit_thread_count_on_one_core(monkeypatch):
     assert cuts and all(pool is not None and count > 1 for pool, count in cuts)
 
 
-def test_held_structure_keys_are_per_thread_and_end_with_the_block():
+def test_a_structure_key_is_derived_once_per_weight_version_on_any_thread():
     conv = Conv2d(2, 2, 3, dtype=np.float64, rng=0, prune_pattern=True)
     before = conv._structure_key()
+    weight = conv.weight.copy()
+    weight[0, 0] = 0.0  # a new zero set, assigned: another thread derives its key, this one reuses it
+    conv.weight = weight
     seen = []
-    with held_structure_keys():
-        assert conv._structure_key() == before
-        conv.weight[0, 0] = 0.0  # a new zero set: this thread keeps its held key until the block ends
-        worker = threading.Thread(target=lambda: seen.append(conv._structure_key()))
-        worker.start()
-        worker.join()
-        assert conv._structure_key() == before
-    assert seen[0] != before  # another thread was never held
-    assert conv._structure_key() == seen[0]  # after the block: the new zero set
+    worker = threading.Thread(target=lambda: seen.append(conv._structure_key()))
+    worker.start()
+    worker.join()
+    assert seen[0] != before
+    assert conv._zero_set == (conv._version, seen[0]) and conv._structure_key() == seen[0]

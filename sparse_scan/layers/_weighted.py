@@ -7,10 +7,8 @@ may provide a faster structured fill for their unpruned pattern.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import threading
-from typing import Any, Hashable, Iterator
+from typing import Any, Hashable
 
 import numpy as np
 
@@ -20,23 +18,6 @@ from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
 
 RngLike = np.random.Generator | int | None
-
-_HELD = threading.local()  # .keys: layer id -> structure key, inside held_structure_keys() only
-
-
-@contextlib.contextmanager
-def held_structure_keys() -> Iterator[None]:
-    """Inside the block, on this thread, each layer's structure key is computed at most once (one
-    backward pass: its weights do not change meanwhile). Other threads are not affected: what runs
-    on them is resolved on this thread first (``Layer.weights_matvec`` reads the weights' structure
-    when it is bound)."""
-    outer = getattr(_HELD, "keys", None)
-    _HELD.keys = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _HELD.keys = outer
-
 
 def as_rng(rng: RngLike) -> np.random.Generator:
     """Return a NumPy Generator from a Generator, a seed or None."""
@@ -62,7 +43,11 @@ class WeightedLayer(Layer):
     ``bias`` validates shape and dtype.
 
     With ``prune_pattern=True``, weights that are exactly zero are removed from the Jacobian's pattern
-    (pruned networks, paper §4.3); the pattern is re-derived whenever the set of zeros changes.
+    (pruned networks, paper §4.3); the pattern is re-derived whenever the set of zeros changes. Such a
+    layer keeps its own copy of the weights and hands out a read-only ``weight``: they change by
+    assignment (``layer.weight = w``, ``load_state_dict``) or through :meth:`update_weights` (the
+    optimizers), which count the changes, so a pass over unchanged weights finds its pattern and plan
+    without looking at the weights (the zero set is hashed once per change, not once per use).
     """
 
     sample_independent = True
@@ -79,11 +64,12 @@ class WeightedLayer(Layer):
         super().__init__()
         self._dtype = as_float_dtype(dtype, self.label)
         self._weight_shape = tuple(weight_shape)
-        self.prune_pattern = bool(prune_pattern)
-        self._last_zero_set: tuple[np.ndarray, Hashable] | None = None
+        self._version = 0  # of the weights: counts assignments and zero-set changes
+        self._zero_set: tuple[int, Hashable] | None = None  # (version, structure key) last derived
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
-        self._weight = generator.uniform(-bound, bound, self._weight_shape).astype(self._dtype)
+        self._prune_pattern = bool(prune_pattern)
+        self._store_weight(generator.uniform(-bound, bound, self._weight_shape).astype(self._dtype))
         self._bias = (
             generator.uniform(-bound, bound, (weight_shape[0],)).astype(self._dtype) if bias else None
         )
@@ -96,8 +82,8 @@ class WeightedLayer(Layer):
 
     @property
     def weight(self) -> np.ndarray:
-        """The weight array, PyTorch's shape."""
-        return self._weight
+        """The weight array, PyTorch's shape (read-only where ``prune_pattern``: assign to change it)."""
+        return self._weight_view
 
     @weight.setter
     def weight(self, value: Any) -> None:
@@ -105,7 +91,46 @@ class WeightedLayer(Layer):
         if self._bias is not None and weight.dtype != self._bias.dtype:
             raise self._error("weight", f"dtype {weight.dtype} differs from the bias' {self._bias.dtype} "
                               "(convert both with layer.astype(...))")
-        self._weight, self._dtype = weight, weight.dtype
+        self._store_weight(weight)
+
+    @property
+    def prune_pattern(self) -> bool:
+        """Whether exactly-zero weights are left out of the Jacobian's pattern."""
+        return self._prune_pattern
+
+    @prune_pattern.setter
+    def prune_pattern(self, value: bool) -> None:
+        self._prune_pattern = bool(value)
+        self._store_weight(self._weight)
+
+    def _store_weight(self, weight: np.ndarray) -> None:
+        """Hold ``weight`` (a pruned layer: a copy of it, handed out read-only) as a new version."""
+        if self._prune_pattern:
+            weight = np.array(weight, copy=True)  # no one else holds a writable reference
+            view = weight.view()
+            view.flags.writeable = False
+        else:
+            view = weight
+        self._weight, self._weight_view, self._dtype = weight, view, weight.dtype
+        self._version += 1
+
+    def update_weights(self, positions: np.ndarray, values: Array) -> None:
+        """``weight.flat[positions] = values`` in place: how optimizers update a pruned layer's live
+        weights (its ``weight`` is read-only). Where a zero weight becomes non-zero or the reverse, the
+        zero set changed: the next use re-derives the pattern (and a model re-plans).
+
+        Parameters
+        ----------
+        positions : ndarray of int
+            Flat positions in ``weight``, each at most once.
+        values : ndarray
+            Their new values, in ``weight``'s dtype.
+        """
+        flat = self._weight.reshape(-1)
+        changed = self._prune_pattern and bool(np.any((flat[positions] == 0) != (values == 0)))
+        flat[positions] = values
+        if changed:  # after the write: a key derived meanwhile is of the old version
+            self._version += 1
 
     @property
     def bias(self) -> np.ndarray | None:
@@ -134,7 +159,7 @@ class WeightedLayer(Layer):
     def astype(self, dtype: Any) -> "WeightedLayer":
         """Convert the parameters to ``dtype`` (float32 or float64) in place and return self."""
         self._dtype = as_float_dtype(dtype, self.label)
-        self._weight = self._weight.astype(self._dtype)
+        self._store_weight(self._weight.astype(self._dtype))
         if self._bias is not None:
             self._bias = self._bias.astype(self._dtype)
         return self
@@ -149,29 +174,24 @@ class WeightedLayer(Layer):
 
     # --- pattern -------------------------------------------------------------------------------
     def _structure_key(self) -> Hashable:
-        """The pruned pattern's key: a hash of the weights' zero set (asked for on every plan and
-        values call, so the last zero set and its key are kept: an unchanged one costs one compare,
-        and a weight changed in place to a non-finite value still keeps its entry)."""
-        if not self.prune_pattern:
+        """The pruned pattern's key: a hash of the weights' zero set, derived once per version of the
+        weights (asked for on every plan and values call: a known version costs one compare)."""
+        if not self._prune_pattern:
             return None
-        held = getattr(_HELD, "keys", None)
-        if held is None:
-            return self._zero_set_key()
-        if id(self) not in held:
-            held[id(self)] = self._zero_set_key()
-        return held[id(self)]
+        known = self._zero_set
+        if known is not None and known[0] == self._version:
+            return known[1]
+        version = self._version
+        key = self._zero_set_key()
+        self._zero_set = (version, key)
+        return key
 
     def _zero_set_key(self) -> Hashable:
-        """A hash of the weights' zero set (the last one is kept, see :meth:`_structure_key`)."""
-        mask = np.packbits(self._weight.ravel() != 0)
-        last = self._last_zero_set
-        if last is not None and np.array_equal(last[0], mask):
-            return last[1]
+        """A hash of the weights' zero set (non-finite weights define none: ``ValueError``)."""
         if not np.isfinite(self._weight).all():
             raise self._error("weight", "non-finite values cannot define a pruned pattern")
-        key = ("pruned", hashlib.blake2b(mask.tobytes(), digest_size=16).hexdigest())
-        self._last_zero_set = (mask, key)
-        return key
+        mask = np.packbits(self._weight.ravel() != 0)
+        return ("pruned", hashlib.blake2b(mask.tobytes(), digest_size=16).hexdigest())
 
     def _structural_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
