@@ -46,6 +46,7 @@ from ._model import Sequential
 from .csr import choose_index_dtype
 from .engine.figures import ScanPlanLike, critical_path
 from .layers import Layer
+from .recurrent import RecurrentClassifier
 
 __all__ = ["CONVENTIONS", "analyse", "layer_stats", "live"]
 
@@ -116,15 +117,17 @@ def _plan_figures(plan: ScanPlanLike, batch: int, itemsize: int) -> tuple[list[d
     return steps, totals
 
 
-def analyse(model: Sequential, method: str = "auto", levels: int | str | None = None,
+def analyse(model: Sequential | RecurrentClassifier, method: str = "auto", levels: int | str | None = None,
             batch: int = 1, dtype: Any = np.float32, max_step_flops: int | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """FLOP and memory figures of ``model``'s backward pass under a scan schedule.
 
     Parameters
     ----------
-    model : Sequential
-        With ``input_shape`` set (a loaded spec has it).
+    model : Sequential or RecurrentClassifier
+        With ``input_shape`` set (a loaded spec has it). A recurrent classifier's report is its
+        plan's (:meth:`~sparse_scan.engine.dense_plan.SizedDenseScanPlan.report`): its blocks are
+        dense, so it has no per-layer sparsity.
     method, levels
         The schedule (as in :meth:`Sequential.backward`; ``auto`` chooses one).
     batch : int
@@ -150,6 +153,8 @@ def analyse(model: Sequential, method: str = "auto", levels: int | str | None = 
         raise ValueError("the model has no input_shape: build it with Sequential(..., input_shape=...) "
                          "or load it from a spec")
     itemsize = np.dtype(dtype).itemsize
+    if isinstance(model, RecurrentClassifier):  # dense blocks: the plan's report is the whole story
+        return model.plan(model.input_shape, method, levels, batch=batch).report(batch, itemsize)
     layers, shape = [], tuple(model.input_shape)
     for layer in model.layers:
         row = layer_stats(layer, shape, dtype)
@@ -242,6 +247,9 @@ def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | s
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}; got {convention!r}")
+    if isinstance(model, RecurrentClassifier):
+        raise ValueError("live counts drop the zeros of sparse JTs; a recurrent model's blocks are dense "
+                         "(its static figures are its live ones)")
     if not isinstance(x, np.ndarray) or x.ndim < 1 or not len(x):
         raise ValueError("x: expected a NumPy array (B, *input_shape) of one sample or more")
     in_shape = tuple(int(s) for s in x.shape[1:])

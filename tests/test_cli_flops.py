@@ -210,3 +210,14 @@ def test_live_input_errors_are_one_line_with_exit_2(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert fragment in result.output and result.output.count("\n") == 1, (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_a_recurrent_spec_reports_its_plan_and_refuses_live_counts():
+    result = invoke(DATA / "lstm-bitstream.yaml", "--method", "blelloch", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    plan = load_model(DATA / "lstm-bitstream.yaml").plan((1000, 1), "blelloch", batch=1)
+    assert report["totals"] == plan.report(1, 4)["totals"] and report["method"] == "blelloch"
+    refused = invoke(DATA / "lstm-bitstream.yaml", "--random", "2")
+    assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1
+    assert "recurrent model's blocks are dense" in refused.output
