@@ -58,9 +58,12 @@ case $part in
 --no-jax --json > \$OUT/rnn-\$GPU.json 2>> \$OUT/bench.log"
         step spgemm 45 "spgemm-\$GPU.json" "$PYTHON bench/spgemm.py --device gpu --repeats 5 --json \
 > \$OUT/spgemm-\$GPU.json 2>> \$OUT/bench.log"
-        step scan 120 "scan-\$GPU.json" "$PYTHON bench/scan.py --device gpu --repeats 5 --no-dense --json \
+        step scan 90 "scan-\$GPU.json" "$PYTHON bench/scan.py --device gpu --repeats 5 --no-dense --json \
 > \$OUT/scan-\$GPU.json 2>> \$OUT/bench.log"
-        files="env.txt parts.txt gpu-tests.log rnn-\$GPU.json spgemm-\$GPU.json scan-\$GPU.json bench.log"
+        step lstm 30 "lstm-\$GPU.json" "$PYTHON bench/lstm.py --device gpu --steps 1000 --batches 16 \
+> \$OUT/lstm-\$GPU.json 2>> \$OUT/bench.log"
+        files="env.txt parts.txt gpu-tests.log rnn-\$GPU.json spgemm-\$GPU.json scan-\$GPU.json lstm-\$GPU.json \
+bench.log"
         ;;
     sanitizer)
         sanitizer="compute-sanitizer --error-exitcode 1 --print-limit 20"
