@@ -22,7 +22,7 @@ THREAD_MIN_VALUES = 2**18
 
 
 def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
-                  values_index: np.ndarray | None = None) -> np.ndarray:
+                  values_index: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """``values[..., e] * table[..., index[e]]`` on the host.
 
     Parameters
@@ -36,6 +36,8 @@ def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
     values_index : ndarray of int, shape (nnz,), optional
         Read ``values[..., values_index[e]]`` instead (``values`` then has any length): the products
         of two gathered operands, one multiply-add per result entry.
+    out : ndarray, optional
+        Where to write the result (C-contiguous, of the result's shape and dtype, below).
 
     Returns
     -------
@@ -46,7 +48,8 @@ def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
     batched = values.ndim == 2 or table.ndim == 2
     batch = values.shape[0] if values.ndim == 2 else table.shape[0] if table.ndim == 2 else 1
     nnz = index.shape[0]
-    out = np.empty((batch, nnz) if batched else (nnz,), dtype=dtype)
+    if out is None:
+        out = np.empty((batch, nnz) if batched else (nnz,), dtype=dtype)
     if out.size == 0:
         return out
     rows = out.reshape(batch, nnz)

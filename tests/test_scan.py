@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -217,6 +218,40 @@ def test_steps_of_a_level_run_concurrently_with_the_same_results(method, levels)
     serial = host.run_plan(plan, grad, jts, threads=1)
     for got, want in zip(host.run_plan(plan, grad, jts, threads=4), serial, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("method, levels", [("blelloch", None), ("hybrid", 2)])
+def test_products_write_into_the_arrays_of_the_last_run_and_never_into_a_result(method, levels):
+    """A run keeps its product arrays for the plan's next run (the same arrays come back), a result
+    handed out is never written again, and two runs at once share nothing."""
+    model, in_shape = random_chain(21, seed=11, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3,) + in_shape)
+    y = model.forward(x)
+    plan = model.plan(in_shape, method, levels)
+    jts = model.transposed_jacobians()[::-1]
+    grads = [rng.standard_normal(y.shape).reshape(3, -1) for _ in range(3)]
+    first = host.run_plan(plan, grads[0], jts)
+    copies = [g.copy() for g in first]
+    kept = host._KEPT[id(plan)]
+    arrays = {id(array) for same in kept.values() for array in same}
+    assert arrays
+    second = host.run_plan(plan, grads[1], jts)
+    assert {id(array) for same in host._KEPT[id(plan)].values() for array in same} == arrays
+    for got, want in zip(first, copies, strict=True):
+        np.testing.assert_array_equal(got, want)  # the first run's results were not written again
+    fresh = Sequential(*model.layers).plan(in_shape, method, levels)  # a plan of its own: new arrays
+    assert fresh is not plan
+    for got, want in zip(second, host.run_plan(fresh, grads[1], jts), strict=True):
+        np.testing.assert_array_equal(got, want)
+    with ThreadPoolExecutor(2) as pool:  # concurrent runs of one plan
+        both = list(pool.map(lambda g: host.run_plan(plan, g, jts, threads=1), grads[1:]))
+    for got, want in zip(both[0], second, strict=True):
+        np.testing.assert_array_equal(got, want)
+    model.forward(x[:2])  # another batch size: only that run's arrays are kept
+    host.run_plan(plan, grads[2][:2], model.transposed_jacobians()[::-1])
+    shapes = {shape for shape, _ in host._KEPT[id(plan)]}
+    assert shapes and all(len(shape) == 1 or shape[0] == 2 for shape in shapes)
 
 
 def test_plan_build_reports_progress_once_per_pattern_and_step():

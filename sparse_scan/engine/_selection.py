@@ -161,11 +161,13 @@ def plan_selection_gather(selection: Pattern, operand: str, out_nnz: int, a_pos:
     return SelectionGather(operand, entries.astype(dtype), valid, column_of_slot, out_pos, other_pos)
 
 
-def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: Array) -> Array:
+def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: Array,
+                  out: Array | None = None) -> Array:
     """Values of ``C`` (host arrays): zeros, then the live entries' multiply-adds.
 
     The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.
-    Returns ``(B, nnz_C)``. Compiled (:func:`sparse_scan._numba_kernels.live_products`): per sample,
+    Returns ``(B, nnz_C)`` (into ``out`` when given: C-contiguous, that shape and the operands'
+    result dtype). Compiled (:func:`sparse_scan._numba_kernels.live_products`): per sample,
     each column's live window position (its first non-zero entry, else the first) picks a row of the
     slot tables, and each slot writes one product (exact: the live weight times the other operand's
     entry). Large batches run one run of samples per core.
@@ -173,7 +175,8 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: 
     selection, other = (a_data, b_data) if gather.operand == "a" else (b_data, a_data)
     dtype = np.result_type(a_data, b_data)
     batch = selection.shape[0]
-    out = np.empty((batch, out_nnz), dtype=dtype)
+    if out is None:
+        out = np.empty((batch, out_nnz), dtype=dtype)
     work = batch * (out_nnz + gather.live_multiply_adds)
     workers = cpu_threads() if work >= THREAD_MIN_VALUES else 1
     pieces = [(s0, s1) for s0, s1, _, _ in parts(batch, 1, workers)]
