@@ -41,11 +41,30 @@ _MODULES: dict[str, tuple[str, dict[str, Any]]] = {
     "Hardtanh": ("hardtanh", {"min_val": WRITTEN, "max_val": WRITTEN, "inplace": IGNORED,
                               "min_value": IGNORED, "max_value": IGNORED}),  # deprecated aliases
     "Softplus": ("softplus", {"beta": WRITTEN, "threshold": WRITTEN}),
+    "BatchNorm2d": ("batchnorm2d", {"num_features": WRITTEN, "eps": WRITTEN, "momentum": WRITTEN,
+                                    "affine": WRITTEN, "track_running_stats": (True,), "bias": WRITTEN}),
+    "Dropout": ("dropout", {"p": WRITTEN, "inplace": IGNORED}),
+    "AdaptiveAvgPool2d": ("adaptive_avgpool2d", {"output_size": WRITTEN}),
 }
 """PyTorch module type -> (spec type, what becomes of each argument of its constructor): written to
 the spec, ignored (``inplace``: no effect on values or gradients; deprecated aliases torch folds into
-other arguments), or a tuple of the only values the spec represents (anything else is refused).
-An argument not listed (a newer PyTorch's) is refused too: nothing is dropped silently."""
+other arguments), or a tuple of the only values the spec represents (anything else is refused, with
+the reason in :data:`_REASONS` where there is one). An argument not listed (a newer PyTorch's) is
+refused too: nothing is dropped silently."""
+
+_REASONS: dict[tuple[str, str], str] = {
+    ("BatchNorm2d", "track_running_stats"): "without running statistics BatchNorm2d normalises every batch "
+    "by its own mean and variance, in eval mode too, so every output depends on every sample of the batch "
+    "(no per-sample Jacobian to scan)",
+}
+"""Why a value outside a rule's tuple cannot be represented, by (module type, argument)."""
+
+_MODES = ("BatchNorm2d", "Dropout")
+"""Module types whose spec entry has ``training``: the module's mode (``module.training``)."""
+
+_DROPPED_BUFFERS = ("num_batches_tracked",)
+"""Buffers not written to the weights: BatchNorm2d's count of training batches, which frozen
+statistics never use. Every other buffer (``running_mean``, ``running_var``) is written."""
 
 _RECURRENT: dict[str, tuple[str, dict[str, Any]]] = {
     kind: (kind.lower(), {"mode": IGNORED, "input_size": WRITTEN, "hidden_size": WRITTEN,
@@ -102,7 +121,16 @@ def _entry(name: str, child: Any, position: int, count: int) -> dict[str, Any]:
             entry[argument] = _plain(value)
         elif value not in rule:
             allowed = " or ".join(repr(v) for v in rule)
-            raise ValueError(f"layer {name!r}: {argument}: {value!r} cannot be represented (only {allowed})")
+            reason = _REASONS.get((kind, argument))
+            raise ValueError(f"layer {name!r}: {argument}: {value!r} cannot be represented (only {allowed})"
+                             + (f": {reason}" if reason else ""))
+    if kind == "BatchNorm2d" and child.training:
+        raise ValueError(f"layer {name!r}: training: the BatchNorm2d is in training mode, where it "
+                         "normalises by each batch's own mean and variance, coupling the samples of a batch "
+                         "(no per-sample Jacobian to scan); call module.eval() before export_torch to export "
+                         "it with its frozen running_mean and running_var")
+    if kind in _MODES:
+        entry["training"] = bool(child.training)
     return entry
 
 
@@ -121,12 +149,16 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     module : torch.nn.Module
         An ``nn.Sequential`` (or any module whose children run in order) of Conv2d (zeros padding),
         Linear, MaxPool2d, AvgPool2d (no ``divisor_override``), Flatten, ReLU, LeakyReLU, Tanh,
-        Sigmoid, Identity, SiLU, GELU, ELU, Hardtanh and Softplus modules; or a recurrent classifier:
+        Sigmoid, Identity, SiLU, GELU, ELU, Hardtanh, Softplus, BatchNorm2d (in eval mode, with
+        running statistics: a BatchNorm2d in training mode is refused, call ``module.eval()`` first),
+        Dropout (its mode written: masks in training mode, the identity in eval mode) and
+        AdaptiveAvgPool2d modules; or a recurrent classifier:
         two children, an ``nn.RNN``, ``nn.GRU`` or ``nn.LSTM`` (any of their arguments) and an
         ``nn.Linear`` head, which the spec applies to the recurrent layer's last output (PyTorch's
         ``fc(output[:, -1])``, ``fc(output[-1])`` without ``batch_first``; the module's own
         ``forward`` is not read), loaded as a :class:`~sparse_scan.recurrent.RecurrentClassifier`.
-        Layer names are the module's child names, weights keep PyTorch's state_dict names. Every
+        Layer names are the module's child names, weights keep PyTorch's state_dict names (BatchNorm2d's
+        ``running_mean`` and ``running_var`` included, ``num_batches_tracked`` left out). Every
         argument of every module is written to the spec, or refused with a ``ValueError`` naming the
         layer and the argument (before anything is written) where the spec cannot represent it.
     input_shape : sequence of int
@@ -153,8 +185,9 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     children = list(module.named_children())
     for position, (name, child) in enumerate(children):
         layers.append(_entry(name, child, position, len(children)))
-        for parameter, tensor in child.named_parameters():
-            weights[f"{name}.{parameter}"] = tensor.detach().cpu().numpy()
+        for parameter, tensor in (*child.named_parameters(), *child.named_buffers()):
+            if parameter not in _DROPPED_BUFFERS:
+                weights[f"{name}.{parameter}"] = tensor.detach().cpu().numpy()
     spec = {"input_shape": [int(s) for s in input_shape], "weights": weights_path.name, "layers": layers}
     np.savez(weights_path, **weights)
     path.write_text(yaml.safe_dump(spec, sort_keys=False, default_flow_style=None))

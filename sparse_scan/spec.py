@@ -3,20 +3,33 @@
 .. code-block:: yaml
 
     input_shape: [3, 32, 32]          # one sample, no batch axis
-    weights: model.npz                # optional, relative to the spec; "<layer>.weight", "<layer>.bias";
+    weights: model.npz                # optional, relative to the spec; "<layer>.weight", "<layer>.bias",
+                                      # "<layer>.running_mean", ... (PyTorch's state_dict names);
                                       # .safetensors too when the safetensors package is installed
     init: {seed: 0}                   # optional: seeded initialisation for layers without stored weights
     prune: {amount: 0.97}             # optional: magnitude-prune conv/linear weights, pattern follows
     layers:
       - {name: conv1, type: conv2d, out_channels: 64, kernel_size: 3, padding: 1}
+      - {name: bn1, type: batchnorm2d}
       - {name: relu1, type: relu}
       - {name: pool1, type: maxpool2d, kernel_size: 2, stride: 2}
+      - {name: gap, type: adaptive_avgpool2d, output_size: [2, null]}
       - {name: flat, type: flatten}
+      - {name: drop, type: dropout, p: 0.5}
       - {name: fc, type: linear, out_features: 10}
 
-``in_channels``/``in_features`` are inferred from the previous layer (given, they must agree). Every
-problem is a :class:`SpecError` naming the file, the layer and the field; the spec and the weights file
-are only read.
+``in_channels``/``in_features``/``num_features`` are inferred from the previous layer (given, they must
+agree). Every problem is a :class:`SpecError` naming the file, the layer and the field; the spec and
+the weights file are only read.
+
+A spec model loads in eval mode, like ``module.eval()`` in PyTorch: layers with a mode (``batchnorm2d``,
+``dropout``) take ``training: false`` unless the spec says otherwise. ``batchnorm2d`` normalises by its
+frozen ``running_mean`` and ``running_var`` (loaded from the weights file; ``init`` gives PyTorch's
+zeros and ones, and ones and zeros for ``weight`` and ``bias``) and refuses ``training: true`` and
+``track_running_stats: false``: both normalise by each batch's own statistics, coupling the samples of a
+batch, which a scan over per-sample Jacobians cannot hold. ``dropout`` with ``training: true`` draws a
+new mask every forward pass from the spec's generator (seeded by ``init``: the same seed, the same
+masks); in eval mode it is the identity. ``prune`` prunes the ``conv2d`` and ``linear`` weights only.
 
 A recurrent model is a recurrent layer (``rnn``, ``gru`` or ``lstm``, PyTorch's ``nn.RNN``/``nn.GRU``/
 ``nn.LSTM`` arguments) followed by one ``linear`` layer, the classifier head on the last output; it
@@ -63,8 +76,11 @@ from ._model import Sequential
 from .layers import (
     ELU,
     GELU,
+    AdaptiveAvgPool2d,
     AvgPool2d,
+    BatchNorm2d,
     Conv2d,
+    Dropout,
     Flatten,
     Hardtanh,
     Identity,
@@ -88,6 +104,7 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "conv2d": Conv2d, "linear": Linear, "relu": ReLU, "leaky_relu": LeakyReLU, "tanh": Tanh,
     "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
+    "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
 }
 """Spec ``type`` -> layer class (arguments: the class's, PyTorch's names)."""
 
@@ -95,8 +112,12 @@ RECURRENT_TYPES: dict[str, type] = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
 """Spec ``type`` of a recurrent first layer -> its class (arguments: PyTorch's; ``input_size`` inferred)."""
 
 TOP_LEVEL = ("input_shape", "layers", "weights", "init", "prune")
-INFERRED = {Conv2d: ("in_channels", lambda shape: shape[0]), Linear: ("in_features", lambda shape: shape[0])}
-ENGINE_ARGUMENTS = ("dtype", "rng", "prune_pattern")  # set by the loader, not by the spec
+INFERRED = {Conv2d: ("in_channels", lambda shape: shape[0]), Linear: ("in_features", lambda shape: shape[0]),
+            BatchNorm2d: ("num_features", lambda shape: shape[0])}
+ENGINE_ARGUMENTS = ("dtype", "rng", "prune_pattern")  # set by the loader (those a class takes), not the spec
+IGNORED_KEYS = {BatchNorm2d: ("num_batches_tracked",)}
+"""Entries of PyTorch's state_dict a weights file may hold that the layer never uses (frozen statistics
+are never updated, so the count of training batches means nothing): accepted and ignored."""
 RECURRENT_ENGINE_ARGUMENTS = ("dtype", "rng", "name", "seed")
 _LAYER_MESSAGE = re.compile(r"^layer [^:]+: ([^:]+): (.*)$", re.DOTALL)
 
@@ -212,7 +233,10 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
             raise _fail(path, where, field, f"is {arguments[field]!r} but the input to this layer has "
                         f"{inferred} (shape {list(shape)})")
         arguments[field] = inferred
-        arguments.update(dtype=dtype, rng=rng, prune_pattern=prune)
+    engine = dict(zip(ENGINE_ARGUMENTS, (dtype, rng, prune), strict=True))
+    arguments.update({k: v for k, v in engine.items() if k in accepted})
+    if "training" in accepted:
+        arguments.setdefault("training", False)  # eval mode unless the spec asks for training
     try:
         layer = cls(**arguments)
         layer.name = name
@@ -221,6 +245,11 @@ def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, .
         match = _LAYER_MESSAGE.match(str(error))
         field, message = match.groups() if match else ("arguments", str(error))
         raise _fail(path, where, field, message) from None
+    if isinstance(layer, BatchNorm2d) and layer.training:
+        raise _fail(path, where, "training", "true normalises by each batch's own mean and variance, so "
+                    "every output depends on every sample of the batch (no per-sample Jacobian to scan); a "
+                    "spec's batchnorm2d uses its frozen running_mean and running_var: training: false (the "
+                    "default)")
     return layer, out_shape
 
 
@@ -270,8 +299,9 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential 
     Returns
     -------
     Sequential or RecurrentClassifier
-        With ``input_shape`` (per-sample) set; a recurrent one in eval mode (no dropout:
-        ``model.recurrent.train()`` turns it on).
+        With ``input_shape`` (per-sample) set, in eval mode unless the spec sets ``training: true`` on a
+        dropout layer; a recurrent one in eval mode (no dropout: ``model.recurrent.train()`` turns it
+        on).
 
     Raises
     ------
@@ -305,12 +335,14 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential 
         names.add(layer.name)
         layers.append(layer)
         _set_weights(path, index, layer, stored, seed is not None)
-        if amount is not None and hasattr(layer, "weight"):
+        if amount is not None and getattr(layer, "prune_pattern", False):  # conv2d and linear
             _magnitude_prune(layer, amount)
-    unused = sorted(set(stored) - {f"{layer.name}.{p}" for layer in layers for p in ("weight", "bias")})
+    model = Sequential(*layers, input_shape=in_shape)
+    ignored = {f"{layer.name}.{key}" for layer in layers for key in IGNORED_KEYS.get(type(layer), ())}
+    unused = sorted(set(stored) - set(model.state_dict()) - ignored)
     if unused:
         raise _fail(path, "", "weights", f"{unused[0]!r} in the weights file matches no layer parameter")
-    return Sequential(*layers, input_shape=in_shape)
+    return model
 
 
 def _stored(path: pathlib.Path, where: str, name: str, parameter: str, stored: dict[str, np.ndarray],
@@ -337,11 +369,12 @@ def _stored(path: pathlib.Path, where: str, name: str, parameter: str, stored: d
 
 def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str, np.ndarray],
                  initialised: bool) -> None:
-    if not hasattr(layer, "weight"):
-        return
+    """Set the layer's parameters (its ``parameter_names``, by default ``weight`` and ``bias``; those it
+    has: not None) from ``stored``."""
     where = f"layer {layer.name!r} (layers[{index}])"
-    parameters = ["weight"] + (["bias"] if layer.bias is not None else [])
-    for parameter in parameters:
+    for parameter in getattr(layer, "parameter_names", ("weight", "bias")):
+        if getattr(layer, parameter, None) is None:
+            continue
         cast = _stored(path, where, layer.name, parameter, stored, initialised, layer.dtype)
         if cast is None:
             continue

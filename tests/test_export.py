@@ -8,8 +8,12 @@ import tempfile
 
 import numpy as np
 import pytest
+import yaml
+from click.testing import CliRunner
 
 from sparse_scan import export_torch, load_model
+from sparse_scan.cli import app
+from sparse_scan.layers import BatchNorm2d, Dropout
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -48,8 +52,8 @@ def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
     with pytest.raises(FileExistsError, match="never overwrites"):
         export_torch(every_layer(), (2, 6, 8), tmp_path / "net.yaml")
     assert (tmp_path / "net.npz").read_bytes() == b"keep"
-    with pytest.raises(ValueError, match="layer '1': type: BatchNorm2d is not supported"):
-        export_torch(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), (1, 5, 5), tmp_path / "b.yaml")
+    with pytest.raises(ValueError, match="layer '1': type: InstanceNorm2d is not supported"):
+        export_torch(nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2)), (1, 5, 5), tmp_path / "b.yaml")
     assert not (tmp_path / "b.yaml").exists()
     with pytest.raises(ValueError, match="needs a name of its own"):  # the weights would be overwritten
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "model.npz")
@@ -63,8 +67,6 @@ def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
 
 
 def test_every_argument_is_written():
-    import yaml
-
     net = every_layer()
     with tempfile.TemporaryDirectory() as folder:
         layers = yaml.safe_load(export_torch(net, (2, 6, 8), pathlib.Path(folder) / "n.yaml")
@@ -81,8 +83,91 @@ def test_every_argument_is_written():
     (lambda: nn.MaxPool2d(2, return_indices=True), "layer '0': return_indices: True cannot be represented"),
     (lambda: nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"), "padding_mode: 'reflect' cannot be"),
     (lambda: nn.ReLU6(), "layer '0': type: ReLU6 is not supported"),
+    (lambda: nn.BatchNorm2d(1, track_running_stats=False).eval(),
+     "layer '0': track_running_stats: False cannot be represented (only True): without running statistics"),
+    (lambda: nn.BatchNorm2d(1), "layer '0': training: the BatchNorm2d is in training mode"),
+    (lambda: nn.Dropout2d(), "layer '0': type: Dropout2d is not supported"),
 ])
 def test_arguments_the_spec_cannot_represent_are_refused_and_nothing_is_written(tmp_path, module, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         export_torch(nn.Sequential(module()), (1, 6, 6), tmp_path / "m.yaml")
     assert list(tmp_path.iterdir()) == []
+
+
+def normalised_cnn():
+    """Conv2d -> BatchNorm2d -> ReLU -> Dropout -> AdaptiveAvgPool2d -> Flatten -> Linear, float64, eval
+    mode, with running statistics and affine parameters away from PyTorch's initial ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4, eps=1e-3, momentum=None), nn.ReLU(),
+        nn.Dropout(0.3), nn.AdaptiveAvgPool2d((3, None)), nn.Flatten(), nn.Linear(4 * 3 * 7, 5)).double()
+    with torch.no_grad():
+        bn = net[1]
+        bn.running_mean.copy_(torch.randn(4, dtype=torch.float64))
+        bn.running_var.copy_(torch.rand(4, dtype=torch.float64) + 0.5)
+        bn.weight.copy_(torch.randn(4, dtype=torch.float64))
+        bn.bias.copy_(torch.randn(4, dtype=torch.float64))
+    return net.eval()
+
+
+@pytest.mark.parametrize("method, levels", [("linear", None), ("blelloch", None), ("hybrid", 1),
+                                            ("hybrid", 2), ("hybrid", 3)])
+def test_normalised_cnn_round_trip_equals_autograd_at_every_activation(tmp_path, method, levels):
+    net = normalised_cnn()
+    model = load_model(export_torch(net, (2, 5, 7), tmp_path / "net.yaml"), dtype=np.float64)
+    assert isinstance(model.layers[1], BatchNorm2d) and isinstance(model.layers[3], Dropout)
+    assert not model.layers[1].training and not model.layers[3].training
+    x = np.random.default_rng(1).standard_normal((3, 2, 5, 7))
+    g = np.random.default_rng(2).standard_normal((3, 5))
+    activations = [torch.from_numpy(x).requires_grad_(True)]
+    for child in net:
+        activations.append(child(activations[-1]))
+        activations[-1].retain_grad()
+    np.testing.assert_allclose(model.forward(x), activations[-1].detach().numpy(), rtol=1e-12)
+    activations[-1].backward(torch.from_numpy(g))
+    grads = model.backward(g, method=method, levels=levels)
+    assert len(grads) == len(activations) == 8
+    for grad, activation in zip(grads, activations, strict=True):
+        np.testing.assert_allclose(grad, activation.grad.numpy(), rtol=1e-10, atol=1e-12)
+    parameters = model.parameter_gradients(grads)
+    assert sorted(parameters) == sorted(name for name, _ in net.named_parameters())
+    for name, parameter in net.named_parameters():
+        np.testing.assert_allclose(parameters[name], parameter.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_normalisation_dropout_and_adaptive_pool_arguments_and_statistics_are_written(tmp_path):
+    net = normalised_cnn()
+    net[1] = nn.BatchNorm2d(4, affine=False).eval()
+    net[3] = nn.Dropout(0.25, inplace=True).train()  # inplace: no effect on values or gradients
+    net[4] = nn.AdaptiveAvgPool2d((None, 2))
+    net[6] = nn.Linear(4 * 5 * 2, 5)
+    path = export_torch(net.double(), (2, 5, 7), tmp_path / "n.yaml")
+    layers = {layer["name"]: layer for layer in yaml.safe_load(path.read_text())["layers"]}
+    assert layers["1"] == {"name": "1", "type": "batchnorm2d", "num_features": 4, "eps": 1e-5,
+                           "momentum": 0.1, "affine": False, "bias": False, "training": False}
+    assert layers["3"] == {"name": "3", "type": "dropout", "p": 0.25, "training": True}
+    assert layers["4"] == {"name": "4", "type": "adaptive_avgpool2d", "output_size": [None, 2]}
+    assert "null" in path.read_text()
+    with np.load(tmp_path / "n.npz") as weights:
+        assert {key for key in weights if key.startswith("1.")} == {"1.running_mean", "1.running_var"}
+    model = load_model(path, dtype=np.float64)
+    bn, drop = model.layers[1], model.layers[3]
+    assert bn.weight is None and bn.bias is None and drop.training and drop.p == 0.25
+    np.testing.assert_array_equal(bn.running_var, net[1].running_var.numpy())
+    x = np.ones((2, 2, 5, 7))
+    assert not np.array_equal(model.layers[3](x), x)  # masks in training mode
+
+
+def test_run_and_flops_on_an_exported_normalised_cnn(tmp_path):
+    path = export_torch(normalised_cnn(), (2, 5, 7), tmp_path / "net.yaml")
+    runner = CliRunner()
+    result = runner.invoke(app.main, ["run", str(path), "--random", "2", "--dtype", "float64", "--method",
+                                      "blelloch", "--check", "--out", str(tmp_path / "grads.npz")])
+    assert result.exit_code == 0, result.output
+    assert "max relative error vs linear scan" in result.output
+    with np.load(tmp_path / "grads.npz") as grads:
+        assert {"1.weight.grad", "1.bias.grad", "3.out.grad", "4.out.grad"} <= set(grads)
+        assert "1.running_mean.grad" not in grads
+    result = runner.invoke(app.main, ["flops", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "BP FLOPs" in result.output
