@@ -6,6 +6,15 @@ Examples
 >>> from sparse_scan.layers import Linear
 >>> sorted(state_dict(Sequential(Linear(2, 3, rng=0))))
 ['0.bias', '0.weight']
+
+A residual block's layers are named under the block, as PyTorch names a module's children:
+
+>>> from sparse_scan.layers import ReLU, Residual
+>>> model = Sequential(Residual(Linear(3, 3, rng=0), ReLU(), shortcut=Linear(3, 3, rng=1)))
+>>> list(named_layers(model))
+['0', '0.0', '0.1', '0.shortcut']
+>>> list(state_dict(model))
+['0.0.weight', '0.0.bias', '0.shortcut.weight', '0.shortcut.bias']
 """
 
 from __future__ import annotations
@@ -20,18 +29,35 @@ import numpy as np
 
 from ._types import Array
 
-__all__ = ["load_state_dict", "read_npz", "state_dict", "write_npz_atomically"]
+__all__ = ["load_state_dict", "named_layers", "read_npz", "state_dict", "write_npz_atomically"]
+
+
+def named_layers(model: Any) -> dict[str, Any]:
+    """Every layer of ``model`` by its path, in order: a layer's ``name``, and the layers a block holds
+    (a :class:`~sparse_scan.layers.Residual`'s ``named_children``) as ``"<block path>.<child name>"``,
+    nested blocks included. A parameter's state_dict name is ``"<path>.<parameter>"``."""
+    out: dict[str, Any] = {}
+
+    def visit(path: str, layer: Any) -> None:
+        out[path] = layer
+        for name, child in getattr(layer, "named_children", list)():
+            visit(f"{path}.{name}", child)
+
+    for layer in model.layers:
+        visit(str(layer.name), layer)
+    return out
 
 
 def state_dict(model: Any) -> dict[str, np.ndarray]:
-    """``"<layer>.<name>"`` -> the parameter array (not a copy), for every name in the layer's
-    ``parameter_names`` (default ``weight`` and ``bias``; a recurrent layer has four)."""
+    """``"<layer path>.<name>"`` -> the parameter array (not a copy), for every layer of
+    :func:`named_layers` and every name in its ``parameter_names`` (default ``weight`` and ``bias``; a
+    recurrent layer has four, a block none of its own)."""
     out = {}
-    for layer in model.layers:
+    for path, layer in named_layers(model).items():
         for name in getattr(layer, "parameter_names", ("weight", "bias")):
             value = getattr(layer, name, None)
             if value is not None:
-                out[f"{layer.name}.{name}"] = value
+                out[f"{path}.{name}"] = value
     return out
 
 
@@ -43,7 +69,7 @@ def load_state_dict(model: Any, values: dict[str, Array], strict: bool = True) -
     ----------
     model : Sequential
     values : dict
-        ``"<layer>.<parameter>"`` -> array-like.
+        ``"<layer path>.<parameter>"`` -> array-like (:func:`state_dict`'s names).
     strict : bool
         Every parameter of the model must be given (unknown keys are refused either way).
 
@@ -73,10 +99,10 @@ def load_state_dict(model: Any, values: dict[str, Array], strict: bool = True) -
             cast[key] = array.astype(current[key].dtype)
         if not np.all(np.isfinite(cast[key])):
             raise ValueError(f"{key!r} holds NaN or Inf (or values too large for {current[key].dtype})")
-    layers = {layer.name: layer for layer in model.layers}
+    layers = named_layers(model)
     for key, value in cast.items():
-        layer_name, _, name = key.rpartition(".")
-        setattr(layers[layer_name], name, value)
+        path, _, name = key.rpartition(".")
+        setattr(layers[path], name, value)
 
 
 def read_npz(path: str | pathlib.Path) -> dict[str, np.ndarray]:

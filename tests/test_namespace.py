@@ -58,7 +58,7 @@ PUBLIC = {
     "sparse_scan.flops": ["CONVENTIONS", "analyse", "layer_stats", "live"],
     "sparse_scan.layers": ["AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm2d", "Conv2d", "Dropout", "ELU",
                            "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU", "Linear",
-                           "MaxPool2d", "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"],
+                           "MaxPool2d", "ReLU", "Residual", "SiLU", "Sigmoid", "Softplus", "Tanh"],
     "sparse_scan.loss": ["softmax_cross_entropy"],
     "sparse_scan.optim": ["SGD", "Adam", "Optimizer", "check_built_on"],
     "sparse_scan.recurrent": ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell",
@@ -67,7 +67,8 @@ PUBLIC = {
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
                           "train"],
-    "sparse_scan.weights": ["load_state_dict", "read_npz", "state_dict", "write_npz_atomically"],
+    "sparse_scan.weights": ["load_state_dict", "named_layers", "read_npz", "state_dict",
+                            "write_npz_atomically"],
 }
 """The documented public modules -> their ``__all__`` (``sparse_scan.spec``: the home of
 :func:`~sparse_scan.load_model`, named by the package docstring)."""

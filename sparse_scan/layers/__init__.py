@@ -14,6 +14,7 @@ from ._flatten import Flatten
 from ._linear import Linear
 from ._normalization import BatchNorm2d
 from ._pooling import AvgPool2d, MaxPool2d
+from ._residual import Residual
 
 __all__ = [
     "AdaptiveAvgPool2d",
@@ -31,6 +32,7 @@ __all__ = [
     "Linear",
     "MaxPool2d",
     "ReLU",
+    "Residual",
     "SiLU",
     "Sigmoid",
     "Softplus",
