@@ -170,6 +170,19 @@ def max_pool_2x2(x, out, out_width, j0, j1, chunk):
     return nan
 
 
+@njit(**_OPTIONS, inline="always")
+def _inside(out_size, size, stride, shift):
+    """The outputs ``o`` of ``0:out_size`` whose input ``o * stride + shift`` lies in ``0:size``, as
+    ``(first, stop)``."""
+    first = 0
+    while first < out_size and first * stride + shift < 0:
+        first += 1
+    stop = out_size
+    while stop > first and (stop - 1) * stride + shift >= size:
+        stop -= 1
+    return first, stop
+
+
 @njit(**_OPTIONS)
 def max_pool_windows(x, slot, geometry, out, p0, p1):
     """Max-pool values of any window geometry for the (sample, channel) planes ``p0:p1``: per output,
@@ -188,14 +201,7 @@ def max_pool_windows(x, slot, geometry, out, p0, p1):
     inside_from = np.empty(kw, dtype=np.int64)  # per column offset j: outputs whose input column
     inside_to = np.empty(kw, dtype=np.int64)  # ow * sw - pw + j * dw lies inside the input
     for j in range(kw):
-        shift = j * dw - pw
-        first = 0
-        while first < out_width and first * sw + shift < 0:
-            first += 1
-        last = out_width
-        while last > first and (last - 1) * sw + shift >= width:
-            last -= 1
-        inside_from[j], inside_to[j] = first, last
+        inside_from[j], inside_to[j] = _inside(out_width, width, sw, j * dw - pw)
     best = np.empty(out_width, dtype=x.dtype)
     best_k = np.empty(out_width, dtype=np.int64)
     nan = False
@@ -225,3 +231,65 @@ def max_pool_windows(x, slot, geometry, out, p0, p1):
                 if best_k[u(ow)] >= 0:  # (PyTorch's output sizes leave no window in the padding)
                     values[u(slot[u(best_k[u(ow)]), u(row + ow)])] = one
     return nan
+
+
+@njit(**_OPTIONS)
+def im2col(x, geometry, columns, c0, c1):
+    """A convolution's columns for the channels ``c0:c1``: ``columns[(c kh + i) kw + j, b, oh, ow]``
+    is the input ``x[b, c, oh sh - pt + i dh, ow sw - pl + j dw]``, 0 in the padding. ``x`` is
+    ``(B, C, H, W)``, ``columns`` ``(C kh kw, B, Ho, Wo)`` (groups are runs of channels), ``geometry``
+    the tuple ``(C, H, W, Ho, Wo, kh, kw, sh, sw, pt, pl, dh, dw)``."""
+    channels, height, width, out_height, out_width, kh, kw, sh, sw, pt, pl, dh, dw = geometry
+    batch = x.shape[0]
+    zero = columns.dtype.type(0)
+    for c in range(c0, c1):
+        for i in range(kh):
+            for j in range(kw):
+                shift = j * dw - pl
+                first, stop = _inside(out_width, width, sw, shift)
+                row = columns[(c * kh + i) * kw + j]
+                for b in range(batch):
+                    plane, taps = x[b, c], row[b]
+                    for oh in range(out_height):
+                        ih = oh * sh - pt + i * dh
+                        line = taps[oh]
+                        if ih < 0 or ih >= height:
+                            for ow in range(out_width):
+                                line[ow] = zero
+                            continue
+                        source = plane[ih]
+                        for ow in range(first):
+                            line[ow] = zero
+                        for ow in range(first, stop):
+                            line[ow] = source[u(ow * sw + shift)]
+                        for ow in range(stop, out_width):
+                            line[ow] = zero
+
+
+@njit(**_OPTIONS)
+def col2im(taps, geometry, out, p0, p1):
+    """The adjoint of :func:`im2col` for the (sample, channel) planes ``p0:p1`` (``b C + c``):
+    ``out[b, c, ih, iw]`` is the sum of ``taps[(c kh + i) kw + j, b, oh, ow]`` over the window offsets
+    reaching it, added from zero in the order (i, j) (the NumPy formulation's order: equal bit for
+    bit). ``taps`` is ``(C kh kw, B, Ho, Wo)``, ``out`` ``(B, C, H, W)``."""
+    channels, height, width, out_height, out_width, kh, kw, sh, sw, pt, pl, dh, dw = geometry
+    zero = out.dtype.type(0)
+    for p in range(p0, p1):
+        b, c = p // channels, p % channels
+        plane = out[b, c]
+        for ih in range(height):
+            line = plane[ih]
+            for iw in range(width):
+                line[iw] = zero
+        for i in range(kh):
+            for j in range(kw):
+                shift = j * dw - pl
+                first, stop = _inside(out_width, width, sw, shift)
+                source = taps[(c * kh + i) * kw + j, b]
+                for oh in range(out_height):
+                    ih = oh * sh - pt + i * dh
+                    if ih < 0 or ih >= height:
+                        continue
+                    line, values = plane[ih], source[oh]
+                    for ow in range(first, stop):
+                        line[u(ow * sw + shift)] += values[ow]

@@ -381,13 +381,13 @@ def test_update_weights_counts_zero_set_changes_only():
     conv = Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
     x = make_input((2, 3, 3, 1, 1, 1, 1, 5, 5))
     pattern = conv.transposed_jacobian(x).pattern
-    version = conv._version
+    version = conv._zero_set_version
     conv.update_weights(np.array([0, 5]), np.array([0.25, -0.5]))  # non-zero stays non-zero
-    assert conv._version == version and conv.weight.flat[5] == -0.5
+    assert conv._zero_set_version == version and conv.weight.flat[5] == -0.5
     assert conv.transposed_jacobian(x).pattern is pattern
     conv.update_weights(np.array([0]), np.array([0.0]))  # a live weight lands on zero
     smaller = conv.transposed_jacobian(x)
-    assert conv._version > version and smaller.nnz < pattern.nnz
+    assert conv._zero_set_version > version and smaller.nnz < pattern.nnz
     conv.update_weights(np.array([0]), np.array([1.0]))  # and comes back
     assert conv.transposed_jacobian(x).nnz == pattern.nnz
     np.testing.assert_allclose(conv.transposed_jacobian(x).todense(),
@@ -425,3 +425,46 @@ def test_kept_csr_weights_follow_a_dtype_change():
     np.testing.assert_allclose(out, naive_conv(conv, x64), rtol=1e-12, atol=1e-12)
     grad = np.ones((x.shape[0], out[0].size))
     assert conv.weights_matvec(x.shape[1:])(grad).dtype == np.float64
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cfg, dtype, threaded):
+    """The host's compiled im2col and col2im against the CuPy twins' expressions run on NumPy:
+    the same columns, and the same sums in the same order (every geometry, cut over channels and
+    planes or not)."""
+    from sparse_scan.layers import _conv
+
+    if threaded:
+        monkeypatch.setattr(_conv, "THREAD_MIN_VALUES", 1)
+        monkeypatch.setattr(_conv, "cpu_threads", lambda: 3)
+    conv, x = make_conv(cfg, dtype=dtype), make_input(cfg, batch=3, dtype=dtype)
+    g, cpu = conv.geometry(x.shape[1:]), backend.get("cpu")
+    columns = _conv._im2col_cpu(cpu, x, g, conv._pads)
+    np.testing.assert_array_equal(columns, _conv._im2col_gpu(cpu, x, g, conv._pads))
+    taps = np.random.default_rng(2).standard_normal(columns.shape).astype(dtype)
+    got = _conv._col2im_cpu(cpu, taps, g, conv._pads, 3)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, _conv._col2im_gpu(cpu, taps, g, conv._pads, 3))
+
+
+def test_csr_weights_take_the_values_of_every_version_once():
+    """The kept CSR weights are refilled once per version of the weights: after an assignment and
+    after update_weights (the optimizers' path), not at every call."""
+    conv = make_conv(CONFIGS[0], prune_pattern=True)
+    x = make_input(CONFIGS[0])
+    weight = conv.weight.copy()
+    weight.ravel()[np.random.default_rng(4).permutation(weight.size)[2:]] = 0
+    conv.weight = weight
+    conv.forward(x)
+    filled = list(conv._sparse_structure[2])
+    conv.forward(x)
+    assert conv._sparse_structure[2] == filled == [conv._version, None]
+    live = np.flatnonzero(conv.weight)
+    conv.update_weights(live, conv.weight.ravel()[live] * 3)
+    np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=1e-12, atol=1e-12)
+    grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size))
+    np.testing.assert_allclose(conv.weights_matvec(x.shape[1:])(grad),
+                               grad @ conv.transposed_jacobian(x).todense().T, rtol=1e-12, atol=1e-12)
+    assert conv._sparse_structure[2] == [conv._version, conv._version]

@@ -83,4 +83,4 @@ def test_a_structure_key_is_derived_once_per_weight_version_on_any_thread():
     worker.start()
     worker.join()
     assert seen[0] != before
-    assert conv._zero_set == (conv._version, seen[0]) and conv._structure_key() == seen[0]
+    assert conv._zero_set == (conv._zero_set_version, seen[0]) and conv._structure_key() == seen[0]

@@ -64,8 +64,9 @@ class WeightedLayer(Layer):
         super().__init__()
         self._dtype = as_float_dtype(dtype, self.label)
         self._weight_shape = tuple(weight_shape)
-        self._version = 0  # of the weights: counts assignments and zero-set changes
-        self._zero_set: tuple[int, Hashable] | None = None  # (version, structure key) last derived
+        self._version = 0  # of the weights' values: counts every change
+        self._zero_set_version = 0  # counts assignments and the changes of the zero set
+        self._zero_set: tuple[int, Hashable] | None = None  # (zero-set version, structure key) last derived
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._prune_pattern = bool(prune_pattern)
@@ -113,6 +114,7 @@ class WeightedLayer(Layer):
             view = weight
         self._weight, self._weight_view, self._dtype = weight, view, weight.dtype
         self._version += 1
+        self._zero_set_version += 1
 
     def update_weights(self, positions: np.ndarray, values: Array) -> None:
         """``weight.flat[positions] = values`` in place: how optimizers update a pruned layer's live
@@ -129,8 +131,9 @@ class WeightedLayer(Layer):
         flat = self._weight.reshape(-1)
         changed = self._prune_pattern and bool(np.any((flat[positions] == 0) != (values == 0)))
         flat[positions] = values
-        if changed:  # after the write: a key derived meanwhile is of the old version
-            self._version += 1
+        self._version += 1  # after the write: what is derived meanwhile is of the old version
+        if changed:
+            self._zero_set_version += 1
 
     @property
     def bias(self) -> np.ndarray | None:
@@ -179,9 +182,9 @@ class WeightedLayer(Layer):
         if not self._prune_pattern:
             return None
         known = self._zero_set
-        if known is not None and known[0] == self._version:
+        if known is not None and known[0] == self._zero_set_version:
             return known[1]
-        version = self._version
+        version = self._zero_set_version
         key = self._zero_set_key()
         self._zero_set = (version, key)
         return key
