@@ -220,6 +220,9 @@ def test_block_jt_equals_finite_differences_and_autograd(which):
     # the pattern holds the two chains' patterns (explicit zeros kept, never changed by the values)
     zero = np.zeros_like(block_input)
     assert block.transposed_jacobian(zero).pattern is jt.pattern
+    wide = block.transposed_jacobian(block_input, index_dtype=np.int64)
+    assert wide.pattern.index_dtype == np.int64 and wide.pattern.same_as(jt.pattern)
+    np.testing.assert_array_equal(wide.data, jt.data)
 
 
 def test_without_nonlinearities_the_jt_is_shared_and_a_single_layer_chain_is_its_jt():
