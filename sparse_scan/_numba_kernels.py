@@ -184,6 +184,16 @@ def _inside(out_size, size, stride, shift):
 
 
 @njit(**_OPTIONS)
+def _column_bounds(out_width, width, kw, sw, pl, dw):
+    """Per column offset ``j`` of a window: :func:`_inside` of its outputs, as two arrays."""
+    first = np.empty(kw, dtype=np.int64)
+    stop = np.empty(kw, dtype=np.int64)
+    for j in range(kw):
+        first[j], stop[j] = _inside(out_width, width, sw, j * dw - pl)
+    return first, stop
+
+
+@njit(**_OPTIONS)
 def max_pool_windows(x, slot, geometry, out, p0, p1):
     """Max-pool values of any window geometry for the (sample, channel) planes ``p0:p1``: per output,
     the first maximum over its window's real elements in window order (a later element wins only if
@@ -198,10 +208,7 @@ def max_pool_windows(x, slot, geometry, out, p0, p1):
     channels, height, width, out_height, out_width, kh, kw, sh, sw, ph, pw, dh, dw = geometry
     per_channel = out.shape[1] // channels
     zero, one = out.dtype.type(0), out.dtype.type(1)
-    inside_from = np.empty(kw, dtype=np.int64)  # per column offset j: outputs whose input column
-    inside_to = np.empty(kw, dtype=np.int64)  # ow * sw - pw + j * dw lies inside the input
-    for j in range(kw):
-        inside_from[j], inside_to[j] = _inside(out_width, width, sw, j * dw - pw)
+    inside_from, inside_to = _column_bounds(out_width, width, kw, sw, pw, dw)
     best = np.empty(out_width, dtype=x.dtype)
     best_k = np.empty(out_width, dtype=np.int64)
     nan = False
@@ -238,32 +245,35 @@ def im2col(x, geometry, columns, c0, c1):
     """A convolution's columns for the channels ``c0:c1``: ``columns[(c kh + i) kw + j, b, oh, ow]``
     is the input ``x[b, c, oh sh - pt + i dh, ow sw - pl + j dw]``, 0 in the padding. ``x`` is
     ``(B, C, H, W)``, ``columns`` ``(C kh kw, B, Ho, Wo)`` (groups are runs of channels), ``geometry``
-    the tuple ``(C, H, W, Ho, Wo, kh, kw, sh, sw, pt, pl, dh, dw)``."""
+    the tuple ``(C, H, W, Ho, Wo, kh, kw, sh, sw, pt, pl, dh, dw)``. Flat offsets, bounds per column
+    offset computed once: rows are short (2-32 outputs on VGG-11)."""
     channels, height, width, out_height, out_width, kh, kw, sh, sw, pt, pl, dh, dw = geometry
     batch = x.shape[0]
     zero = columns.dtype.type(0)
+    first, stop = _column_bounds(out_width, width, kw, sw, pl, dw)
+    flat_x, flat_columns = x.reshape(-1), columns.reshape(-1)
+    plane_in, plane_out = height * width, out_height * out_width
     for c in range(c0, c1):
         for i in range(kh):
             for j in range(kw):
-                shift = j * dw - pl
-                first, stop = _inside(out_width, width, sw, shift)
-                row = columns[(c * kh + i) * kw + j]
+                shift, f, s = j * dw - pl, first[j], stop[j]
                 for b in range(batch):
-                    plane, taps = x[b, c], row[b]
+                    source = (b * channels + c) * plane_in + shift
+                    target = (((c * kh + i) * kw + j) * batch + b) * plane_out
                     for oh in range(out_height):
                         ih = oh * sh - pt + i * dh
-                        line = taps[oh]
+                        line = target + oh * out_width
                         if ih < 0 or ih >= height:
                             for ow in range(out_width):
-                                line[ow] = zero
+                                flat_columns[u(line + ow)] = zero
                             continue
-                        source = plane[ih]
-                        for ow in range(first):
-                            line[ow] = zero
-                        for ow in range(first, stop):
-                            line[ow] = source[u(ow * sw + shift)]
-                        for ow in range(stop, out_width):
-                            line[ow] = zero
+                        row = source + ih * width
+                        for ow in range(f):
+                            flat_columns[u(line + ow)] = zero
+                        for ow in range(f, s):
+                            flat_columns[u(line + ow)] = flat_x[u(row + ow * sw)]
+                        for ow in range(s, out_width):
+                            flat_columns[u(line + ow)] = zero
 
 
 @njit(**_OPTIONS)
@@ -273,23 +283,24 @@ def col2im(taps, geometry, out, p0, p1):
     reaching it, added from zero in the order (i, j) (the NumPy formulation's order: equal bit for
     bit). ``taps`` is ``(C kh kw, B, Ho, Wo)``, ``out`` ``(B, C, H, W)``."""
     channels, height, width, out_height, out_width, kh, kw, sh, sw, pt, pl, dh, dw = geometry
+    batch = out.shape[0]
     zero = out.dtype.type(0)
+    first, stop = _column_bounds(out_width, width, kw, sw, pl, dw)
+    flat_taps, flat_out = taps.reshape(-1), out.reshape(-1)
+    plane_in, plane_out = height * width, out_height * out_width
     for p in range(p0, p1):
         b, c = p // channels, p % channels
-        plane = out[b, c]
-        for ih in range(height):
-            line = plane[ih]
-            for iw in range(width):
-                line[iw] = zero
+        base = p * plane_in
+        for e in range(base, base + plane_in):
+            flat_out[u(e)] = zero
         for i in range(kh):
             for j in range(kw):
-                shift = j * dw - pl
-                first, stop = _inside(out_width, width, sw, shift)
-                source = taps[(c * kh + i) * kw + j, b]
+                shift, f, s = j * dw - pl, first[j], stop[j]
+                source = (((c * kh + i) * kw + j) * batch + b) * plane_out
                 for oh in range(out_height):
                     ih = oh * sh - pt + i * dh
                     if ih < 0 or ih >= height:
                         continue
-                    line, values = plane[ih], source[oh]
-                    for ow in range(first, stop):
-                        line[u(ow * sw + shift)] += values[ow]
+                    row, line = base + ih * width + shift, source + oh * out_width
+                    for ow in range(f, s):
+                        flat_out[u(row + ow * sw)] += flat_taps[u(line + ow)]

@@ -449,14 +449,16 @@ def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cf
     np.testing.assert_array_equal(got, _conv._col2im_gpu(cpu, taps, g, conv._pads, 3))
 
 
-def test_csr_weights_take_the_values_of_every_version_once():
-    """The kept CSR weights are refilled once per version of the weights: after an assignment and
-    after update_weights (the optimizers' path), not at every call."""
+def test_csr_weights_and_jt_values_take_the_values_of_every_version_once():
+    """A pruned layer's kept CSR weights and JT values are filled once per version of the weights:
+    after an assignment and after update_weights (the optimizers' path), not at every call."""
     conv = make_conv(CONFIGS[0], prune_pattern=True)
     x = make_input(CONFIGS[0])
     weight = conv.weight.copy()
     weight.ravel()[np.random.default_rng(4).permutation(weight.size)[2:]] = 0
     conv.weight = weight
+    values = conv.transposed_jacobian(x).data
+    assert conv.transposed_jacobian(x[:1]).data is values  # every batch reads the same values
     conv.forward(x)
     filled = list(conv._sparse_structure[2])
     conv.forward(x)
@@ -468,3 +470,6 @@ def test_csr_weights_take_the_values_of_every_version_once():
     np.testing.assert_allclose(conv.weights_matvec(x.shape[1:])(grad),
                                grad @ conv.transposed_jacobian(x).todense().T, rtol=1e-12, atol=1e-12)
     assert conv._sparse_structure[2] == [conv._version, conv._version]
+    np.testing.assert_allclose(conv.transposed_jacobian(x).todense(),
+                               finite_difference_jt(lambda v: naive_conv(conv, v), x[0]), atol=1e-8)
+    assert not np.array_equal(conv.transposed_jacobian(x).data, values)
