@@ -18,9 +18,35 @@
       - {name: drop, type: dropout, p: 0.5}
       - {name: fc, type: linear, out_features: 10}
 
+A ``residual`` layer is a residual block ``y = f(x) + shortcut(x)``
+(:class:`~sparse_scan.layers.Residual`, one scan element): ``layers`` is its inner chain ``f``,
+``shortcut`` is absent (the identity), one layer (a mapping, named ``shortcut_name``) or a chain (a list,
+its layers named ``<shortcut_name>.0``, ...), and ``shortcut_name`` (default ``"shortcut"``) names the
+shortcut's parameters; blocks nest. Inner layers are named under the block, as PyTorch names a module's
+children, so a torchvision ``BasicBlock``'s ``state_dict`` loads as is (its final ReLU, after the sum,
+is a layer of its own after the block):
+
+.. code-block:: yaml
+
+      - name: layer2.0
+        type: residual
+        shortcut_name: downsample     # weights: layer2.0.downsample.0.weight, ...
+        layers:                       # weights: layer2.0.conv1.weight, layer2.0.bn1.running_mean, ...
+          - {name: conv1, type: conv2d, out_channels: 32, kernel_size: 3, stride: 2, padding: 1, bias: false}
+          - {name: bn1, type: batchnorm2d}
+          - {name: relu, type: relu}
+          - {name: conv2, type: conv2d, out_channels: 32, kernel_size: 3, padding: 1, bias: false}
+          - {name: bn2, type: batchnorm2d}
+        shortcut:
+          - {type: conv2d, out_channels: 32, kernel_size: 1, stride: 2, bias: false}
+          - {type: batchnorm2d}
+      - {name: layer2.0.relu_out, type: relu}
+
 ``in_channels``/``in_features``/``num_features`` are inferred from the previous layer (given, they must
-agree). Every problem is a :class:`SpecError` naming the file, the layer and the field; the spec and
-the weights file are only read.
+agree), along a block's inner chain and its shortcut from the block's input too. Messages name a nested
+layer by its path and place (``layer 'layer2.0.conv1' (layers[5].layers[0])``); ``init`` and ``prune``
+reach every layer of every block. Every problem is a :class:`SpecError` naming the file, the layer and
+the field; the spec and the weights file are only read.
 
 A spec model loads in eval mode, like ``module.eval()`` in PyTorch: layers with a mode (``batchnorm2d``,
 ``dropout``) take ``training: false`` unless the spec says otherwise. ``batchnorm2d`` normalises by its
@@ -63,6 +89,7 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pathlib
 import re
@@ -89,6 +116,7 @@ from .layers import (
     Linear,
     MaxPool2d,
     ReLU,
+    Residual,
     Sigmoid,
     SiLU,
     Softplus,
@@ -96,7 +124,7 @@ from .layers import (
 )
 from .layers._weighted import as_float_dtype
 from .recurrent import GRU, LSTM, RNN, RecurrentClassifier
-from .weights import read_npz
+from .weights import named_layers, read_npz
 
 __all__ = ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model"]
 
@@ -105,8 +133,14 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
+    "residual": Residual,
 }
-"""Spec ``type`` -> layer class (arguments: the class's, PyTorch's names)."""
+"""Spec ``type`` -> layer class (arguments: the class's, PyTorch's names; ``residual``'s:
+:data:`RESIDUAL_FIELDS`)."""
+
+RESIDUAL_FIELDS = ("layers", "shortcut", "shortcut_name")
+"""A ``residual`` block's fields: its inner chain, its shortcut (absent: the identity) and the name its
+shortcut's parameters take (``"shortcut"`` by default; ``"downsample"`` gives torchvision's names)."""
 
 RECURRENT_TYPES: dict[str, type] = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
 """Spec ``type`` of a recurrent first layer -> its class (arguments: PyTorch's; ``input_size`` inferred)."""
@@ -191,19 +225,116 @@ def _options(path: pathlib.Path, spec: dict[str, Any], key: str, field: str, che
     return value
 
 
-def _layer_name(path: pathlib.Path, index: int, entry: Any) -> tuple[str, str]:
-    """The name of ``layers[index]`` (its index by default) and how messages name the layer."""
+@dataclasses.dataclass
+class _Context:
+    """What building every layer of a spec shares: the file (for messages), the parameter dtype, the
+    init generator, the stored weights, whether ``init`` seeds, the prune amount and every layer path
+    used so far (state_dict prefixes must be unique)."""
+
+    path: pathlib.Path
+    dtype: Any
+    rng: np.random.Generator
+    stored: dict[str, np.ndarray]
+    initialised: bool
+    amount: float | None
+    paths: set[str] = dataclasses.field(default_factory=set)
+
+
+def _layer_name(path: pathlib.Path, location: str, entry: Any, default: str,
+                prefix: str = "") -> tuple[str, str]:
+    """The name of the layer at ``location`` (``default`` unless the entry names it) and how messages
+    name the layer: its path (``prefix`` + name, a nested layer's state_dict prefix) and location."""
     if not isinstance(entry, dict):
-        raise _fail(path, f"layers[{index}]", "type", f"each layer must be a mapping, got {entry!r}")
-    name = entry.get("name", str(index))
+        raise _fail(path, location, "type", f"each layer must be a mapping, got {entry!r}")
+    name = entry.get("name", default)
     if not isinstance(name, str) or not name:
-        raise _fail(path, f"layers[{index}]", "name", f"must be a non-empty string, got {name!r}")
-    return name, f"layer {name!r} (layers[{index}])"
+        raise _fail(path, location, "name", f"must be a non-empty string, got {name!r}")
+    return name, f"layer {prefix + name!r} ({location})"
 
 
-def _build_layer(path: pathlib.Path, index: int, entry: Any, shape: tuple[int, ...], dtype: Any,
-                 rng: np.random.Generator, prune: bool) -> tuple[Layer, str]:
-    name, where = _layer_name(path, index, entry)
+def _build_chain(ctx: _Context, entries: Any, shape: tuple[int, ...], location: str, prefix: str,
+                 where: str, key: str) -> tuple[list[Layer], tuple[int, ...]]:
+    """The layers of the list ``entries`` (at ``location``, e.g. ``layers[3].layers``) from input
+    ``shape``, their paths under ``prefix``; ``where``/``key`` name the list itself in messages."""
+    if not isinstance(entries, list) or not entries:
+        raise _fail(ctx.path, where, key, f"must be a non-empty list of layers, got {entries!r}")
+    layers = []
+    for index, entry in enumerate(entries):
+        layer, shape = _build_entry(ctx, entry, shape, f"{location}[{index}]", str(index), prefix)
+        layers.append(layer)
+    return layers, shape
+
+
+def _build_entry(ctx: _Context, entry: Any, shape: tuple[int, ...], location: str, default: str,
+                 prefix: str) -> tuple[Layer, tuple[int, ...]]:
+    """One layer (a ``residual`` block with its chains) with its weights set and pruned."""
+    name, where = _layer_name(ctx.path, location, entry, default, prefix)
+    full = prefix + name
+    if full in ctx.paths:
+        raise _fail(ctx.path, where, "name", "used by an earlier layer")
+    ctx.paths.add(full)
+    if entry.get("type") == "residual":
+        return _build_residual(ctx, entry, shape, location, name, where, full)
+    layer, out_shape = _build_layer(ctx.path, where, name, entry, shape, ctx.dtype, ctx.rng,
+                                    ctx.amount is not None)
+    _set_weights(ctx.path, where, full, layer, ctx.stored, ctx.initialised)
+    if ctx.amount is not None and getattr(layer, "prune_pattern", False):  # conv2d and linear
+        _magnitude_prune(layer, ctx.amount)
+    return layer, out_shape
+
+
+def _build_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...], location: str,
+                    name: str, where: str, full: str) -> tuple[Residual, tuple[int, ...]]:
+    """A ``residual`` block: its inner chain ``layers`` and its ``shortcut`` (absent or null: the
+    identity; one mapping: a single layer named ``shortcut_name``; a list: a chain under it)."""
+    for argument in entry:
+        if argument not in ("name", "type") + RESIDUAL_FIELDS:
+            raise _fail(ctx.path, where, argument, f"unknown argument of residual (allowed: "
+                        f"{', '.join(RESIDUAL_FIELDS)})")
+    if "layers" not in entry:
+        raise _fail(ctx.path, where, "layers", "missing (required by residual: the inner chain f of "
+                    "y = f(x) + shortcut(x))")
+    shortcut_name = entry.get("shortcut_name", "shortcut")
+    if not isinstance(shortcut_name, str) or not shortcut_name or "." in shortcut_name:
+        raise _fail(ctx.path, where, "shortcut_name", f"must be a non-empty name without dots, got "
+                    f"{shortcut_name!r}")
+    inner, inner_shape = _build_chain(ctx, entry["layers"], shape, f"{location}.layers", f"{full}.",
+                                      where, "layers")
+    if any(layer.name == shortcut_name for layer in inner):
+        raise _fail(ctx.path, where, "shortcut_name", f"{shortcut_name!r} names an inner layer too")
+    shortcut = entry.get("shortcut")
+    short_shape = shape
+    if isinstance(shortcut, dict):
+        given = shortcut.get("name", shortcut_name)
+        if given != shortcut_name:
+            raise _fail(ctx.path, f"layer {full + '.' + shortcut_name!r} ({location}.shortcut)", "name",
+                        f"a single shortcut layer is named by the block's shortcut_name "
+                        f"({shortcut_name!r}), got {given!r}")
+        single, short_shape = _build_entry(ctx, shortcut, shape, f"{location}.shortcut", shortcut_name,
+                                           f"{full}.")
+        chain: Layer | list[Layer] | None = single
+    elif shortcut is not None:
+        chain, short_shape = _build_chain(ctx, shortcut, shape, f"{location}.shortcut",
+                                          f"{full}.{shortcut_name}.", where, "shortcut")
+    else:
+        chain = None
+    if inner_shape != short_shape:
+        which = (f"the shortcut gives {list(short_shape)}" if chain is not None else
+                 "the identity shortcut keeps it; add a shortcut (e.g. a strided 1x1 conv2d and a "
+                 "batchnorm2d) that maps the input to the layers' output shape")
+        raise _fail(ctx.path, where, "shortcut", f"the layers map the block's input {list(shape)} to "
+                    f"{list(inner_shape)} but {which} (y = f(x) + shortcut(x) needs equal shapes)")
+    try:
+        block = Residual(*inner, shortcut=chain, shortcut_name=shortcut_name)
+    except (TypeError, ValueError) as error:  # defensive: the checks above cover Residual's own
+        raise _fail(ctx.path, where, "layers", str(error)) from None
+    block.name = name
+    return block, inner_shape
+
+
+def _build_layer(path: pathlib.Path, where: str, name: str, entry: dict[str, Any], shape: tuple[int, ...],
+                 dtype: Any, rng: np.random.Generator, prune: bool) -> tuple[Layer, tuple[int, ...]]:
+    """A layer of one of :data:`LAYER_TYPES` but ``residual``, from its entry and its input ``shape``."""
     kind = entry.get("type")
     if isinstance(kind, str) and kind in RECURRENT_TYPES:
         raise _fail(path, where, "type", f"a recurrent layer ({kind}) must be the first layer, followed by "
@@ -326,19 +457,11 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential 
             raise _fail(path, "", "prune", "applies to the conv2d and linear weights of a sequential model, "
                         "not to a recurrent one")
         return _load_recurrent(path, spec["layers"], shape, dtype, seed, stored)
-    rng = np.random.default_rng(seed)
-    layers, names, in_shape = [], set(), shape
-    for index, entry in enumerate(spec["layers"]):
-        layer, shape = _build_layer(path, index, entry, shape, dtype, rng, amount is not None)
-        if layer.name in names:
-            raise _fail(path, f"layer {layer.name!r} (layers[{index}])", "name", "used by an earlier layer")
-        names.add(layer.name)
-        layers.append(layer)
-        _set_weights(path, index, layer, stored, seed is not None)
-        if amount is not None and getattr(layer, "prune_pattern", False):  # conv2d and linear
-            _magnitude_prune(layer, amount)
-    model = Sequential(*layers, input_shape=in_shape)
-    ignored = {f"{layer.name}.{key}" for layer in layers for key in IGNORED_KEYS.get(type(layer), ())}
+    ctx = _Context(path, dtype, np.random.default_rng(seed), stored, seed is not None, amount)
+    layers, _ = _build_chain(ctx, spec["layers"], shape, "layers", "", "", "layers")
+    model = Sequential(*layers, input_shape=shape)
+    ignored = {f"{name}.{key}" for name, layer in named_layers(model).items()
+               for key in IGNORED_KEYS.get(type(layer), ())}
     unused = sorted(set(stored) - set(model.state_dict()) - ignored)
     if unused:
         raise _fail(path, "", "weights", f"{unused[0]!r} in the weights file matches no layer parameter")
@@ -367,15 +490,14 @@ def _stored(path: pathlib.Path, where: str, name: str, parameter: str, stored: d
     return cast
 
 
-def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str, np.ndarray],
+def _set_weights(path: pathlib.Path, where: str, full: str, layer: Layer, stored: dict[str, np.ndarray],
                  initialised: bool) -> None:
     """Set the layer's parameters (its ``parameter_names``, by default ``weight`` and ``bias``; those it
-    has: not None) from ``stored``."""
-    where = f"layer {layer.name!r} (layers[{index}])"
+    has: not None) from ``stored``, by the layer's path ``full`` (``"<path>.weight"``)."""
     for parameter in getattr(layer, "parameter_names", ("weight", "bias")):
         if getattr(layer, parameter, None) is None:
             continue
-        cast = _stored(path, where, layer.name, parameter, stored, initialised, layer.dtype)
+        cast = _stored(path, where, full, parameter, stored, initialised, layer.dtype)
         if cast is None:
             continue
         try:
@@ -388,7 +510,7 @@ def _set_weights(path: pathlib.Path, index: int, layer: Layer, stored: dict[str,
 def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ...], dtype: Any,
                     seed: int | None, stored: dict[str, np.ndarray]) -> RecurrentClassifier:
     """A recurrent first layer and its linear head (see the module docstring)."""
-    name, where = _layer_name(path, 0, entries[0])
+    name, where = _layer_name(path, "layers[0]", entries[0], "0")
     kind = entries[0]["type"]
     cls = RECURRENT_TYPES[kind]
     if len(shape) != 2:
@@ -416,14 +538,14 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
     if len(entries) != 2:
         raise _fail(path, where, "layers", f"a recurrent layer is followed by exactly one linear layer (the "
                     f"classifier head on its last output); the spec has {len(entries) - 1} after it")
-    head_name, head_where = _layer_name(path, 1, entries[1])
+    head_name, head_where = _layer_name(path, "layers[1]", entries[1], "1")
     if entries[1].get("type") != "linear":
         raise _fail(path, head_where, "type", f"the layer after a recurrent layer is its classifier head: "
                     f"linear, got {entries[1].get('type')!r}")
     if head_name == name:
         raise _fail(path, head_where, "name", "used by an earlier layer")
-    head, _ = _build_layer(path, 1, entries[1], (recurrent.num_directions * recurrent.output_size,), dtype,
-                           rng, False)
+    head, _ = _build_layer(path, head_where, head_name, entries[1],
+                           (recurrent.num_directions * recurrent.output_size,), dtype, rng, False)
     model = RecurrentClassifier(recurrent, head=head, input_shape=shape)
     for parameter, expected in recurrent.parameter_shapes().items():
         cast = _stored(path, where, name, parameter, stored, seed is not None, recurrent.dtype)
@@ -433,7 +555,7 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
             raise _fail(path, where, parameter, f"'{name}.{parameter}' has shape {list(cast.shape)}, "
                         f"expected {list(expected)}")
         setattr(recurrent, parameter, cast)
-    _set_weights(path, 1, head, stored, seed is not None)
+    _set_weights(path, head_where, head_name, head, stored, seed is not None)
     unused = sorted(set(stored) - set(model.state_dict()))
     if unused:
         raise _fail(path, "", "weights", f"{unused[0]!r} in the weights file matches no layer parameter")
