@@ -1,14 +1,15 @@
-"""Export a PyTorch ``nn.Sequential`` of supported layers, or a recurrent classifier (an ``nn.RNN``,
-``nn.GRU`` or ``nn.LSTM`` followed by an ``nn.Linear`` head on its last output), to a model spec plus
-``.npz`` weights.
+"""Export a PyTorch ``nn.Sequential`` of supported layers and residual blocks, or a recurrent classifier
+(an ``nn.RNN``, ``nn.GRU`` or ``nn.LSTM`` followed by an ``nn.Linear`` head on its last output), to a
+model spec plus ``.npz`` weights.
 
 PyTorch is imported by the caller's module only: this module reads attributes of the modules it is
-given and never imports torch itself.
+given, and imports ``torch.fx`` only to trace a module that is no supported layer (a residual block).
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 import pathlib
 from typing import Any, Sequence
 
@@ -134,6 +135,156 @@ def _entry(name: str, child: Any, position: int, count: int) -> dict[str, Any]:
     return entry
 
 
+_ADDS = {("call_function", operator.add), ("call_function", operator.iadd), ("call_method", "add"),
+         ("call_method", "add_")}
+"""The graph nodes that sum a residual block's two branches (``out + identity``, ``out += identity``,
+``out.add(identity)``; ``torch.add`` is matched by name)."""
+
+
+def _is_add(node: Any) -> bool:
+    if node.kwargs or len(node.args) != 2:
+        return False
+    target = node.target
+    if (node.op, target) in _ADDS:
+        return True
+    return node.op == "call_function" and getattr(target, "__name__", "") == "add" and "torch" in str(
+        getattr(target, "__module__", "") or type(target))
+
+
+def _builtin(module: Any) -> bool:
+    """A module of PyTorch's own (``torch.nn``): a layer, never traced into."""
+    return type(module).__module__.startswith("torch.nn")
+
+
+def _flatten(prefix: str, module: Any) -> list[tuple[str, Any]]:
+    """``(path, module)`` of ``module``'s children in order, ``nn.Sequential`` children expanded (their
+    paths ``<prefix><child>.<grandchild>``, PyTorch's state_dict prefixes)."""
+    out = []
+    for name, child in module.named_children():
+        if type(child).__name__ == "Sequential" and _builtin(child):
+            out += _flatten(f"{prefix}{name}.", child)
+        else:
+            out.append((f"{prefix}{name}", child))
+    return out
+
+
+def _chain(name: str, node: Any, stop: Any, describe: Any) -> list[Any]:
+    """The ``call_module`` nodes from ``stop`` (exclusive) up to ``node`` (inclusive), each taking the
+    previous one as its only argument; refused naming the node otherwise."""
+    nodes = []
+    while node is not stop:
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            raise ValueError(f"layer {name!r}: {describe(node)}: not a residual pattern (a chain of "
+                             "submodules from the input, the sum of two such chains, then submodules)")
+        nodes.append(node)
+        node = node.args[0]
+    return nodes[::-1]
+
+
+def _residual(name: str, module: Any) -> list[dict[str, Any]]:
+    """The spec entries of a module whose ``forward`` is a residual pattern, traced with ``torch.fx``:
+    ``x -> pre -> (f(x) + s(x)) -> post``, where ``f`` and ``s`` are chains of submodules (``s`` empty:
+    the identity; its modules one submodule or the children of one ``nn.Sequential``, whose name becomes
+    ``shortcut_name``). Modules before the sum and after it become layers before and after the block
+    (those after it, torchvision's final ReLU, parameterless). Submodules that are no supported layer are
+    traced in turn (nested blocks). Anything else is refused with the node named."""
+    import torch.fx  # noqa: PLC0415 - torch is the caller's; only a residual module needs tracing
+
+    class Tracer(torch.fx.Tracer):
+        """Submodules are leaves but ``nn.Sequential`` (traced through: its children's paths)."""
+
+        def is_leaf_module(self, m: Any, qualname: str) -> bool:
+            return not (type(m).__name__ == "Sequential" and _builtin(m))
+
+    try:
+        graph = Tracer().trace(module)
+    except Exception as error:  # any failure to trace: data-dependent control flow, unsupported calls
+        raise ValueError(f"layer {name!r}: type: {type(module).__name__} is no supported layer and torch.fx "
+                         f"cannot trace its forward: {type(error).__name__}: {error}") from None
+    nodes = list(graph.nodes)
+
+    def describe(node: Any) -> str:
+        target = getattr(node.target, "__name__", node.target)
+        return f"node {node.name!r} ({node.op} {target})"
+
+    inputs = [node for node in nodes if node.op == "placeholder"]
+    outputs = [node for node in nodes if node.op == "output"]
+    if len(inputs) != 1:
+        raise ValueError(f"layer {name!r}: forward takes {len(inputs)} inputs; a residual block takes one")
+    adds = [node for node in nodes if _is_add(node)]
+    if len(adds) != 1:
+        node = next((n for n in nodes if n.op not in ("placeholder", "output", "call_module")), outputs[0])
+        raise ValueError(f"layer {name!r}: {describe(node)}: not a residual pattern (one sum of two chains "
+                         f"of submodules; the forward has {len(adds)} sums)")
+    add, (x,) = adds[0], inputs
+    result = outputs[0].args[0]
+    post = _chain(name, result, add, describe)
+    branches = list(add.args)
+    for arg in branches:
+        if not hasattr(arg, "op"):
+            raise ValueError(f"layer {name!r}: {describe(add)}: adds a constant, not a branch")
+
+    # the split point: the deepest node both branches reach through single-input chains
+    paths = [[x] + _chain(name, arg, x, describe) for arg in branches]
+    split = 0
+    while split + 1 < min(len(p) for p in paths) and paths[0][split + 1] is paths[1][split + 1]:
+        split += 1
+    pre = paths[0][1:split + 1]
+    arms = [p[split + 1:] for p in paths]
+    inner, short = (arms[0], arms[1]) if len(arms[0]) >= len(arms[1]) else (arms[1], arms[0])
+    for node in nodes:
+        used = node in (x, add, outputs[0]) or node in pre or node in inner or node in short or node in post
+        if not used:
+            raise ValueError(f"layer {name!r}: {describe(node)}: not part of a residual pattern")
+    calls = [node.target for node in pre + inner + short + post]
+    submodules = dict(module.named_modules())
+    for node in pre + inner + short + post:
+        child = submodules[node.target]
+        if calls.count(node.target) > 1 and any(True for _ in (*child.parameters(), *child.buffers())):
+            raise ValueError(f"layer {name!r}: {describe(node)}: module {node.target!r} is called more than "
+                             "once and has parameters (a spec cannot share them)")
+    entries_pre, entries_post = [], []
+    for group, out in ((pre, entries_pre), (post, entries_post)):
+        for node in group:
+            entry_name = f"{name}.{node.target}"
+            if calls.count(node.target) > 1:  # parameterless: one more layer of its kind
+                entry_name = f"{name}.{node.target}_{'in' if group is pre else 'out'}"
+            out += _entries(entry_name, submodules[node.target])
+    block: dict[str, Any] = {"name": name, "type": "residual", "layers": []}
+    for node in inner:
+        block["layers"] += _relative(name, _entries(f"{name}.{node.target}", submodules[node.target]))
+    if short:
+        heads = {str(node.target).split(".")[0] for node in short}
+        single = len(short) == 1 and "." not in str(short[0].target)
+        if len(heads) != 1 or (not single and not all(str(n.target).count(".") == 1 for n in short)):
+            raise ValueError(f"layer {name!r}: {describe(short[0])}: the shortcut's modules must be one "
+                             "submodule or the children of one nn.Sequential (its name: shortcut_name)")
+        shortcut_name = heads.pop()
+        if shortcut_name in {node.target.split(".")[0] for node in inner}:
+            raise ValueError(f"layer {name!r}: {describe(short[0])}: the shortcut's module is used by the "
+                             "inner chain too")
+        block["shortcut_name"] = shortcut_name
+        entries = [entry for node in short for entry in
+                   _relative(f"{name}.{shortcut_name}" if not single else name,
+                             _entries(f"{name}.{node.target}", submodules[node.target]))]
+        block["shortcut"] = entries[0] if single and len(entries) == 1 else entries
+    return entries_pre + [block] + entries_post
+
+
+def _relative(prefix: str, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``entries`` named by their paths under ``prefix`` (a block's children)."""
+    for entry in entries:
+        entry["name"] = entry["name"][len(prefix) + 1:]
+    return entries
+
+
+def _entries(name: str, child: Any, position: int = 1, count: int = 0) -> list[dict[str, Any]]:
+    """The spec entries of one module: a supported layer's one entry, or a traced residual block's."""
+    if type(child).__name__ in _MODULES or type(child).__name__ in _RECURRENT or _builtin(child):
+        return [_entry(name, child, position, count)]
+    return _residual(name, child)
+
+
 def _plain(value: Any) -> Any:
     """YAML-friendly: tuples become lists, numbers stay numbers."""
     if isinstance(value, (tuple, list)):
@@ -157,6 +308,15 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
         ``nn.Linear`` head, which the spec applies to the recurrent layer's last output (PyTorch's
         ``fc(output[:, -1])``, ``fc(output[-1])`` without ``batch_first``; the module's own
         ``forward`` is not read), loaded as a :class:`~sparse_scan.recurrent.RecurrentClassifier`.
+        Children that are ``nn.Sequential`` are expanded (their children named ``layer1.0``, ...), and a
+        child that is no PyTorch layer must be a residual block, its ``forward`` traced with
+        ``torch.fx``: ``x -> pre -> f(x) + s(x) -> post`` with ``f`` and ``s`` chains of submodules
+        (``s`` empty: the identity; else one submodule or the children of one ``nn.Sequential``, whose
+        name becomes the spec's ``shortcut_name``), nested blocks traced in turn, the modules before
+        the sum and (parameterless, torchvision's final ReLU) after it written as layers of their own
+        (``layer1.0.relu_out``): a torchvision ``BasicBlock`` with ``downsample`` exports as a
+        ``residual`` layer. Any other pattern (functional calls, several sums, a module with parameters
+        called twice) is refused with the graph node named.
         Layer names are the module's child names, weights keep PyTorch's state_dict names (BatchNorm2d's
         ``running_mean`` and ``running_var`` included, ``num_batches_tracked`` left out). Every
         argument of every module is written to the spec, or refused with a ``ValueError`` naming the
@@ -182,11 +342,11 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
         if target.exists():
             raise FileExistsError(f"{target} exists; export_torch never overwrites")
     layers, weights = [], {}
-    children = list(module.named_children())
+    children = _flatten("", module)
     for position, (name, child) in enumerate(children):
-        layers.append(_entry(name, child, position, len(children)))
+        layers += _entries(name, child, position, len(children))
         for parameter, tensor in (*child.named_parameters(), *child.named_buffers()):
-            if parameter not in _DROPPED_BUFFERS:
+            if parameter.rpartition(".")[2] not in _DROPPED_BUFFERS:
                 weights[f"{name}.{parameter}"] = tensor.detach().cpu().numpy()
     spec = {"input_shape": [int(s) for s in input_shape], "weights": weights_path.name, "layers": layers}
     np.savez(weights_path, **weights)

@@ -171,3 +171,147 @@ def test_run_and_flops_on_an_exported_normalised_cnn(tmp_path):
     result = runner.invoke(app.main, ["flops", str(path)])
     assert result.exit_code == 0, result.output
     assert "BP FLOPs" in result.output
+
+
+# --- residual blocks, recognised by torch.fx tracing -------------------------------------------
+class TorchvisionBasicBlock(nn.Module):
+    """torchvision.models.resnet.BasicBlock's forward, verbatim (torchvision is not a dependency)."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False),
+                                            nn.BatchNorm2d(planes))
+
+    def forward(self, x):
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+class Nested(nn.Module):
+    """A block whose inner chain holds a block, with a single-module shortcut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Tanh()
+        self.inner = TorchvisionBasicBlock(8, 8)
+        self.conv = nn.Conv2d(8, 6, 3, padding=1)
+        self.proj = nn.Conv2d(8, 6, 1)
+
+    def forward(self, x):
+        x = self.pre(x)
+        return self.conv(self.inner(x)) + self.proj(x)
+
+
+def resnet_like():
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    for name, module in [("conv1", nn.Conv2d(3, 4, 3, 1, 1, bias=False)), ("bn1", nn.BatchNorm2d(4)),
+                         ("relu", nn.ReLU()), ("layer1", nn.Sequential(TorchvisionBasicBlock(4, 4))),
+                         ("layer2", nn.Sequential(TorchvisionBasicBlock(4, 8, 2),
+                                                  TorchvisionBasicBlock(8, 8))),
+                         ("nested", nn.Sequential(Nested())), ("avgpool", nn.AdaptiveAvgPool2d(1)),
+                         ("flatten", nn.Flatten()), ("fc", nn.Linear(6, 5))]:
+        net.add_module(name, module)
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.normal_()
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_()
+    return net.double().eval()
+
+
+@pytest.mark.parametrize("method, levels", [("linear", None), ("blelloch", None)]
+                         + [("hybrid", k) for k in (1, 2, 3)])
+def test_residual_modules_round_trip_with_autograds_gradients(tmp_path, method, levels):
+    net = resnet_like()
+    spec = export_torch(net, (3, 8, 8), tmp_path / "net.yaml")
+    entries = yaml.safe_load(spec.read_text())["layers"]
+    names = [entry["name"] for entry in entries]
+    assert names[3:9] == ["layer1.0", "layer1.0.relu_out", "layer2.0", "layer2.0.relu_out", "layer2.1",
+                          "layer2.1.relu_out"]
+    assert entries[5]["shortcut_name"] == "downsample" and len(entries[5]["shortcut"]) == 2
+    assert "shortcut" not in entries[3]
+    assert names[9:11] == ["nested.0.pre", "nested.0"] and entries[10]["shortcut"]["name"] == "proj"
+    assert entries[10]["layers"][0]["type"] == "residual"
+    model = load_model(spec, dtype=np.float64)
+    x = np.random.default_rng(1).standard_normal((3, 3, 8, 8))
+    g = np.random.default_rng(2).standard_normal((3, 5))
+    np.testing.assert_allclose(model.forward(x), net(torch.from_numpy(x)).detach().numpy(), rtol=1e-12)
+    grads = model.backward(g, method=method, levels=levels)
+    parameters = model.parameter_gradients(grads)
+    inputs = torch.from_numpy(x).requires_grad_(True)
+    net(inputs).backward(torch.from_numpy(g))
+    np.testing.assert_allclose(grads[0], inputs.grad.numpy(), rtol=1e-10, atol=1e-12)
+    assert sorted(parameters) == sorted(name for name, _ in net.named_parameters())
+    for name, parameter in net.named_parameters():
+        np.testing.assert_allclose(parameters[name], parameter.grad.numpy(), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+
+
+class Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.relu(self.conv(x)) + x
+
+
+class TwoSums(Functional):
+    def forward(self, x):
+        return self.conv(x) + x + x
+
+
+class Concat(Functional):
+    def forward(self, x):
+        return torch.cat([self.conv(x), x], 1)
+
+
+class SharedWeights(Functional):
+    def forward(self, x):
+        return self.conv(self.conv(x)) + self.conv(x)
+
+
+class Split(Functional):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv2 = nn.Conv2d(2, 2, 3, padding=1)
+        self.a = nn.Conv2d(2, 2, 1)
+        self.b = nn.BatchNorm2d(2)
+
+    def forward(self, x):  # the shortcut a, b: two modules, no nn.Sequential holding them
+        return self.conv2(self.conv(x)) + self.b(self.a(x))
+
+
+@pytest.mark.parametrize("module, fragment", [
+    (Functional(), "layer 'block': node 'relu' (call_function relu): not a residual pattern"),
+    (TwoSums(), "layer 'block': node 'add' (call_function add): not a residual pattern"),
+    (Concat(), "layer 'block': node 'cat' (call_function cat): not a residual pattern"),
+    (SharedWeights(), "module 'conv' is called more than once"),
+    (Split().eval(), "layer 'block': node 'a' (call_module a): the shortcut's modules must be one submodule"),
+])
+def test_other_module_patterns_are_refused_with_the_node_named(tmp_path, module, fragment):
+    net = nn.Sequential()
+    net.add_module("block", module)
+    with pytest.raises(ValueError) as error:
+        export_torch(net, (2, 4, 4), tmp_path / "net.yaml")
+    assert fragment in str(error.value), str(error.value)
+    assert not (tmp_path / "net.yaml").exists() and not (tmp_path / "net.npz").exists()
