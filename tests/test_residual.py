@@ -246,6 +246,28 @@ def test_plan_sum_positions():
     assert union.nnz == (sum(abs(m) for m in mats)).nnz
 
 
+@pytest.mark.parametrize("covered", [True, False])
+def test_plan_sum_of_a_pattern_and_one_it_holds(covered):
+    """The shortcut's pattern inside the inner product's (the usual block): the union is the larger
+    pattern itself; one entry outside it takes the general path. Both equal the dense sum."""
+    big = sp.random(9, 8, density=0.5, format="csr", random_state=4)
+    small = sp.csr_matrix(big.multiply(sp.random(9, 8, density=0.5, format="csr", random_state=5) != 0))
+    small.data[:] = 1.0
+    if not covered:
+        outside = np.argwhere(big.toarray() == 0)[0]
+        small = small + sp.csr_matrix(([2.0], ([outside[0]], [outside[1]])), shape=big.shape)
+    small.sort_indices()
+    union, positions = plan_sum([Pattern(small.indptr, small.indices, small.shape),
+                                 Pattern(big.indptr, big.indices, big.shape)])
+    assert (union.nnz == big.nnz) is covered
+    values = np.zeros(union.nnz)
+    for m, where in zip((small, big), positions, strict=True):
+        values[where] += m.data
+    total = sp.csr_matrix((values, union.indices, union.indptr), union.shape)
+    np.testing.assert_allclose(total.toarray(), small.toarray() + big.toarray())
+    assert union.nnz == (abs(small) + abs(big)).nnz
+
+
 def test_the_plan_is_built_once():
     model = resnet()
     for batch in (3, 2):
