@@ -32,7 +32,7 @@ import numpy as np
 
 from ._checks import flag, number
 from ._types import Array
-from .weights import state_dict
+from .weights import named_layers, state_dict
 
 __all__ = ["SGD", "Adam", "Optimizer", "check_built_on"]
 
@@ -47,8 +47,10 @@ class Optimizer:
 
     def __init__(self, model: Any, lr: float) -> None:
         self.model, self.lr = model, number(lr, "lr", 0, inclusive=False)
-        self._live = {f"{layer.name}.weight": np.flatnonzero(layer.weight)  # the pruned layers' live weights
-                      for layer in model.layers if getattr(layer, "prune_pattern", False)}
+        pruned = {path: layer for path, layer in named_layers(model).items()
+                  if getattr(layer, "prune_pattern", False)}
+        self._live = {f"{path}.weight": np.flatnonzero(layer.weight)  # the pruned layers' live weights
+                      for path, layer in pruned.items()}
         self.state: dict[str, dict[str, Any]] = {}
         self._owned: dict[str, np.ndarray] = {}
 
@@ -79,7 +81,7 @@ class Optimizer:
             if grad.shape != parameter.shape:
                 raise ValueError(f"{key}: gradient has shape {grad.shape}, the parameter {parameter.shape}")
             checked[key] = grad.astype(parameter.dtype, copy=False)
-        layers = {layer.name: layer for layer in self.model.layers}
+        layers = named_layers(self.model)  # nested blocks' layers by path, like their parameters
         for key, grad in checked.items():
             parameter = parameters[key]
             target, state = self._own(key, parameter, layers), self.state.setdefault(key, {})

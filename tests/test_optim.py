@@ -191,3 +191,33 @@ def test_pruned_steps_follow_pytorch_with_masked_gradients(name, kwargs):
     for key, value in state_dict(model).items():
         np.testing.assert_allclose(value, dict(net.named_parameters())[key].detach().numpy(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_optimizers_step_the_parameters_inside_residual_blocks():
+    """Nested parameters (``block.0.weight``, ``block.shortcut.weight``) step like top-level ones:
+    SGD's update is ``w - lr * g`` for every one, and a pruned weight inside a block keeps its zeros."""
+    from sparse_scan.layers import Residual
+
+    inner = Conv2d(2, 2, 3, padding=1, dtype=np.float64, rng=1, prune_pattern=True)
+    weight = inner.weight.copy()
+    weight.reshape(-1)[::3] = 0.0
+    inner.weight = weight
+    stem = Conv2d(1, 2, 3, padding=1, dtype=np.float64, rng=0)
+    fc = Linear(3 * 5 * 5, 4, dtype=np.float64, rng=4)
+    block = Residual(inner, ReLU(), Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=2),
+                     shortcut=Conv2d(2, 3, 1, dtype=np.float64, rng=3))
+    for layer, name in ((stem, "stem"), (block, "block"), (fc, "fc")):
+        layer.name = name
+    model = Sequential(stem, block, Flatten(), fc)
+    model.forward(np.random.default_rng(0).standard_normal((2, 1, 5, 5)))
+    grads = model.parameter_gradients(model.backward(np.ones((2, 4)), "linear"))
+    assert {"block.0.weight", "block.2.weight", "block.shortcut.weight"} <= set(grads)
+    before = {key: value.copy() for key, value in state_dict(model).items()}
+    SGD(model, lr=0.1).step(grads)
+    after = state_dict(model)
+    for key, grad in grads.items():
+        expected = before[key] - 0.1 * grad
+        if key == "block.0.weight":
+            expected[before[key] == 0] = 0.0
+        np.testing.assert_allclose(after[key], expected, rtol=1e-12, atol=1e-15, err_msg=key)
+    assert np.all(after["block.0.weight"].reshape(-1)[::3] == 0)
