@@ -27,10 +27,11 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from . import backend as _backend
 from ._checks import integer
 from .loss import softmax_cross_entropy
 from .optim import check_built_on
-from .weights import read_npz
+from .weights import named_layers, read_npz
 
 __all__ = ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset", "train"]
 
@@ -141,6 +142,19 @@ def _accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(np.argmax(logits, axis=1) == labels))
 
 
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """Every layer with a training mode (Dropout, recurrent dropout) in eval mode, restored after."""
+    training = [layer for layer in named_layers(model).values() if getattr(layer, "training", False)]
+    for layer in training:
+        layer.training = False
+    try:
+        yield
+    finally:
+        for layer in training:
+            layer.training = True
+
+
 def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 512,
              device: str = "cpu") -> dict[str, Any]:
     """Mean softmax cross-entropy and accuracy of ``model`` on inputs ``x`` with labels ``y``.
@@ -159,10 +173,18 @@ def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 512,
     -------
     dict
         ``loss`` (mean over the samples, like PyTorch's ``cross_entropy``), ``accuracy`` (fraction of
-        samples whose largest output is the label) and ``samples``.
+        samples whose largest output is the label) and ``samples``. Layers with a training mode
+        (Dropout) run in eval mode, as PyTorch users evaluate, and get their mode back after.
     """
     integer(batch_size, "batch_size", 1)
     be = _backend.get(device)
+    with _eval_mode(model):  # as PyTorch users evaluate: no dropout
+        return _scores(model, be, x, y, batch_size)
+
+
+def _scores(model: Any, be: _backend.Backend, x: np.ndarray, y: np.ndarray,
+            batch_size: int) -> dict[str, Any]:
+    """:func:`evaluate`'s figures, the model in its current mode."""
     total_loss, correct = 0.0, 0.0
     for start in range(0, len(x), batch_size):
         logits = be.to_host(model.forward(be.asarray(x[start:start + batch_size])))

@@ -356,3 +356,19 @@ def test_layers_with_parameters_need_unique_names():
         Sequential(first, ReLU(), second)
     relu = ReLU()
     Sequential(Linear(3, 3, rng=0), relu, Linear(3, 3, rng=1), relu)  # a parameterless layer may repeat
+
+
+def test_evaluate_runs_dropout_in_eval_mode_and_gives_the_mode_back():
+    from sparse_scan import Sequential
+    from sparse_scan.layers import Dropout, Flatten, Linear
+
+    dropout = Dropout(0.5, rng=0)
+    model = Sequential(Flatten(), dropout, Linear(16, 3, dtype=np.float64, rng=1))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((20, 1, 4, 4)), rng.integers(0, 3, 20)
+    scores = training.evaluate(model, x, y)
+    assert dropout.training
+    dropout.eval()
+    assert scores == training.evaluate(model, x, y)  # as without dropout, not a random mask
+    dropout.train()
+    assert training.evaluate(model, x, y) == scores
