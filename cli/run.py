@@ -219,6 +219,24 @@ def _max_relative_error(be: Any, pairs: Any) -> float:
                for g, r in pairs)
 
 
+def _forward(model: pathlib.Path, network: Any, be: Any, x: Any, dtype: str, grad_path: pathlib.Path | None,
+             labels_path: pathlib.Path | None, timings: dict[str, float]) -> tuple[Any, float | None]:
+    """The timed forward (``timings["forward_s"]``), a non-finite output refused by layer, and the
+    upstream gradient with its loss (:func:`_upstream`)."""
+    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
+
+    start = time.perf_counter()
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, by layer
+        output = network.forward(be.asarray(x))
+    be.synchronize()
+    timings["forward_s"] = time.perf_counter() - start
+    overflowing = network.non_finite_output()
+    if overflowing is not None:
+        fail(f"{model}: layer {overflowing!r}: its output holds NaN or Inf on this input (a {dtype} "
+             "overflow? try --dtype float64)")
+    return _upstream(be.to_host(output), grad_path, labels_path)
+
+
 def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
                 labels_path: pathlib.Path | None, method: str, levels: int | str | None,
                 max_step_flops: float, dtype: str, check: bool,
@@ -231,16 +249,7 @@ def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: p
 
     timings: dict[str, float] = {}
     with model_errors(model):
-        start = time.perf_counter()
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, by layer
-            output = network.forward(be.asarray(x))
-        be.synchronize()
-        timings["forward_s"] = time.perf_counter() - start
-        overflowing = network.non_finite_output()
-        if overflowing is not None:
-            fail(f"{model}: layer {overflowing!r}: its output holds NaN or Inf on this input (a {dtype} "
-                 "overflow? try --dtype float64)")
-        grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
+        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
         builds = network.plan_builds
         start = time.perf_counter()
         plan = network.plan(network.input_shape, method, levels, max_step_flops=int(max_step_flops),
@@ -279,16 +288,7 @@ def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pa
     timings: dict[str, float] = {}
     batch = int(x.shape[0])
     with model_errors(model):
-        start = time.perf_counter()
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, by layer
-            output = network.forward(be.asarray(x))
-        be.synchronize()
-        timings["forward_s"] = time.perf_counter() - start
-        overflowing = network.non_finite_output()
-        if overflowing is not None:
-            fail(f"{model}: layer {overflowing!r}: its output holds NaN or Inf on this input (a {dtype} "
-                 "overflow? try --dtype float64)")
-        grad, loss = _upstream(be.to_host(output), grad_path, labels_path)
+        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
         start = time.perf_counter()
         plan = network.plan(network.input_shape, method, levels, batch=batch, device=be.name)
         timings["plan_s"] = time.perf_counter() - start
