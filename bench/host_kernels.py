@@ -11,14 +11,16 @@ array of the values' bytes: the allocation and page faults included on both side
 Medians of ``--repeats`` after a warm-up call (the compile, or loading it from numba's disk cache,
 is excluded). The cold compile (a fresh process with an empty ``NUMBA_CACHE_DIR``: every kernel and
 argument signature the run meets compiled) and the warm start (the next process loading the cache)
-are timed in subprocesses, with ``import numba`` alone. ``/proc/pressure/cpu`` is recorded before
-and after (the machine may be shared). Prints JSON.
+are timed in subprocesses, with ``import numba`` alone. ``--old TREE`` also times another checkout's
+max-pool fills, in fresh processes taking turns with this one's (before/after figures of one run).
+``/proc/pressure/cpu`` is recorded before and after (the machine may be shared). Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -182,12 +184,38 @@ def measure_pools(batch: int = 16, repeats: int = 5, dtype=np.float32) -> list[d
     return rows
 
 
+def compare_pools(old: pathlib.Path, batch: int, repeats: int, rounds: int) -> list[dict[str, Any]]:
+    """The max-pool fills of ``old`` (a checkout) and of this one, each in a fresh process per round,
+    the two in turn (alternating which goes first): per layer the medians over rounds of the fill,
+    of the copy, and of their ratio."""
+    trees = {"new": pathlib.Path(__file__).resolve().parents[1], "old": old.resolve()}
+    samples: dict[str, list[list[dict[str, Any]]]] = {"new": [], "old": []}
+    for round_ in range(rounds):
+        for label in ("new", "old") if round_ % 2 == 0 else ("old", "new"):
+            env = {**os.environ, "PYTHONPATH": str(trees[label])}
+            done = subprocess.run([sys.executable, __file__, "--pools-only", "--batch", str(batch),
+                                   "--repeats", str(repeats)], env=env, capture_output=True, text=True,
+                                  check=True)
+            samples[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = []
+    for index, layer in enumerate(samples["new"][0]):
+        row: dict[str, Any] = {"layer": layer["layer"], "batch": batch}
+        for label in ("old", "new"):
+            figures = [run[index] for run in samples[label]]
+            row[f"{label}_fill_s"] = float(np.median([f["fill_s"] for f in figures]))
+            row[f"{label}_copy_s"] = float(np.median([f["copy_s"] for f in figures]))
+            row[f"{label}_fill_vs_copy"] = float(np.median([f["fill_vs_copy"] for f in figures]))
+        row["old_over_new"] = row["old_fill_s"] / row["new_fill_s"]
+        rows.append(row)
+    return rows
+
+
 def start_costs() -> dict[str, Any]:
     """A fresh process compiling every kernel into an empty cache, then one loading it."""
     code = START.format(bench=str(pathlib.Path(__file__).resolve().parent))
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**__import__("os").environ, "NUMBA_CACHE_DIR": cache}
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
         for name in ("cold", "warm"):
             start = time.perf_counter()
             done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -205,13 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-start-costs", action="store_true", help="skip the cold/warm start subprocesses")
+    parser.add_argument("--old", type=pathlib.Path,
+                        help="also time the max-pool fills of this checkout, in turn with ours")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --old comparison")
+    parser.add_argument("--pools-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pools_only:
+        print(json.dumps(measure_pools(args.batch, args.repeats)))
+        return 0
     report: dict[str, Any] = {"benchmark": "host_kernels", "machine": machine(backend.get("cpu")),
                               "cpu_pressure_before": pressure()}
     if not args.no_start_costs:
         report["start"] = start_costs()
     report["products"] = measure_products((1, args.batch), args.repeats)
     report["max_pool_fill"] = measure_pools(args.batch, args.repeats)
+    if args.old is not None:
+        report["max_pool_fill_old_vs_new"] = compare_pools(args.old, args.batch, args.repeats, args.rounds)
     report["cpu_pressure_after"] = pressure()
     print(json.dumps(report, indent=2))
     return 0
