@@ -147,6 +147,24 @@ class Sequential:
         inner = "\n".join(f"  ({layer.name}): {layer!r}" for layer in self.layers)
         return f"Sequential(\n{inner}\n)"
 
+    # --- mode (PyTorch's train/eval) -------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Sequential":
+        """Set every layer, nested ones included, to training mode (``mode=True``) or eval mode, like
+        PyTorch's ``module.train(mode)``; return self.
+
+        A layer's mode matters only to :class:`~sparse_scan.layers.Dropout` (masks in training mode)
+        and :class:`~sparse_scan.layers.BatchNorm2d` (which refuses training mode). Specs load in eval
+        mode unless they say ``training: true``.
+        """
+        for layer in self.layers:
+            layer.train(mode)
+        return self
+
+    def eval(self) -> "Sequential":
+        """Every layer in eval mode (PyTorch's ``module.eval()``): dropout is the identity; return
+        self."""
+        return self.train(False)
+
     # --- shapes and forward ------------------------------------------------------------------
     def shapes(self, in_shape: Sequence[int]) -> list[Shape]:
         """Per-sample shapes of ``x_0 .. x_n`` for a per-sample input shape."""

@@ -39,7 +39,7 @@ from . import backend as _backend
 from ._checks import integer
 from .loss import softmax_cross_entropy
 from .optim import check_built_on
-from .weights import named_layers, read_npz
+from .weights import every_layer, read_npz
 
 __all__ = ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset", "train"]
 
@@ -144,8 +144,8 @@ def _accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
 
 @contextlib.contextmanager
 def _eval_mode(model: Any) -> Iterator[None]:
-    """Every layer with a training mode (Dropout, recurrent dropout) in eval mode, restored after."""
-    training = [layer for layer in named_layers(model).values() if getattr(layer, "training", False)]
+    """Every layer in training mode (nested ones included) in eval mode, each restored after."""
+    training = [layer for layer in every_layer(model) if getattr(layer, "training", False)]
     for layer in training:
         layer.training = False
     try:

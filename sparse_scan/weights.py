@@ -23,29 +23,37 @@ import os
 import pathlib
 import tempfile
 import zipfile
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from ._types import Array
 
-__all__ = ["load_state_dict", "named_layers", "read_npz", "state_dict", "write_npz_atomically"]
+__all__ = ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict", "write_npz_atomically"]
+
+
+def _walk(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, layer)`` for every layer of ``model``, a block before the layers it holds."""
+    def visit(path: str, layer: Any) -> Iterator[tuple[str, Any]]:
+        yield path, layer
+        for name, child in getattr(layer, "named_children", list)():
+            yield from visit(f"{path}.{name}", child)
+
+    for layer in model.layers:
+        yield from visit(str(layer.name), layer)
 
 
 def named_layers(model: Any) -> dict[str, Any]:
     """Every layer of ``model`` by its path, in order: a layer's ``name``, and the layers a block holds
     (a :class:`~sparse_scan.layers.Residual`'s ``named_children``) as ``"<block path>.<child name>"``,
     nested blocks included. A parameter's state_dict name is ``"<path>.<parameter>"``."""
-    out: dict[str, Any] = {}
+    return dict(_walk(model))
 
-    def visit(path: str, layer: Any) -> None:
-        out[path] = layer
-        for name, child in getattr(layer, "named_children", list)():
-            visit(f"{path}.{name}", child)
 
-    for layer in model.layers:
-        visit(str(layer.name), layer)
-    return out
+def every_layer(model: Any) -> list[Any]:
+    """Every layer of ``model``, nested ones included, in :func:`named_layers`' order; layers without
+    parameters may share a name, and none is left out for it."""
+    return [layer for _, layer in _walk(model)]
 
 
 def state_dict(model: Any) -> dict[str, np.ndarray]:

@@ -67,7 +67,7 @@ PUBLIC = {
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
                           "train"],
-    "sparse_scan.weights": ["load_state_dict", "named_layers", "read_npz", "state_dict",
+    "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict",
                             "write_npz_atomically"],
 }
 """The documented public modules -> their ``__all__`` (``sparse_scan.spec``: the home of

@@ -21,6 +21,7 @@ from sparse_scan.layers import (
     AdaptiveAvgPool2d,
     BatchNorm2d,
     Conv2d,
+    Dropout,
     Flatten,
     Linear,
     ReLU,
@@ -355,3 +356,47 @@ def test_bad_arguments():
         Residual(first, second)
     with pytest.raises(RuntimeError, match="call forward"):
         Residual(ReLU()).weights_matvec((2, 3))
+
+
+def test_train_and_eval_set_every_nested_layer_as_pytorch_does():
+    """``train(mode)``/``eval()`` reach every layer of every block; the ``training`` attribute is the
+    layer's own (PyTorch: ``module.training = False`` leaves the children alone)."""
+    torch = pytest.importorskip("torch")
+    layers = nested_model().layers
+    model = Sequential(layers[0], Dropout(0.5), *layers[1:])
+    reference = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Sequential(torch.nn.Dropout())),
+                                    torch.nn.Dropout())
+
+    def modes(layers) -> set[bool]:
+        return {layer.training for layer in layers}
+
+    assert model.train() is model and modes(named_layers(model).values()) == {True}
+    assert model.eval() is model and reference.eval() is reference
+    assert modes(named_layers(model).values()) == modes(reference.modules()) == {False}
+    outer = model.layers[0]
+    assert outer.train() is outer
+    reference[0].train()
+    assert modes(named_layers(model).values()) == modes(reference.modules()) == {True, False}
+    assert all(layer.training for layer in named_layers(Sequential(outer)).values())
+    outer.training = reference[0].training = False
+    assert modes(outer.layers) == modes(reference[0].children()) == {True}
+    with pytest.raises(ValueError, match=r"layer '0' \(Residual\): training: must be true or false"):
+        outer.train("no")
+
+
+def test_evaluation_restores_each_layers_own_mode():
+    """:func:`sparse_scan.train.evaluate` runs in eval mode and gives back each layer's mode, mixed
+    modes within a block included."""
+    from sparse_scan.train import evaluate
+
+    layers = nested_model().layers
+    model = Sequential(layers[0], Dropout(0.5, rng=0), *layers[1:])
+    outer = model.layers[0]
+    outer.layers[0].eval()  # the inner block and its layers in eval mode, the rest training
+    before = {path: layer.training for path, layer in named_layers(model).items()}
+    x, y = make_input((3, 5, 5), batch=6), np.array([0, 1, 2, 3, 0, 1])
+    result = evaluate(model, x, y, batch_size=4)
+    assert {path: layer.training for path, layer in named_layers(model).items()} == before
+    assert set(before.values()) == {True, False}
+    twice = evaluate(model, x, y, batch_size=4)
+    assert result == twice  # the dropout layer was the identity both times

@@ -7,6 +7,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import flag
 from .._types import Array
 from ..csr import BatchedCSR, Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
@@ -34,6 +35,10 @@ class Layer:
         otherwise. The scan planner uses this to avoid general SpGEMMs.
     sample_independent : bool
         Whether JT's values are the same for every sample (then ``data`` has shape ``(nnz,)``).
+    training : bool
+        PyTorch's mode flag; a layer starts in training mode. Only layers whose forward depends on it
+        read it (:class:`Dropout` masks, :class:`BatchNorm2d` refuses batch statistics). Setting it
+        sets this layer's only; :meth:`train` and :meth:`eval` also set the layers it holds.
     """
 
     jacobian_kind: str = "general"
@@ -42,6 +47,37 @@ class Layer:
     def __init__(self) -> None:
         self.name: str | None = None
         self._patterns: dict[Hashable, tuple[Pattern, dict[str, Any]]] = {}
+        self._training = True
+
+    # --- mode (PyTorch's train/eval) -------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """PyTorch's mode flag: True in training mode, False in eval mode."""
+        return self._training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self._training = flag(mode, f"layer {self.label}: training")
+        self._mode_set()
+
+    def _mode_set(self) -> None:
+        """What a layer forgets when its mode is set (a hook: :class:`Dropout` drops its last mask)."""
+
+    def named_children(self) -> list[tuple[str, "Layer"]]:
+        """``(name, layer)`` of the layers this one holds (none; blocks override)."""
+        return []
+
+    def train(self, mode: bool = True) -> "Layer":
+        """Set training mode (``mode=True``) or eval mode here and in every layer held, like PyTorch's
+        ``module.train(mode)``; return self."""
+        self.training = mode
+        for _, child in self.named_children():
+            child.train(mode)
+        return self
+
+    def eval(self) -> "Layer":
+        """Eval mode here and in every layer held (PyTorch's ``module.eval()``); return self."""
+        return self.train(False)
 
     # --- identification and errors -------------------------------------------------------------
     @property

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
-from .._checks import flag, number
+from .._checks import number
 from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
@@ -109,30 +109,13 @@ class Dropout(Layer):
         self._rng = as_rng(rng)
         self.training = training  # (and no mask yet)
 
-    # --- mode --------------------------------------------------------------------------------------
-    @property
-    def training(self) -> bool:
-        """PyTorch's mode flag: True (masks) or False (identity). Setting it forgets the last mask."""
-        return self._training
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        self._training = flag(mode, f"layer {self.label}: training")
-        self._mask = None
-
-    def train(self, mode: bool = True) -> "Dropout":
-        """Set training mode (``mode=True``) or eval mode; return self."""
-        self.training = mode
-        return self
-
-    def eval(self) -> "Dropout":
-        """The identity from now on (PyTorch's ``module.eval()``); return self."""
-        return self.train(False)
+    def _mode_set(self) -> None:
+        self._mask = None  # a mask belongs to the mode that drew it
 
     # --- the protocol ----------------------------------------------------------------------------
     def forward(self, x: Array) -> Array:
         x = self._check_input(x)
-        if not self._training:
+        if not self.training:
             return x
         xp = _backend.of(x).xp
         batch, size = x.shape[0], math.prod(x.shape[1:])
@@ -148,7 +131,7 @@ class Dropout(Layer):
 
     def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         shape = (x.shape[0], pattern.shape[0])
-        if not self._training:
+        if not self.training:
             return be.xp.ones(shape, dtype=x.dtype)
         if self._mask is None:
             raise self._error("input", "no mask: in training mode the Jacobian is that of the last "

@@ -132,27 +132,8 @@ class BatchNorm2d(Layer):
         self._running_mean = np.zeros(shape, self._dtype)
         self._running_var = np.ones(shape, self._dtype)
 
-    # --- mode --------------------------------------------------------------------------------------
-    @property
-    def training(self) -> bool:
-        """PyTorch's mode flag: True (batch statistics, refused) or False (frozen statistics)."""
-        return self._training
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        self._training = flag(mode, f"layer {self.label}: training")
-
-    def train(self, mode: bool = True) -> "BatchNorm2d":
-        """Set training mode (``mode=True``, refused when used) or eval mode; return self."""
-        self.training = mode
-        return self
-
-    def eval(self) -> "BatchNorm2d":
-        """Freeze the statistics (PyTorch's ``module.eval()``); return self."""
-        return self.train(False)
-
     def _check_frozen(self) -> None:
-        if self._training:
+        if self.training:
             raise self._error(
                 "training", "in training mode BatchNorm2d normalises by the batch's own mean and variance, "
                 "so every output depends on every sample of the batch and its Jacobian is not one per "
