@@ -32,7 +32,7 @@ import numpy as np
 
 from ._threads import even_parts, kernel_pool
 
-__all__ = ["BLOCK_ENTRIES", "cache_directory", "kernels", "launch", "parts", "rows2d"]
+__all__ = ["BLOCK_ENTRIES", "cache_directory", "dense_kernels", "kernels", "launch", "parts", "rows2d"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 
@@ -64,18 +64,33 @@ def cache_directory(environ: dict[str, str] | None = None, package: pathlib.Path
     return str(pathlib.Path(tempfile.gettempdir()) / f"sparse-scan-numba-{os.getuid()}")
 
 
-@functools.lru_cache(maxsize=None)
-def kernels() -> ModuleType:
-    """The compiled kernels' module (imports numba on the first call)."""
+def _use_cache_directory() -> None:
+    """Point numba at :func:`cache_directory` when it names one (before a kernels module loads)."""
     folder = cache_directory()
     if folder is not None:
         os.environ["NUMBA_CACHE_DIR"] = folder
         import numba.core.config  # noqa: PLC0415 - numba may have been imported by the user already
 
         numba.core.config.reload_config()
+
+
+@functools.lru_cache(maxsize=None)
+def kernels() -> ModuleType:
+    """The compiled kernels' module (imports numba on the first call)."""
+    _use_cache_directory()
     from . import _numba_kernels  # noqa: PLC0415 - lazy by design
 
     return _numba_kernels
+
+
+@functools.lru_cache(maxsize=None)
+def dense_kernels() -> ModuleType:
+    """The recurrent backward's compiled kernels (:mod:`sparse_scan._numba_dense`), loaded as
+    :func:`kernels` is."""
+    _use_cache_directory()
+    from . import _numba_dense  # noqa: PLC0415 - lazy by design
+
+    return _numba_dense
 
 
 def parts(batch: int, count: int, workers: int) -> list[tuple[int, int, int, int]]:

@@ -43,6 +43,8 @@ DISPATCH = "run"
 LAZY = {
     ("sparse_scan._host_kernels", "sparse_scan._numba_kernels"):
         "importing numba costs 0.3 s: the compiled host kernels load on the first call that needs one",
+    ("sparse_scan._host_kernels", "sparse_scan._numba_dense"):
+        "importing numba costs 0.3 s: the recurrent backward's kernels load on its first CPU call",
 }
 """Function-level imports of a sibling module, allowed: (importer, imported) -> why."""
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
+from .._host_kernels import dense_kernels, launch
 from .._threads import cpu_threads, even_parts, run_parts, worker_pool
 from .._types import Array
 from ..engine.dense_plan import auto_levels
@@ -68,29 +69,28 @@ def fill_blocks(weights_t: Array, coefficients: Array, out: Array) -> None:
     _fill(_backend.of(out), weights_t, coefficients, out)
 
 
-def chain_through_factors(weights_t: Array, coefficients: Array, diagonal: Array | None,
-                          direct: Array) -> Array:
-    """Back-propagation through time with every block left in factored form.
+def _chain_cpu(be: _backend.Backend, weights_t: Array, coefficients: Array, diagonal: Array | None,
+               direct: Array) -> Array:
+    """Compiled twin: each thread runs its samples through every step (one ``(K·H) × H`` product per
+    step and sample, no call per step)."""
+    steps, batch, terms, size = coefficients.shape
+    dtype = coefficients.dtype
+    stacked = np.ascontiguousarray(weights_t.transpose(0, 2, 1), dtype=dtype).reshape(terms * size, size)
+    diagonal = np.empty((0, batch, size), dtype=dtype) if diagonal is None else \
+        np.ascontiguousarray(diagonal, dtype=dtype)
+    direct = np.ascontiguousarray(direct, dtype=dtype)
+    totals = np.empty((steps + 1, batch, size), dtype=dtype)
+    operands = (stacked, np.ascontiguousarray(coefficients), diagonal,
+                direct if direct.ndim == 3 else direct[None], totals)
+    launch(dense_kernels().chain_factors, operands, even_parts(batch, cpu_threads()))
+    return totals
 
-    ``G_{t-1} = d_{t-1} + A_t G_t`` with ``A_t = Σ_k weights_t[k] diag(coefficients[t-1, :, k])
-    (+ diag(diagonal[t-1]))``, applied to the samples' vectors as one GEMM per step:
-    ``(G_t ⊙ c_{t,k})_k`` stacked ``(B, K·H)`` times the stacked ``W_k`` ``(K·H, H)``. The result
-    equals :func:`~sparse_scan.engine.run.dense_scan` of the filled blocks with ``method="linear"``.
 
-    Parameters
-    ----------
-    weights_t : ndarray, shape (K, H, H)
-    coefficients : ndarray, shape (T, B, K, H)
-    diagonal : ndarray, shape (T, B, H), or None
-    direct : ndarray, shape (T, B, H) or (B, H)
-        As in :func:`~sparse_scan.engine.run.dense_scan`.
-
-    Returns
-    -------
-    ndarray, shape (T + 1, B, H)
-        ``out[t]``: the total gradient w.r.t. ``h_t``.
-    """
-    xp = _backend.of(coefficients).xp
+def _chain_gpu(be: _backend.Backend, weights_t: Array, coefficients: Array, diagonal: Array | None,
+               direct: Array) -> Array:
+    """CuPy twin: one GEMM over the samples per step (the CUDA path of BP fills the blocks and runs
+    the chain kernel instead; this serves direct calls)."""
+    xp = be.xp
     steps, batch, terms, size = coefficients.shape
     stacked = xp.ascontiguousarray(weights_t.transpose(0, 2, 1)).reshape(terms * size, size)
     affine = direct.ndim == 3
@@ -108,6 +108,36 @@ def chain_through_factors(weights_t: Array, coefficients: Array, diagonal: Array
     return totals
 
 
+_chain = _backend.twin(cpu=_chain_cpu, gpu=_chain_gpu)
+
+
+def chain_through_factors(weights_t: Array, coefficients: Array, diagonal: Array | None,
+                          direct: Array) -> Array:
+    """Back-propagation through time with every block left in factored form.
+
+    ``G_{t-1} = d_{t-1} + A_t G_t`` with ``A_t = Σ_k weights_t[k] diag(coefficients[t-1, :, k])
+    (+ diag(diagonal[t-1]))``: per step and sample, ``(G_t ⊙ c_{t,k})_k`` stacked ``(K·H,)`` times
+    the stacked ``W_k`` ``(K·H, H)``. The result equals :func:`~sparse_scan.engine.run.dense_scan` of
+    the filled blocks with ``method="linear"``. On the CPU a compiled loop runs every step of a run of
+    samples per thread (T=1000, B=16, H=20 on 2 cores: 3.7 ms as a NumPy GEMM per step, of which
+    the calls were most); on a GPU one GEMM over the samples per step.
+
+    Parameters
+    ----------
+    weights_t : ndarray, shape (K, H, H)
+    coefficients : ndarray, shape (T, B, K, H)
+    diagonal : ndarray, shape (T, B, H), or None
+    direct : ndarray, shape (T, B, H) or (B, H)
+        As in :func:`~sparse_scan.engine.run.dense_scan`.
+
+    Returns
+    -------
+    ndarray, shape (T + 1, B, H)
+        ``out[t]``: the total gradient w.r.t. ``h_t``, in the coefficients' dtype.
+    """
+    return _chain(_backend.of(coefficients), weights_t, coefficients, diagonal, direct)
+
+
 def _back_propagate_cpu(be: _backend.Backend, layer: Run, direct: Array, threads: int | None) -> Array:
     """NumPy twin: BP through the factors, no block filled."""
     return layer.factored_chain(direct)
@@ -119,6 +149,28 @@ def _back_propagate_gpu(be: _backend.Backend, layer: Run, direct: Array, threads
 
 
 _back_propagate = _backend.twin(cpu=_back_propagate_cpu, gpu=_back_propagate_gpu)
+
+
+def _gradient_sums_cpu(be: _backend.Backend, a: Array, b: Array) -> tuple[Array, Array]:
+    """Compiled twin: rows cut over the kernel pool's threads, each summing its rows in float64 (the
+    sums run over ``T·B`` rows; NumPy took 0.7-1.1 ms for ``sum(axis=0)`` of ``(16000, 20)`` and
+    1.0-1.5 ms for ``(20, 16000) @ (16000, 20)`` on 2 cores), the threads' partial sums added last."""
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    pieces = even_parts(len(a), cpu_threads()) or [(0, 0)]
+    products, sums = np.empty((len(pieces), a.shape[1], b.shape[1])), np.empty((len(pieces), a.shape[1]))
+    launch(dense_kernels().gradient_sums, (a, b),
+           [(products[k], sums[k], n0, n1) for k, (n0, n1) in enumerate(pieces)])
+    return products.sum(axis=0).astype(a.dtype), sums.sum(axis=0).astype(a.dtype)
+
+
+def _gradient_sums_gpu(be: _backend.Backend, a: Array, b: Array) -> tuple[Array, Array]:
+    """CuPy twin: one GEMM and one column sum."""
+    return a.T @ b, a.sum(axis=0)
+
+
+_gradient_sums = _backend.twin(cpu=_gradient_sums_cpu, gpu=_gradient_sums_gpu)
+"""``(a^T b, column sums of a)`` over the rows of ``a`` ``(N, R)`` and ``b`` ``(N, C)``: a weight's
+and its bias's gradients summed over every step and sample."""
 
 
 def _parameters_on(source: Any, names: dict[str, str], xp: ModuleType) -> dict[str, Array]:
@@ -330,14 +382,15 @@ class Run:
         totals = self.totals(direct, method, levels, threads)
         grad_gi, grad_gh, extra = self.cell.pre_activation_grads(xp, saved, p, totals[1:])
         x, rows, size = saved["x"], grad_gi.shape[-1], self.cell.output_size
-        flat_gi, flat_gh = grad_gi.reshape(-1, rows), grad_gh.reshape(-1, rows)
-        grads = {"state": totals, "x": grad_gi @ p["weight_ih"],
-                 "weight_ih": flat_gi.T @ x.reshape(-1, x.shape[-1]),
-                 "weight_hh": flat_gh.T @ saved["h_prev"].reshape(-1, size)}
+        be = _backend.of(grad_gi)
+        weight_ih, bias_ih = _gradient_sums(be, grad_gi.reshape(-1, rows), x.reshape(-1, x.shape[-1]))
+        weight_hh, bias_hh = _gradient_sums(be, grad_gh.reshape(-1, rows), saved["h_prev"].reshape(-1, size))
+        grads = {"state": totals, "x": grad_gi @ p["weight_ih"], "weight_ih": weight_ih,
+                 "weight_hh": weight_hh}
         if p["bias_ih"] is not None:
-            grads["bias_ih"] = flat_gi.sum(axis=0)
+            grads["bias_ih"] = bias_ih
         if p["bias_hh"] is not None:
-            grads["bias_hh"] = flat_gh.sum(axis=0)
+            grads["bias_hh"] = bias_hh
         grads.update(extra)
         return grads
 

@@ -1,0 +1,99 @@
+"""The recurrent backward's compiled host kernels (``sparse_scan._numba_dense``) against the NumPy
+expressions of their CuPy twins run on NumPy: BP through factored blocks and the parameter gradients'
+sums, every branch (terms, diagonal, direct per step or last only, dtypes, threads), the flushed
+subnormals, the skipped zero steps and rows, and NaN kept where a factor is not finite."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_scan import backend
+from sparse_scan.recurrent import _base
+
+CPU = backend.get("cpu")
+chain_cpu, chain_numpy = _base._chain.twins["cpu"], _base._chain.twins["gpu"]
+sums_cpu, sums_numpy = _base._gradient_sums.twins["cpu"], _base._gradient_sums.twins["gpu"]
+
+
+def factors(steps, batch, terms, size, dtype, diagonal, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    weights_t = (scale * rng.standard_normal((terms, size, size)) / np.sqrt(size)).astype(dtype)
+    coefficients = rng.uniform(0.2, 1.0, (steps, batch, terms, size)).astype(dtype)
+    diag = rng.uniform(0.0, 0.5, (steps, batch, size)).astype(dtype) if diagonal else None
+    return weights_t, coefficients, diag
+
+
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("terms, diagonal", [(1, False), (3, True), (2, False)])
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_chain_equals_the_numpy_twin(monkeypatch, dtype, rtol, terms, diagonal, affine, threads):
+    monkeypatch.setenv("SPARSE_SCAN_THREADS", threads)
+    steps, batch, size = 13, 5, 7
+    weights_t, coefficients, diag = factors(steps, batch, terms, size, dtype, diagonal)
+    rng = np.random.default_rng(1)
+    direct = rng.standard_normal((steps, batch, size) if affine else (batch, size)).astype(dtype)
+    got = chain_cpu(CPU, weights_t, coefficients, diag, direct)
+    want = chain_numpy(CPU, weights_t, coefficients, diag, direct)
+    assert got.dtype == dtype and got.shape == (steps + 1, batch, size)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vanishing_chain_flushes_subnormals_and_skips_zero_steps(dtype):
+    """Totals below the smallest normal number are zeros (as the CUDA twins' -ftz); the rest equal
+    the IEEE chain, and the steps after the totals vanish stay exact zeros."""
+    steps, batch, size = 3000 if dtype == np.float64 else 400, 3, 6
+    weights_t, coefficients, _ = factors(steps, batch, 1, size, dtype, False, scale=0.5)
+    direct = np.random.default_rng(2).standard_normal((batch, size)).astype(dtype)
+    got = chain_cpu(CPU, weights_t, coefficients, None, direct)
+    want = chain_numpy(CPU, weights_t, coefficients, None, direct)
+    tiny = np.finfo(dtype).tiny
+    assert np.all(got[:3] == 0) and np.any(want != 0)  # vanished, passing through subnormals
+    assert np.all((np.abs(got) >= tiny) | (got == 0))
+    normal = np.abs(want) >= 1e6 * tiny
+    np.testing.assert_allclose(got[normal], want[normal], rtol=1e-3 if dtype == np.float32 else 1e-9)
+    assert np.abs(got - want)[~normal].max() < 1e7 * tiny  # the flushed tail differs by tiny amounts
+
+
+def test_chain_keeps_nan_from_a_non_finite_factor_after_the_totals_vanish():
+    steps, batch, size = 400, 2, 5
+    weights_t, coefficients, diag = factors(steps, batch, 2, size, np.float32, True, scale=0.5)
+    coefficients[3, 1, 0, 2] = np.inf
+    direct = np.ones((batch, size), np.float32)
+    got = chain_cpu(CPU, weights_t, coefficients, diag, direct)
+    with np.errstate(invalid="ignore"):
+        want = chain_numpy(CPU, weights_t, coefficients, diag, direct)
+    assert np.all(got[4, 1] == 0)  # vanished: the step from 4 to 3 is one the kernel would skip
+    assert not np.isnan(got[4:, 1]).any() and np.isnan(got[:4, 1]).all()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+@pytest.mark.parametrize("columns", [1, 7])
+def test_gradient_sums_equal_numpy(monkeypatch, dtype, threads, columns):
+    monkeypatch.setenv("SPARSE_SCAN_THREADS", threads)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((101, 9)).astype(dtype)
+    a[10:60] = 0  # vanished gradients: rows skipped
+    b = rng.standard_normal((101, columns)).astype(dtype)
+    products, sums = sums_cpu(CPU, a, b)
+    want_products, want_sums = sums_numpy(CPU, a.astype(np.float64), b.astype(np.float64))
+    assert products.dtype == sums.dtype == dtype
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(products, want_products, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(sums, want_sums, rtol=rtol, atol=rtol)
+
+
+def test_gradient_sums_of_a_zero_row_keep_nan_from_a_non_finite_partner():
+    a, b = np.zeros((4, 2)), np.ones((4, 3))
+    a[0] = 1.0
+    b[2, 1] = np.inf
+    products, sums = sums_cpu(CPU, a, b)
+    with np.errstate(invalid="ignore"):
+        want_products, want_sums = sums_numpy(CPU, a, b)
+    np.testing.assert_array_equal(products, want_products)  # inf * 0 = NaN in column 1
+    np.testing.assert_array_equal(sums, want_sums)
+    assert np.isnan(products[:, 1]).all()
