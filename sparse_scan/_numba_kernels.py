@@ -65,7 +65,16 @@ def stored_products(a, b, a_pos, b_pos, starts, total, out, s0, s1, e0, e1, bloc
 def rowwise_products(a_indptr, a_indices, b_indptr, b_indices, c_indptr, c_indices, columns,
                      a, b, out, s0, s1, r0, r1):
     """Rows ``r0:r1`` of ``C = A @ B`` into ``C``'s stored pattern: every entry summed from zero over
-    its products in the order (A entry, B entry), for samples ``s0:s1``."""
+    its products in the order (A entry, B entry), for samples ``s0:s1``.
+
+    An ``A`` entry that is exactly zero (a ReLU's off unit, a max-pool's non-maximum, carried through
+    earlier products) skips its whole row of ``B``: its terms are zeros, and adding a zero to a sum
+    that starts at +0.0 changes no bit (for finite ``B``), so the row's entries equal those of
+    :func:`stored_products` bit for bit (both sum an entry's terms in ``A``-entry order). Dead
+    entries of ``C`` stay the exact zeros they are reset to. One test per ``A`` entry, not per term
+(VGG-11-pruned's products at batch 1 / 16): also testing ``B``'s entries here measured 1.1-1.4x
+slower, and a per-term test in :func:`stored_products` 1.7-4.0x slower on conv3·relu4 and
+conv1·pool2 (a mispredicted branch per multiply-add; 1.5x faster only on pool1·pool2)."""
     shared_a, shared_b = a.shape[0] == 1, b.shape[0] == 1
     where = np.empty(columns, dtype=np.int64)  # column -> C entry, for the current row
     zero = out.dtype.type(0)
@@ -80,8 +89,10 @@ def rowwise_products(a_indptr, a_indices, b_indptr, b_indices, c_indptr, c_indic
             for p in range(c0, c1):
                 o[p] = zero
             for ka in range(a_indptr[i], a_indptr[i + 1]):
-                k = u(a_indices[ka])
                 x = av[ka]
+                if x == zero:
+                    continue
+                k = u(a_indices[ka])
                 for kb in range(b_indptr[k], b_indptr[k + 1]):
                     o[u(where[u(b_indices[kb])])] += x * bv[kb]
 

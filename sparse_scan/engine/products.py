@@ -103,7 +103,9 @@ class ProductPlan:
     multiply_adds : int
         Multiply-adds over the pattern (a scaling counts one per entry of ``C``).
     operands : tuple of Pattern
-        ``(A, B)``, kept by ``rowwise`` plans to expand products in the numeric phase.
+        ``(A, B)``, kept by ``rowwise`` plans to expand products in the numeric phase, and by
+        ``general`` and ``gather`` plans for hosts that expand them row by row to skip the dead
+        entries of a per-sample ``A`` (:func:`sparse_scan.engine._cpu.multiply`).
     blocks : BlockProduct or None
         The block structure of a ``block`` plan.
     selection : SelectionGather or None
@@ -230,7 +232,7 @@ def _general_plan(a: Pattern, b: Pattern, total: int, chunk_products: int,
     single = out.nnz == total  # every C entry has exactly one multiply-add: no sums needed
     return ProductPlan("general", out, np.concatenate(a_parts) if a_parts else starts,
                        np.concatenate(b_parts) if b_parts else starts,
-                       None if single else starts, total)
+                       None if single else starts, total, operands=(a, b))
 
 
 def _rowwise_plan(a: Pattern, b: Pattern, total: int, chunk_products: int, budget: int,
