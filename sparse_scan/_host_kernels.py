@@ -32,7 +32,8 @@ import numpy as np
 
 from ._threads import even_parts, kernel_pool
 
-__all__ = ["BLOCK_ENTRIES", "cache_directory", "dense_kernels", "kernels", "launch", "parts", "rows2d"]
+__all__ = ["BLOCK_ENTRIES", "cache_directory", "conv_kernels", "dense_kernels", "kernels", "launch", "parts",
+           "rows2d"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 
@@ -91,6 +92,16 @@ def dense_kernels() -> ModuleType:
     from . import _numba_dense  # noqa: PLC0415 - lazy by design
 
     return _numba_dense
+
+
+@functools.lru_cache(maxsize=None)
+def conv_kernels() -> ModuleType:
+    """The pruned convolutions' transposed products (:mod:`sparse_scan._numba_conv`), loaded as
+    :func:`kernels` is."""
+    _use_cache_directory()
+    from . import _numba_conv  # noqa: PLC0415 - lazy by design
+
+    return _numba_conv
 
 
 def parts(batch: int, count: int, workers: int) -> list[tuple[int, int, int, int]]:

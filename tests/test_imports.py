@@ -45,6 +45,8 @@ LAZY = {
         "importing numba costs 0.3 s: the compiled host kernels load on the first call that needs one",
     ("sparse_scan._host_kernels", "sparse_scan._numba_dense"):
         "importing numba costs 0.3 s: the recurrent backward's kernels load on its first CPU call",
+    ("sparse_scan._host_kernels", "sparse_scan._numba_conv"):
+        "importing numba costs 0.3 s: the pruned convolutions' kernels load on their first CPU call",
 }
 """Function-level imports of a sibling module, allowed: (importer, imported) -> why."""
 

@@ -10,8 +10,9 @@ weights as CSR where they are heavily pruned. This module is the one home of tha
   :class:`~sparse_scan.engine.plan.ChainInfo`;
 - when it pays, two rules. At planning: an mv step by a JT whose pattern holds at least
   :data:`DENSE_MATVEC_MIN_DENSITY` of the GEMM's multiply-adds runs as that GEMM (:func:`gemm_pays`;
-  the plan marks such steps ``dense``). Per batch: a JT that only mv steps read and whose layer
-  holds CSR weights goes through them up to :data:`SPARSE_MATVEC_MAX_BATCH` samples;
+  the plan marks such steps ``dense``). A JT that only mv steps read and whose layer holds CSR
+  weights goes through them at every batch (the compiled sparse transposed convolution of
+  :mod:`sparse_scan._numba_conv`);
 - what a plan does with it, :class:`WeightsPlan` (``ScanPlan.weights``): for a batch, the JTs whose
   mv steps a host run applies through their weights (:meth:`WeightsPlan.through`) and those of them
   it needs no values of (:meth:`WeightsPlan.valueless`).
@@ -28,7 +29,7 @@ Examples
 (True, False, False)
 >>> plan = weights_plan(gemm=[1], mv=[3, 4], products=[4], paths=[path, None, WeightsPath(80, True), path])
 >>> sorted(plan.through(batch=4)), sorted(plan.through(batch=16))
-([1, 3], [1])
+([1, 3], [1, 3])
 >>> sorted(plan.valueless(plan.through(batch=4))), sorted(plan.gemm_only)
 ([1, 3], [1])
 """
@@ -38,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["DENSE_MATVEC_MIN_DENSITY", "SPARSE_MATVEC_MAX_BATCH", "WeightsPath", "WeightsPlan", "gemm_pays",
+__all__ = ["DENSE_MATVEC_MIN_DENSITY", "WeightsPath", "WeightsPlan", "gemm_pays",
            "weights_plan"]
 
 DENSE_MATVEC_MIN_DENSITY = 0.1
@@ -47,14 +48,6 @@ this share of the GEMM's multiply-adds. Measured on VGG-11's convolutions (2-cor
 4 and 16): SciPy's CSR SpMV costs 3.4-5.3 ns per stored entry, the GEMM plus the column scatter
 0.08-0.5 ns per multiply-add, so the GEMM wins from a density of 0.02-0.1; unpruned layers (0.44-0.96)
 take the GEMM, 97%-pruned ones (0.013-0.029) keep the SpMV."""
-
-SPARSE_MATVEC_MAX_BATCH = 8
-"""Up to this batch, a backward on the CPU computes ``JT @ g`` of a layer with CSR weights from those
-weights (the transposed convolution, no JT values) where the plan only multiplies JT by vectors.
-Measured on VGG-11's eight 97%-pruned convolutions (2 cores, float32), against JT's values fill plus
-its SpMV: 4.4x faster at batch 1, 2.1x at 4, 1.2x at 8, 0.74x at 16 (the taps' scatter grows with the
-batch, the shared JT values do not)."""
-
 
 @dataclass(frozen=True)
 class WeightsPath:
@@ -90,8 +83,10 @@ class WeightsPlan:
     mv_only : frozenset of int
         JTs that only mv steps read (every one in back-propagation's schedule).
     csr : frozenset of int
-        Those of ``mv_only`` whose layers hold CSR weights: through them up to
-        :data:`SPARSE_MATVEC_MAX_BATCH` samples.
+        Those of ``mv_only`` whose layers hold CSR weights: through them at every batch. Measured on
+        VGG-11's eight 97%-pruned convolutions (2 cores, float32), the compiled transposed
+        convolution against JT's values fill plus its SpMV: 12.9 ms against about 40 at batch 16
+        (SciPy's ``W^T @ g`` plus col2im, before it, lost from batch 8 on: 0.74x at 16).
     """
 
     gemm: frozenset[int] = frozenset()
@@ -105,7 +100,7 @@ class WeightsPlan:
 
     def through(self, batch: int) -> frozenset[int]:
         """The JTs whose mv steps a host run of ``batch`` samples applies through their weights."""
-        return self.gemm | self.csr if batch <= SPARSE_MATVEC_MAX_BATCH else self.gemm
+        return self.gemm | self.csr
 
     def valueless(self, through: frozenset[int]) -> frozenset[int]:
         """Of the JTs a run applies ``through`` their weights, those it needs no values of (no product

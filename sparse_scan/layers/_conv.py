@@ -13,8 +13,9 @@ instead of an ``nnz``-long gather.
 
 The forward pass is one GEMM per group over the batch's columns (im2col), and so is ``JT @ g`` through
 the weights (the transposed convolution, :meth:`Conv2d.weights_matvec`). Pruned weights
-(``prune_pattern=True``) at most :data:`SPARSE_FORWARD_MAX_DENSITY` dense multiply on the CPU as a
-SciPy CSR matrix instead, skipping the pruned multiply-adds.
+(``prune_pattern=True``) at most :data:`SPARSE_FORWARD_MAX_DENSITY` dense skip the pruned multiply-adds
+on the CPU: the forward multiplies them as a SciPy CSR matrix, the transposed convolution runs compiled
+over their non-zeros (:mod:`sparse_scan._numba_conv`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import scipy.sparse
 from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag, integer
-from .._host_kernels import kernels, launch
+from .._host_kernels import conv_kernels, kernels, launch
 from .._scaled_gather import THREAD_MIN_VALUES
 from .._threads import cpu_threads, even_parts
 from .._types import Array
@@ -46,8 +47,7 @@ SPARSE_FORWARD_MAX_DENSITY = 0.05
 """Pruned weights with at most this fraction of non-zeros multiply the forward's columns as a CSR
 matrix on the CPU. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16): 2-4x
 faster at 3%, slower from about 6-10% (SciPy's product runs on one core). ``JT @ g`` through such
-weights pays at small batches even where JT's values would do: see
-:data:`~sparse_scan.engine._weights_path.SPARSE_MATVEC_MAX_BATCH`."""
+weights runs compiled (:func:`_pruned_transposed_convolution`)."""
 
 
 @dataclass(frozen=True)
@@ -262,9 +262,11 @@ class Conv2d(WeightedLayer):
         return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
 
     def _sparse_weights(self, transposed: bool = False) -> list[scipy.sparse.csr_matrix] | None:
-        """Per group, the pruned weights ``(cout / groups, taps)`` (or, ``transposed``, their
-        transpose) as CSR for work on the host (SciPy; :func:`_host_sparse_weights` is the dispatch),
-        or None where they are not pruned or too dense to pay (:meth:`_csr_pays`). The matrices are
+        """Per group, the pruned weights ``(cout / groups, taps)`` as CSR for the forward on the host
+        (SciPy; :func:`_host_sparse_weights` is the dispatch), or, ``transposed``, one matrix ``W^T``
+        of every group (rows ``(ci, kh, kw)``, columns ``co``: :func:`_transposed_weights_csr`) for the
+        compiled transposed convolution; None where they are not pruned or too dense to pay
+        (:meth:`_csr_pays`). The matrices are
         kept per zero set; their values are gathered from the weights, into the kept arrays, once per
         version of the weights (1.8 ms per backward of the pruned VGG-11 where it was every call)."""
         if self._sparse_layout() is None:
@@ -293,11 +295,9 @@ class Conv2d(WeightedLayer):
             groups = self._weight.reshape(self.groups, self.out_channels // self.groups, -1)
             layout = None
             if self._csr_pays():
-                layout = ([], [])
+                layout = ([], [_transposed_weights_csr(groups)])
                 for index, group in enumerate(groups):
-                    offset = index * group.size
-                    layout[0].append(_weights_as_csr(group, offset, group.shape[1], 1))
-                    layout[1].append(_weights_as_csr(group.T, offset, 1, group.shape[1]))
+                    layout[0].append(_weights_as_csr(group, index * group.size, group.shape[1], 1))
             self._sparse_structure = (key, layout, [None, None])
         return self._sparse_structure[1]
 
@@ -342,16 +342,16 @@ class Conv2d(WeightedLayer):
         One GEMM per group over all samples, ``W_g^T (taps, cout) @ g (cout, B * pixels)``, gives
         every tap's contribution; they are added into the padded input at their strided positions
         (the adjoint of :meth:`_columns`) and the padding is cropped. Heavily pruned weights
-        (:meth:`_sparse_weights`) multiply as CSR on the CPU.
+        (:meth:`_sparse_weights`) skip both on the CPU: a compiled direct transposed convolution over
+        their non-zeros (:func:`_pruned_transposed_convolution`).
         """
         g = self.geometry(in_shape)
         be = _backend.get(device)
         sparse = _host_sparse_weights(be, self, True)
-        if sparse is None:
-            weight = be.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
-            taps_of = functools.partial(be.xp.matmul, weight.transpose(0, 2, 1))
-        else:
-            taps_of = functools.partial(_grouped_product, sparse)
+        if sparse is not None:
+            return functools.partial(_pruned_transposed_convolution, g, sparse[0])
+        weight = be.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
+        taps_of = functools.partial(be.xp.matmul, weight.transpose(0, 2, 1))
         return functools.partial(self._transposed_convolution, g, taps_of)
 
     def _transposed_convolution(self, g: ConvGeometry, taps_of: Callable[[Array], Array],
@@ -691,6 +691,58 @@ def _weights_as_csr(weights: np.ndarray, offset: int, row_stride: int,
     rows = np.repeat(np.arange(weights.shape[0]), np.diff(matrix.indptr))
     positions = (offset + rows * row_stride + matrix.indices * column_stride).astype(np.intp)
     return matrix, positions
+
+
+def _transposed_weights_csr(groups: np.ndarray) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
+    """``W^T`` of every group as one CSR matrix, rows ``(ci, kh, kw)`` (global input channel), columns
+    ``co`` (global output channel; block-diagonal over the groups), with the weights' flat position of
+    each stored value (:func:`_weights_as_csr`). ``groups``: the weights as ``(groups, cout / groups,
+    taps)``."""
+    count, cout, taps = groups.shape
+    parts = [_weights_as_csr(group.T, index * group.size, 1, taps) for index, group in enumerate(groups)]
+    nnz = np.cumsum([0] + [matrix.nnz for matrix, _ in parts])
+    indptr = np.concatenate([[0]] + [matrix.indptr[1:] + offset
+                                     for (matrix, _), offset in zip(parts, nnz[:-1], strict=True)])
+    indices = np.concatenate([matrix.indices + index * cout for index, (matrix, _) in enumerate(parts)])
+    data = np.concatenate([matrix.data for matrix, _ in parts])
+    dtype = choose_index_dtype(int(nnz[-1]), count * cout, None)
+    matrix = scipy.sparse.csr_matrix((data, indices.astype(dtype), indptr.astype(dtype)),
+                                     shape=(count * taps, count * cout), copy=False)
+    return matrix, np.concatenate([positions for _, positions in parts])
+
+
+DIRECT_MIN_WIDTH = 32
+"""Output rows at least this wide take :func:`sparse_scan._numba_conv.transposed_conv` (per output row),
+narrower ones :func:`~sparse_scan._numba_conv.transposed_conv_taps` (per whole plane). Measured on the
+pruned VGG-11 at batch 16: conv1 (32 wide) 0.42 ms against 0.75, conv2 (16 wide) 5.2 against 1.7."""
+
+
+def _pruned_transposed_convolution(g: ConvGeometry, weights: scipy.sparse.csr_matrix,
+                                   grad_out: np.ndarray) -> np.ndarray:
+    """``JT @ grad_out`` (``(B, out size) -> (B, in size)``) through pruned weights ``W^T``
+    (:func:`_transposed_weights_csr`): :mod:`sparse_scan._numba_conv`'s kernels, runs of input channels
+    of about equal non-zeros on the kernel pool's threads."""
+    batch = grad_out.shape[0]
+    dtype = np.result_type(weights.dtype, grad_out.dtype)
+    data = weights.data.astype(dtype, copy=False)
+    grad = np.ascontiguousarray(grad_out, dtype=dtype).reshape(batch, -1)
+    module = conv_kernels()
+    out_plane = g.out_height * g.out_width
+    taps = g.out_width < DIRECT_MIN_WIDTH
+    if taps and batch > 1:  # channel-major: each output plane of every sample one run
+        grad = np.ascontiguousarray(grad.reshape(batch, g.out_channels, out_plane).transpose(1, 0, 2))
+    out = np.empty((batch, g.in_channels, g.height * g.width), dtype=dtype)
+    geometry = (g.in_channels, g.height, g.width, g.out_channels, g.out_height, g.out_width, *g.kernel,
+                *g.stride, g.pad_top, g.pad_left, *g.dilation, batch)
+    work = weights.nnz * out_plane * batch
+    workers = cpu_threads() if work >= THREAD_MIN_VALUES else 1
+    per_channel = weights.indptr[::g.kernel[0] * g.kernel[1]]
+    cuts = np.searchsorted(per_channel, np.arange(1, workers) * (weights.nnz / workers))
+    bounds = [0, *(int(c) for c in cuts), g.in_channels]
+    pieces = [(first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True) if last > first]
+    common = (weights.indptr, weights.indices, data, grad.reshape(-1), geometry)
+    launch(module.transposed_conv_taps if taps else module.transposed_conv, (*common, out), pieces)
+    return out.reshape(batch, -1)
 
 
 def _grouped_product(matrices: list[scipy.sparse.csr_matrix], blocks: np.ndarray) -> np.ndarray:
