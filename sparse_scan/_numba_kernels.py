@@ -315,3 +315,88 @@ def col2im(taps, geometry, out, p0, p1):
                     row, line = base + ih * width + shift, source + oh * out_width
                     for ow in range(f, s):
                         flat_out[u(row + ow * sw)] += flat_taps[u(line + ow)]
+
+
+# Dense channel-block products (sparse_scan.engine._blocks)
+
+
+@njit(**_OPTIONS, inline="always")
+def _pack_block(values, gather, packed):
+    """``packed[i, j] = values[gather[i, j]]``: one block copied out of CSR order."""
+    for i in range(gather.shape[0]):
+        for j in range(gather.shape[1]):
+            packed[i, j] = values[u(gather[i, j])]
+
+
+@njit(**_OPTIONS)
+def block_products(a, b, a_gather, b_gather, b_rows, b_row_of, pair_starts, pair_a, pair_b, scatter,
+                   chunk, out, s0, s1, e0, e1):
+    """``C``'s blocks ``e0:e1`` of a block product, for samples ``s0:s1``, straight into ``out`` in
+    ``C``'s CSR order: per ``C`` block ``c``, ``sum over m in pair_starts[c]:pair_starts[c + 1] of
+    A_block(pair_a[m]) @ B_block(pair_b[m])``, the blocks' elements being ``a[s, a_gather[block, i,
+    j]]`` and ``b[s, b_gather[block, j, k]]`` and ``C``'s going to ``out[s, scatter[c, i, k]]``.
+
+    A block's elements lie one per cache line or so in CSR order, and a block meets about as many
+    ``C`` blocks as its pixel has neighbours: each block is copied into a contiguous tile of a
+    per-thread buffer the first time a sample needs it (once for all samples when the operand is
+    shared). Columns ``k`` of ``C``'s block run in chunks of ``chunk``; per pair, rows of the
+    accumulator are updated four at a time from one row of the ``B`` tile, the innermost loop over
+    ``k`` (vectorised). Each entry is summed from zero in the order (pair, ``j``), in the output
+    dtype."""
+    shared_a, shared_b = a.shape[0] == 1, b.shape[0] == 1
+    c1, c2, c3 = a_gather.shape[1], a_gather.shape[2], b_gather.shape[2]
+    width = min(chunk, c3)
+    a_tiles = np.empty(a_gather.shape, dtype=out.dtype)
+    b_tiles = np.empty(b_gather.shape, dtype=out.dtype)
+    a_ready = np.zeros(a_gather.shape[0], dtype=np.bool_)
+    b_ready = np.zeros(b_rows.shape[0] - 1, dtype=np.bool_)
+    acc = np.empty((c1, width), dtype=out.dtype)
+    zero = out.dtype.type(0)
+    for s in range(s0, s1):
+        av = a[0] if shared_a else a[s]
+        bv = b[0] if shared_b else b[s]
+        o = out[s]
+        if s > s0 and not shared_a:
+            a_ready[:] = False
+        if s > s0 and not shared_b:
+            b_ready[:] = False
+        for c in range(e0, e1):
+            for k0 in range(0, c3, width):
+                w = min(width, c3 - k0)
+                for i in range(c1):
+                    for k in range(w):
+                        acc[i, k] = zero
+                for m in range(pair_starts[c], pair_starts[c + 1]):
+                    ab, bb = u(pair_a[m]), u(pair_b[m])
+                    if not a_ready[ab]:
+                        _pack_block(av, a_gather[ab], a_tiles[ab])
+                        a_ready[ab] = True
+                    q = u(b_row_of[bb])
+                    if not b_ready[q]:
+                        for block in range(b_rows[q], b_rows[q + 1]):
+                            _pack_block(bv, b_gather[block], b_tiles[block])
+                        b_ready[q] = True
+                    x, t = a_tiles[ab], b_tiles[bb]
+                    quad = c1 - c1 % 4
+                    for i in range(0, quad, 4):
+                        r0, r1, r2, r3 = acc[i], acc[i + 1], acc[i + 2], acc[i + 3]
+                        for j in range(c2):
+                            x0, x1, x2, x3 = x[i, j], x[i + 1, j], x[i + 2, j], x[i + 3, j]
+                            row = t[j, k0:k0 + w]
+                            for k in range(w):
+                                y = row[k]
+                                r0[k] += x0 * y
+                                r1[k] += x1 * y
+                                r2[k] += x2 * y
+                                r3[k] += x3 * y
+                    for i in range(quad, c1):
+                        r0 = acc[i]
+                        for j in range(c2):
+                            x0 = x[i, j]
+                            row = t[j, k0:k0 + w]
+                            for k in range(w):
+                                r0[k] += x0 * row[k]
+                gc = scatter[u(c)]
+                for i in range(c1):
+                    for k in range(w):
+                        o[u(gc[i, k0 + k])] = acc[i, k]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparse_scan.engine._blocks import block_layout, multiply_blocks, plan_block_product
+from sparse_scan.engine import _blocks
+from sparse_scan.engine._blocks import block_layout, multiply_blocks, multiply_blocks_host, plan_block_product
 from sparse_scan.engine.products import plan_product
 from sparse_scan.engine.run import multiply
 from sparse_scan.layers import Conv2d, Linear, ReLU
@@ -83,3 +84,58 @@ def test_block_product_keeps_relu_zeros_explicit_and_matches_scipy():
     np.testing.assert_allclose(
         sp.csr_matrix((live, plan.out.indices, plan.out.indptr), plan.out.shape).toarray(),
         reference.toarray(), rtol=1e-12, atol=1e-14)
+
+
+def random_block_product(seed):
+    """Two chained convolution JTs of random channels (1..24) and geometries (stride, padding,
+    dilation), with their block layouts, plan and shared values."""
+    rng = np.random.default_rng(seed)
+    c1, c2, c3 = (int(c) for c in rng.integers(1, 25, size=3))
+    shape = (int(rng.integers(3, 8)), int(rng.integers(3, 8)))
+    k = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+    _, a, h = conv_jt(c1, c2, shape, seed, kernel_size=k, padding=(k[0] // 2, int(rng.integers(0, 2))),
+                      stride=int(rng.integers(1, 3)))
+    second = Conv2d(c2, c3, kernel_size=int(rng.integers(1, 4)), stride=int(rng.integers(1, 3)),
+                    padding=int(rng.integers(0, 2)), dilation=int(rng.integers(1, 3)), dtype=np.float64,
+                    rng=seed + 1)
+    b = second.transposed_jacobian(h)
+    plan = plan_block_product(block_layout(a.pattern, c1, c2), block_layout(b.pattern, c2, c3))
+    return plan, a, b
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("batched", ["none", "left", "right", "both"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+def test_compiled_block_products_equal_the_gemm_path_and_scipy(monkeypatch, seed, batched, batch, dtype,
+                                                                rtol):
+    plan, a, b = random_block_product(seed)
+    rng = np.random.default_rng(seed + 100)
+    a_data = rng.standard_normal((batch, a.nnz)) if batched in ("left", "both") else a.data
+    b_data = rng.standard_normal((batch, b.nnz)) if batched in ("right", "both") else b.data
+    a_data, b_data = a_data.astype(dtype), b_data.astype(dtype)
+    gemm = multiply_blocks(plan, a_data, b_data)
+    out = plan.out
+    rows = np.repeat(np.arange(out.shape[0]), np.diff(np.asarray(out.indptr)))
+    samples = gemm.shape[0] if gemm.ndim == 2 else 1
+    oracle = np.stack([(sp.csr_matrix((np.broadcast_to(a_data, (samples, a.nnz))[s], a.indices, a.indptr),
+                                      a.shape)
+                        @ sp.csr_matrix((np.broadcast_to(b_data, (samples, b.nnz))[s], b.indices,
+                                         b.indptr), b.shape)).toarray()[rows, out.indices]
+                       for s in range(samples)]).reshape(gemm.shape)
+    scale = np.abs(oracle).max(initial=0.0)
+    for columns in (_blocks.BLOCK_COLUMNS, 5):  # C's block columns in one chunk, or several
+        monkeypatch.setattr(_blocks, "BLOCK_COLUMNS", columns)
+        for workers in (1, 2, 3):
+            got = multiply_blocks_host(plan, a_data, b_data, workers)
+            assert got.dtype == dtype and got.shape == gemm.shape
+            np.testing.assert_allclose(got, gemm, rtol=rtol, atol=rtol * scale)
+            np.testing.assert_allclose(got, oracle, rtol=rtol, atol=rtol * scale)
+
+
+def test_compiled_block_products_of_an_empty_batch_and_shared_operands():
+    plan, a, b = random_block_product(7)
+    assert multiply_blocks_host(plan, np.zeros((0, a.nnz)), b.data, 2).shape == (0, plan.out.nnz)
+    shared = multiply_blocks_host(plan, a.data, b.data, 3)
+    np.testing.assert_allclose(shared, multiply_blocks(plan, a.data, b.data), rtol=1e-12,
+                               atol=1e-12 * np.abs(shared).max())

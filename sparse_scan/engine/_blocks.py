@@ -13,9 +13,11 @@ of a much smaller *pixel pattern* (a linear layer's is a single block). Products
 a pruned or grouped convolution: those products stay scalar), and :func:`plan_block_product` does the
 symbolic work once: the pixel pattern of ``C``, its CSR pattern (explicit zeros included, equal to the
 boolean product of the operands' patterns), and the pairs of blocks to multiply, grouped into *slots*
-in which each ``C`` block appears once. :func:`multiply_blocks` is the numeric phase: gather the
-operands' values into block arrays, one batched ``matmul`` per slot (BLAS on the CPU, cuBLAS through
-CuPy on the GPU), scatter back to CSR order.
+in which each ``C`` block appears once, and per ``C`` block the list of its pairs. The numeric phase
+runs on the host as a compiled kernel (:func:`multiply_blocks_host`: the blocks read where they lie,
+``C`` written in CSR order) and on the GPU as array operations (:func:`multiply_blocks`: gather the
+operands' values into block arrays, one batched ``matmul`` per slot through cuBLAS, scatter back to
+CSR order).
 
 Examples
 --------
@@ -35,10 +37,12 @@ from types import ModuleType
 
 import numpy as np
 
+from .._host_kernels import kernels, launch, parts, rows2d
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 
-__all__ = ["BlockLayout", "BlockProduct", "block_layout", "multiply_blocks", "plan_block_product"]
+__all__ = ["BLOCK_COLUMNS", "BlockLayout", "BlockProduct", "block_layout", "multiply_blocks",
+           "multiply_blocks_host", "plan_block_product"]
 
 _LAYOUTS: "weakref.WeakKeyDictionary[Pattern, dict[tuple[int, int], BlockLayout | None]]" = (
     weakref.WeakKeyDictionary())
@@ -125,6 +129,12 @@ class BlockProduct:
     slots : list of (ndarray, ndarray, ndarray)
         ``(a_block, b_block, c_block)`` index arrays; within a slot every ``C`` block appears at most
         once, so a slot is one batched GEMM whose results add into distinct blocks.
+    pair_starts : ndarray, shape (C blocks + 1,)
+        ``C`` block ``c`` is the sum of the products of the pairs ``pair_starts[c]:pair_starts[c + 1]``.
+    pair_a, pair_b : ndarray
+        Every pair's ``a`` block and ``b`` block, grouped by ``C`` block (the pairs of the slots).
+    b_block_rows : ndarray, shape (b blocks,)
+        The pixel row of every ``b`` block.
     """
 
     a: BlockLayout
@@ -132,13 +142,20 @@ class BlockProduct:
     out: Pattern
     scatter: np.ndarray
     slots: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    pair_starts: np.ndarray
+    pair_a: np.ndarray
+    pair_b: np.ndarray
+    b_block_rows: np.ndarray
 
     @property
     def nbytes(self) -> int:
-        """Index bytes held for the numeric phase (operand gathers, scatter, slots, ``C``'s pattern)."""
+        """Index bytes held for the numeric phase (operand gathers, scatter, slots, pair lists,
+        ``C``'s pattern)."""
         slots = sum(int(a.nbytes + b.nbytes + c.nbytes) for a, b, c in self.slots)
+        pairs = int(self.pair_starts.nbytes + self.pair_a.nbytes + self.pair_b.nbytes
+                    + self.b_block_rows.nbytes)
         return (self.out.nbytes + int(self.scatter.nbytes) + int(self.a.gather.nbytes)
-                + int(self.b.gather.nbytes) + slots)
+                + int(self.b.gather.nbytes) + slots + pairs)
 
 
 def _block_pairs(a: Pattern, b: Pattern) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -189,18 +206,22 @@ def plan_block_product(a: BlockLayout, b: BlockLayout) -> BlockProduct:
     columns = (channel_out * p3 + pixel_col[:, None, None]).repeat(c1, axis=1)
     indices[scatter.reshape(-1)] = columns.reshape(-1)
     out = Pattern(indptr.astype(dtype), indices, (c1 * p1, c3 * p3))
+    index = choose_index_dtype(max(a.blocks, b.blocks, c_keys.size, keys.size), 0)
     slots = []
     for s in range(int(slot.max()) + 1 if slot.size else 0):
         chosen = slot == s
-        index = choose_index_dtype(max(a.blocks, b.blocks, c_keys.size), 0)
         slots.append((a_block[chosen].astype(index), b_block[chosen].astype(index),
                       c_block[chosen].astype(index)))
-    return BlockProduct(a, b, out, scatter.astype(dtype), slots)
+    pair_starts = np.append(np.flatnonzero(new), keys.size).astype(index)
+    b_rows = b.pixel_pattern.row_of_entries().astype(b.pixel_pattern.indptr.dtype)
+    return BlockProduct(a, b, out, scatter.astype(dtype), slots, pair_starts, a_block.astype(index),
+                        b_block.astype(index), b_rows)
 
 
 def multiply_blocks(plan: BlockProduct, a_data: Array, b_data: Array, xp: ModuleType = np,
                     scratch_bytes: int = 256 * 2**20) -> Array:
-    """Numeric phase of a block product: values of ``C`` in ``plan.out``'s entry order.
+    """Numeric phase of a block product as array operations (the GPU's, through CuPy): values of
+    ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; ``xp`` is the array
     module they live in (the plan's index arrays must live there too). The operands' blocks are
@@ -222,4 +243,41 @@ def multiply_blocks(plan: BlockProduct, a_data: Array, b_data: Array, xp: Module
                                                              b_blocks[..., b_block[piece], :, :])
     out = xp.empty(lead + (plan.out.nnz,), dtype=dtype)
     out[..., plan.scatter.reshape(-1)] = c_blocks.reshape(lead + (-1,))
+    return out
+
+
+BLOCK_COLUMNS = 128
+"""Columns of a ``C`` block computed at a time by :func:`multiply_blocks_host`: its accumulator is
+``c1 × 128`` at most, and each pass over a ``B`` tile reads ``c2 × 128`` of it."""
+
+
+def multiply_blocks_host(plan: BlockProduct, a_data: np.ndarray, b_data: np.ndarray,
+                         workers: int = 1) -> np.ndarray:
+    """Numeric phase of a block product on the host: values of ``C`` in ``plan.out``'s entry order.
+
+    ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
+    ``(nnz_C,)`` when both are shared, else ``(B, nnz_C)``, in their result dtype. Compiled
+    (:func:`sparse_scan._numba_kernels.block_products`): every ``C`` block summed over its pairs and
+    written in CSR order, with no scatter pass. Each thread copies the operands' blocks it needs into
+    contiguous tiles as it first meets them (``nnz_A + nnz_B`` values per thread, reused sample after
+    sample; once for all samples for a shared operand). ``workers`` threads take one run of samples
+    each, or, with fewer samples than threads, runs of ``C`` blocks of about equal pairs.
+    """
+    dtype = np.result_type(a_data, b_data)
+    lead = np.broadcast_shapes(a_data.shape[:-1], b_data.shape[:-1])
+    out = np.empty(lead + (plan.out.nnz,), dtype=dtype)
+    rows = out.reshape(-1, plan.out.nnz)
+    batch, count = rows.shape[0], plan.pair_starts.size - 1
+    pieces = parts(batch, count, workers)
+    if len(pieces) > 1 and batch < len(pieces):  # cut C blocks by pairs, not by blocks
+        starts = plan.pair_starts
+        targets = np.linspace(0, int(starts[-1]), len(pieces) + 1)[1:-1].astype(starts.dtype)
+        cuts = np.concatenate(([0], np.searchsorted(starts, targets), [count])).astype(np.int64)
+        pieces = [(0, batch, int(c0), int(c1)) for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True)
+                  if c1 > c0]
+    if rows.size:
+        launch(kernels().block_products,
+               (rows2d(a_data, dtype), rows2d(b_data, dtype), plan.a.gather, plan.b.gather,
+                plan.b.pixel_pattern.indptr, plan.b_block_rows, plan.pair_starts, plan.pair_a, plan.pair_b,
+                plan.scatter, BLOCK_COLUMNS, rows), pieces)
     return out

@@ -22,7 +22,7 @@ from .._scaled_gather import THREAD_MIN_VALUES, scaled_gather
 from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool
 from .._types import Array
 from ..csr import BatchedCSR, Pattern
-from ._blocks import multiply_blocks
+from ._blocks import multiply_blocks_host
 from ._selection import multiply_live
 from .plan import ScanPlan, Step
 from .products import SCRATCH_BYTES, ProductPlan
@@ -40,7 +40,8 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array,
     ``out`` when it is given (C-contiguous, that shape and dtype; not for ``block`` products, which
     return their own). A diagonal operand's data holds its diagonal. On the host, scalings, gathers
     and scalar products run compiled kernels (:mod:`sparse_scan._host_kernels`) with no temporaries;
-    ``block`` products keep their temporary GEMM operands within ``scratch_bytes``. Dead work is
+    ``block`` products run a compiled kernel that needs no temporaries (``scratch_bytes``, their former
+    bound, is unused on the host). Dead work is
     skipped where that was measured to pay: selection gathers run only their live entries
     (:func:`~sparse_scan.engine._selection.multiply_live`), summed products with a per-sample ``A``
     skip its zero entries' rows of ``B`` (:func:`_skips_dead_rows`); dead entries of ``C`` are
@@ -49,7 +50,8 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array,
     per entry measured 3.7-7.6x slower than the vectorised stream on VGG-11's ReLU scalings.
     """
     if plan.method == "block":
-        return multiply_blocks(plan.blocks, a_data, b_data, scratch_bytes=scratch_bytes)
+        batch = max(a_data.shape[0] if a_data.ndim == 2 else 1, b_data.shape[0] if b_data.ndim == 2 else 1)
+        return multiply_blocks_host(plan.blocks, a_data, b_data, _workers(plan.multiply_adds * batch))
     if plan.method == "scale_columns":
         return scaled_gather(a_data, b_data, plan.b_pos, out=out)
     if plan.method == "scale_rows":
