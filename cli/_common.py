@@ -258,6 +258,10 @@ def schedule_lines(schedule: dict[str, Any]) -> list[str]:
              f"    critical path {schedule['critical_flops']:,} FLOPs in {schedule['critical_steps']} "
              f"steps, work {schedule['work_flops']:,} FLOPs, peak memory {size_text(schedule['peak_bytes'])} "
              f"+ plan {size_text(schedule['plan_bytes'])}"]
+    fill = schedule["fill_flops"]
+    if fill["work"]:
+        lines.append(f"    of which JT fills (residual blocks' own products, before the scan): critical path "
+                     f"{fill['critical']:,} FLOPs, work {fill['work']:,} FLOPs")
     for candidate in schedule.get("candidates", []):
         if candidate["verdict"] == "chosen":
             continue

@@ -321,7 +321,8 @@ class Sequential:
         # (layer, its input shape, its output shape) of scan element j at [j - 1]
         elements = [(self.layers[n - j], shapes[n - j], shapes[n - j + 1]) for j in range(1, n + 1)]
         infos = tuple(ElementInfo((math.prod(layer_in), math.prod(layer_out)), layer.pattern_nnz(layer_in),
-                                  layer.jacobian_kind, layer.sample_independent)
+                                  layer.jacobian_kind, layer.sample_independent,
+                                  layer.jacobian_fill_flops(layer_in))
                       for layer, layer_in, layer_out in elements)
         patterns: dict[int, Pattern] = {}
         for done, j in enumerate(patterns_of, start=1):

@@ -16,6 +16,7 @@ from oracles import finite_difference_jt, torch_jt
 from sparse_scan import Sequential
 from sparse_scan.csr import Pattern
 from sparse_scan.engine._weights_path import gemm_pays
+from sparse_scan.engine.plan import operands_needing_patterns
 from sparse_scan.engine.schedule import depth
 from sparse_scan.layers import (
     AdaptiveAvgPool2d,
@@ -400,3 +401,50 @@ def test_evaluation_restores_each_layers_own_mode():
     assert set(before.values()) == {True, False}
     twice = evaluate(model, x, y, batch_size=4)
     assert result == twice  # the dropout layer was the identity both times
+
+
+def test_jt_fills_are_counted_where_a_scan_multiplies_a_blocks_jt():
+    """A block's JT is a product of its layers' JTs: its fill FLOPs are those products' (counted here
+    from SciPy's boolean products of the layers' patterns), plus one add per shortcut entry; a plan
+    whose products read a block's JT adds the costliest fill to its critical path and every fill to its
+    work, back-propagation (which applies blocks through their chains) none."""
+    model = Sequential(Tanh(), *nested_model().layers)
+    shape = (3, 5, 5)
+    outer = model.layers[1]
+    inner = outer.layers[0]
+
+    def product_flops(layers, in_shape) -> int:
+        """FLOPs of multiplying the chain's JTs left to right: 2 per multiply-add (1 per scaling)."""
+        flops, pattern, diagonal = 0, None, False
+        for layer in layers:
+            p = layer.pattern(in_shape)
+            this = sp.csr_matrix((np.ones(p.nnz), p.indices, p.indptr), shape=p.shape)
+            if pattern is not None:
+                scaling = diagonal or layer.jacobian_kind == "diagonal"
+                multiply_adds = int((abs(pattern) @ abs(this)).sum())
+                flops += (pattern @ this).nnz if scaling else 2 * multiply_adds
+                pattern = (pattern @ this).astype(bool).astype(float)
+            else:
+                pattern = this
+            diagonal = diagonal if pattern is not this else layer.jacobian_kind == "diagonal"
+            in_shape = layer.output_shape(in_shape)
+        return flops
+
+    inner_fill = product_flops(inner.layers, shape) + 3 * 5 * 5  # identity shortcut: one add per entry
+    assert inner.jacobian_fill_flops(shape) == inner_fill
+    shortcut_entries = outer.shortcut[0].pattern(shape).nnz
+    assert outer.jacobian_fill_flops(shape) == (product_flops(outer.layers, shape) + inner_fill
+                                                + shortcut_entries)
+    assert ReLU().jacobian_fill_flops(shape) == 0
+    n = len(model)  # the block (layer 1) is scan element n - 1
+    method, levels = next(s for s in schedules(n) if n - 1 in operands_needing_patterns(n, *s))
+    assert model.plan(shape, "linear").fill_flops == (0, 0)
+    plan = model.plan(shape, method, levels)
+    assert plan.fill_flops == (outer.jacobian_fill_flops(shape),) * 2
+    by_level: dict[int, int] = {}
+    for step in plan.steps:
+        by_level[step.level] = max(by_level.get(step.level, 0), step.flops)
+    assert plan.critical_flops == sum(by_level.values()) + plan.fill_flops[0]
+    assert plan.work_flops == sum(step.flops for step in plan.steps) + plan.fill_flops[1]
+    assert model.estimate(shape, method, levels).fill_flops == plan.fill_flops
+    assert plan.explain()["fill_flops"] == {"critical": plan.fill_flops[0], "work": plan.fill_flops[1]}

@@ -38,12 +38,17 @@ class ElementInfo:
     kind : {"general", "diagonal", "selection"}
     shared : bool
         Whether its values are the same for every sample.
+    fill_flops : int
+        FLOPs per sample of computing its values beyond writing them: the products of JTs that make a
+        residual block's JT (:meth:`sparse_scan.layers.Layer.jacobian_fill_flops`); 0 for a layer
+        whose values are written from its input and weights.
     """
 
     shape: tuple[int, int]
     nnz: int
     kind: str
     shared: bool
+    fill_flops: int = 0
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,12 @@ class ScanPlan:
         How ``method="auto"`` (or hybrid ``levels="auto"``) chose this plan.
     weights : WeightsPlan
         Which layer JTs a host run may apply through their layers' weights (none for an estimate).
+    fill_flops : tuple of int
+        ``(critical, work)``: FLOPs per sample of filling the values of the JTs the plan's products
+        read where those values are themselves products (residual blocks: ``ElementInfo.fill_flops``).
+        The fills precede the products and are independent of each other, so the critical path
+        holds the costliest and the work all of them; both are in :attr:`critical_flops` and
+        :attr:`work_flops`. An mv step applies such a layer through its chains (no fill).
     """
 
     method: str
@@ -212,19 +218,21 @@ class ScanPlan:
     symbolic_work: int = 0
     choice: ScheduleChoice | None = None
     weights: WeightsPlan = field(default_factory=WeightsPlan)
+    fill_flops: tuple[int, int] = (0, 0)
 
     @property
     def critical_flops(self) -> int:
-        """Sum over levels of the most expensive step of the level."""
+        """Sum over levels of the most expensive step of the level, and the costliest JT fill
+        (:attr:`fill_flops`)."""
         by_level: dict[int, int] = {}
         for step in self.steps:
             by_level[step.level] = max(by_level.get(step.level, 0), step.flops)
-        return sum(by_level.values())
+        return sum(by_level.values()) + self.fill_flops[0]
 
     @property
     def work_flops(self) -> int:
-        """FLOPs of every step."""
-        return sum(step.flops for step in self.steps)
+        """FLOPs of every step and of every JT fill (:attr:`fill_flops`)."""
+        return sum(step.flops for step in self.steps) + self.fill_flops[1]
 
     @property
     def plan_bytes(self) -> int:
@@ -286,15 +294,17 @@ class ScanPlan:
         """The schedule and why (JSON-friendly): ``method``, ``levels``, ``requested`` (``"auto"``,
         ``"hybrid"`` for a chosen depth, or the method itself), ``reason`` (one line),
         ``critical_flops``, ``work_flops``, ``critical_steps``, ``plan_bytes``, ``peak_bytes`` (for
-        ``batch`` samples of ``itemsize`` bytes on ``device``) and, for a chosen schedule, the
-        ``candidates`` considered (:class:`Candidate`)."""
+        ``batch`` samples of ``itemsize`` bytes on ``device``), ``fill_flops`` (``critical`` and
+        ``work``: the JT fills inside the two FLOP figures, :attr:`fill_flops`) and, for a chosen
+        schedule, the ``candidates`` considered (:class:`Candidate`)."""
         out: dict[str, Any] = {
             "method": self.method, "levels": self.levels,
             "requested": self.method if self.choice is None else self.choice.requested,
             "reason": "as requested" if self.choice is None else self.choice.criterion,
             "critical_flops": self.critical_flops, "work_flops": self.work_flops,
             "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
-            "peak_bytes": self.peak_bytes(batch, itemsize, device)}
+            "peak_bytes": self.peak_bytes(batch, itemsize, device),
+            "fill_flops": {"critical": self.fill_flops[0], "work": self.fill_flops[1]}}
         if self.choice is not None:
             out["candidates"] = [c.as_dict() for c in self.choice.candidates]
         return out
@@ -419,7 +429,14 @@ def build_plan(
         steps.append(step)
         report("steps", len(steps), len(kept))
     return ScanPlan(method, levels, n, steps, scan_outputs(n), element_bytes,
-                    weights=weights_plan(reads["gemm"], reads["mv"], reads["products"], chain.weights))
+                    weights=weights_plan(reads["gemm"], reads["mv"], reads["products"], chain.weights),
+                    fill_flops=_fill_flops(chain, method, levels))
+
+
+def _fill_flops(chain: ChainInfo, method: str, levels: int | None) -> tuple[int, int]:
+    """``(critical, work)`` FLOPs of filling the JTs the schedule's products read (ScanPlan.fill_flops)."""
+    fills = [chain.elements[j - 1].fill_flops for j in operands_needing_patterns(chain.n, method, levels)]
+    return max(fills, default=0), sum(fills)
 
 
 def _planned_product(chain: ChainInfo, step: Step, patterns: dict[Element, Pattern],
@@ -514,4 +531,4 @@ def estimate_plan(chain: ChainInfo, method: str, levels: int | None) -> ScanPlan
             element_bytes[out] = (nnz, 0) if shared else (0, nnz)
         steps.append(step)
     return ScanPlan(method, levels, n, steps, scan_outputs(n), element_bytes, estimated=True,
-                    symbolic_work=work)
+                    symbolic_work=work, fill_flops=_fill_flops(chain, method, levels))

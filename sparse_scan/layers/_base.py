@@ -140,6 +140,13 @@ class Layer:
         return self._pattern_entry(self.check_in_shape(self._sizes(in_shape)), _backend.get(device),
                                    index_dtype)[0]
 
+    def jacobian_fill_flops(self, in_shape: Shape) -> int:
+        """FLOPs per sample of computing JT's values for ``in_shape`` beyond writing them: 0 for a
+        layer whose values come from its input and weights; a block whose JT is a product of its
+        layers' JTs (:class:`Residual`) counts those products (the planner adds them to a scan that
+        multiplies its JT)."""
+        return 0
+
     def pattern_nnz(self, in_shape: Shape) -> int:
         """Stored entries of :meth:`pattern` for ``in_shape`` (layers that can count them without
         building the pattern override this: a scan plan's mv steps need only the count)."""

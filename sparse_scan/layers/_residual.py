@@ -366,6 +366,20 @@ class Residual(Layer):
             self.plan_builds += 1
         return entry
 
+    def jacobian_fill_flops(self, in_shape: Shape) -> int:
+        """The products of the inner chain's JTs and of the shortcut chain's (their own layers' fills
+        included, for nested blocks), and one add per shortcut entry for the sum."""
+        shape = self.check_in_shape(self._sizes(in_shape))
+        symbolic = self._plan(shape)
+        inner_shapes, short_shapes = self._shapes(shape)
+        flops = int(symbolic.positions[1].shape[0])
+        for chain, layers, shapes in ((symbolic.inner, self.layers, inner_shapes),
+                                      (symbolic.shortcut, self.shortcut, short_shapes)):
+            if chain is not None:
+                flops += sum(step.flops for step in chain.steps) + sum(
+                    layer.jacobian_fill_flops(s) for layer, s in zip(layers, shapes[:-1], strict=True))
+        return flops
+
     def _build_pattern(self, be: _backend.Backend, in_shape: Shape,
                        index_dtype: Any) -> tuple[Pattern, dict[str, Any]]:
         symbolic = self._plan(in_shape)

@@ -120,14 +120,15 @@ class RecurrentPlan:
         """The schedule and why, with the keys of :meth:`sparse_scan.ScanPlan.explain`: ``method``,
         ``levels``, ``requested``, ``reason``, ``critical_flops``, ``work_flops``, ``critical_steps``,
         ``plan_bytes`` (0: dense blocks need no index structure), ``peak_bytes`` (for ``batch``
-        samples of ``itemsize`` bytes) and, for a chosen schedule, the ``candidates`` considered."""
+        samples of ``itemsize`` bytes), ``fill_flops`` (none: the blocks are filled from the cells'
+        values) and, for a chosen schedule, the ``candidates`` considered."""
         critical, work, steps = self.figures(self.method, self.levels)
         out: dict[str, Any] = {
             "method": self.method, "levels": self.levels,
             "requested": self.method if self.choice is None else self.choice.requested,
             "reason": "as requested" if self.choice is None else self.choice.criterion,
             "critical_flops": critical, "work_flops": work, "critical_steps": steps, "plan_bytes": 0,
-            "peak_bytes": self.peak_bytes(batch, itemsize)}
+            "peak_bytes": self.peak_bytes(batch, itemsize), "fill_flops": {"critical": 0, "work": 0}}
         if self.choice is not None:
             out["candidates"] = [c.as_dict() for c in self.choice.candidates]
         return out
