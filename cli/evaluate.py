@@ -30,7 +30,7 @@ from ._options import (
 @data_option
 @file_option("--weights", "weights_path",
              help="the weights to evaluate (.npz by state_dict name, e.g. train --out)")
-@batch_size_option(default=512, help="samples per forward pass")
+@batch_size_option(default=128, help="samples per forward pass (sparse_scan.train.evaluate's default)")
 @device_option(default="cpu")
 @threads_option
 @json_option()

@@ -329,6 +329,7 @@ def _build_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...]
     except (TypeError, ValueError) as error:  # defensive: the checks above cover Residual's own
         raise _fail(ctx.path, where, "layers", str(error)) from None
     block.name = name
+    block.training = False  # its own flag only: its layers keep the modes their entries gave them
     return block, inner_shape
 
 
@@ -371,6 +372,8 @@ def _build_layer(path: pathlib.Path, where: str, name: str, entry: dict[str, Any
     try:
         layer = cls(**arguments)
         layer.name = name
+        if "training" not in accepted:
+            layer.training = False  # a spec model loads in eval mode, every layer included
         out_shape = tuple(layer.output_shape(shape))
     except (TypeError, ValueError, OverflowError) as error:
         match = _LAYER_MESSAGE.match(str(error))

@@ -105,8 +105,13 @@ def test_digits_dataset_fits_the_bundled_lenet():
     assert 0 <= data.x_train.min() and data.x_train.max() <= 1 and set(data.y_train) == set(range(10))
     padded = load_dataset("digits", (1, 12, 12), 10)
     np.testing.assert_array_equal(padded.x_train[:, :, 2:10, 2:10], data.x_train)
-    with pytest.raises(DataError, match="do not fit"):
-        load_dataset("digits", (3, 8, 8), 10)
+    rgb = load_dataset("digits", (3, 32, 32), 10)  # ResNet-20's input: the grey level in each channel
+    for channel in range(3):
+        np.testing.assert_array_equal(rgb.x_train[:, channel:channel + 1, 12:20, 12:20], data.x_train)
+    assert not rgb.x_train[:, :, :12].any() and not rgb.x_train[:, :, 20:].any()
+    for shape in [(2, 8, 8), (1, 7, 8), (3, 8)]:
+        with pytest.raises(DataError, match="do not fit"):
+            load_dataset("digits", shape, 10)
 
 
 @pytest.mark.parametrize("change, fragment", [
