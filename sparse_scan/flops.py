@@ -175,8 +175,10 @@ def _spread(values: np.ndarray) -> dict[str, Any]:
             "samples": [int(value) for value in values]}
 
 
-def _live_report(counts: LiveCounts, model: Sequential, in_shape: tuple[int, ...]) -> dict[str, Any]:
-    """The JSON-friendly report of :func:`live` (its Returns)."""
+def _live_report(counts: LiveCounts, model: Sequential, in_shape: tuple[int, ...],
+                 fill_flops: tuple[int, int]) -> dict[str, Any]:
+    """The JSON-friendly report of :func:`live` (its Returns); ``fill_flops`` (the plan's JT fills,
+    counted over their patterns) join the critical path and the work, static and live."""
     costliest: dict[int, tuple[int, int]] = {}  # level -> (index of static maximum, of mean live maximum)
     for index, row in enumerate(counts.rows):
         by_static, by_live = costliest.get(row.level, (index, index))
@@ -193,9 +195,11 @@ def _live_report(counts: LiveCounts, model: Sequential, in_shape: tuple[int, ...
            "static": int(static), "live": _spread(per_sample)}
           for index, (layer, static, per_sample) in enumerate(zip(model.layers, counts.bp_static,
                                                                   counts.bp_live, strict=True))]
-    totals = {"critical_flops": {"static": counts.critical_static(), "live": _spread(counts.critical_live())},
-              "work_flops": {"static": sum(row.static for row in counts.rows),
-                             "live": _spread(counts.work_live())},
+    critical, work = fill_flops
+    totals = {"critical_flops": {"static": counts.critical_static() + critical,
+                                 "live": _spread(counts.critical_live() + critical)},
+              "work_flops": {"static": sum(row.static for row in counts.rows) + work,
+                             "live": _spread(counts.work_live() + work)},
               "bp_flops": {"static": int(counts.bp_static.sum()),
                            "live": _spread(counts.bp_live.sum(axis=0))},
               "critical_steps": len(costliest)}
@@ -243,7 +247,9 @@ def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | s
         FLOPs)); ``bp[]`` per layer (``name, type, shape, static, live``); ``totals``
         (``critical_flops``, ``work_flops``, ``bp_flops``: each ``static`` and ``live``;
         ``critical_steps``). Every ``live`` is ``{mean, min, max, samples}`` over the batch, a live
-        critical path being each sample's own (each level's costliest step for that sample).
+        critical path being each sample's own (each level's costliest step for that sample). The
+        totals hold the plan's JT fills (a residual block's own products, ``ScanPlan.fill_flops``)
+        counted over their patterns.
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}; got {convention!r}")
@@ -261,4 +267,4 @@ def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | s
     kinds = [layer.jacobian_kind for layer in reversed(model.layers)]
     counts = live_counts(plan, jacobians, kinds, len(x), convention, progress)
     return {"method": plan.method, "levels": plan.levels, "samples": len(x),
-            **_live_report(counts, model, in_shape)}
+            **_live_report(counts, model, in_shape, plan.fill_flops)}

@@ -448,3 +448,10 @@ def test_jt_fills_are_counted_where_a_scan_multiplies_a_blocks_jt():
     assert plan.work_flops == sum(step.flops for step in plan.steps) + plan.fill_flops[1]
     assert model.estimate(shape, method, levels).fill_flops == plan.fill_flops
     assert plan.explain()["fill_flops"] == {"critical": plan.fill_flops[0], "work": plan.fill_flops[1]}
+    from sparse_scan.flops import live
+
+    counted = live(model, make_input(shape), method, levels)["totals"]
+    assert counted["critical_flops"]["static"] == plan.critical_flops
+    assert counted["work_flops"]["static"] == plan.work_flops
+    assert counted["work_flops"]["live"]["max"] <= plan.work_flops
+    assert counted["work_flops"]["live"]["min"] >= plan.fill_flops[1]
