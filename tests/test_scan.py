@@ -366,9 +366,7 @@ def test_lean_and_chunked_products_equal_the_stored_plan(seed, per_sample):
         np.testing.assert_allclose(got, want[rows, stored.out.indices], rtol=1e-12, atol=1e-15)
     for plan in (chunked, lean):
         assert plan.out.same_as(stored.out)
-        for scratch in (64, 10**9):  # a few products per chunk, or all at once
-            np.testing.assert_allclose(host.multiply(plan, a_data, b_data, scratch_bytes=scratch),
-                                       expected, rtol=1e-12)
+        np.testing.assert_allclose(host.multiply(plan, a_data, b_data), expected, rtol=1e-12)
 
 
 @pytest.mark.parametrize("per_sample", ["neither", "a", "both"])
@@ -384,7 +382,7 @@ def test_stored_products_cut_over_threads_equal_one_piece(monkeypatch, per_sampl
     monkeypatch.setattr(host, "THREAD_MIN_VALUES", 1)  # every product large enough to share out
     monkeypatch.setattr(host, "cpu_threads", lambda: 3)
     np.testing.assert_array_equal(multiply(plan, a_data, b_data), whole)
-    np.testing.assert_array_equal(host.multiply(plan, a_data, b_data, scratch_bytes=200), whole)
+    np.testing.assert_array_equal(host.multiply(plan, a_data, b_data), whole)
 
 
 def test_products_with_one_multiply_add_per_entry_skip_the_sums():

@@ -25,14 +25,13 @@ from ..csr import BatchedCSR, Pattern
 from ._blocks import multiply_blocks_host
 from ._selection import multiply_live
 from .plan import ScanPlan, Step
-from .products import SCRATCH_BYTES, ProductPlan
+from .products import ProductPlan
 from .schedule import Element
 
 __all__ = ["matvec", "multiply", "run_plan"]
 
 
-def multiply(plan: ProductPlan, a_data: Array, b_data: Array,
-             scratch_bytes: int = SCRATCH_BYTES, out: Array | None = None) -> Array:
+def multiply(plan: ProductPlan, a_data: Array, b_data: Array, out: Array | None = None) -> Array:
     """Numeric phase of ``A @ B``: values of ``C`` in ``plan.out``'s entry order.
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
@@ -40,8 +39,7 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array,
     ``out`` when it is given (C-contiguous, that shape and dtype; not for ``block`` products, which
     return their own). A diagonal operand's data holds its diagonal. On the host, scalings, gathers
     and scalar products run compiled kernels (:mod:`sparse_scan._host_kernels`) with no temporaries;
-    ``block`` products run a compiled kernel that needs no temporaries (``scratch_bytes``, their former
-    bound, is unused on the host). Dead work is
+    ``block`` products run a compiled kernel that needs no temporaries. Dead work is
     skipped where that was measured to pay: selection gathers run only their live entries
     (:func:`~sparse_scan.engine._selection.multiply_live`), summed products with a per-sample ``A``
     skip its zero entries' rows of ``B`` (:func:`_skips_dead_rows`); dead entries of ``C`` are
