@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,11 @@ from oracles import finite_difference_jt, torch_jt
 from sparse_scan import backend
 from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import Conv2d
-from sparse_scan.layers._conv import SPARSE_FORWARD_MAX_DENSITY, _structural_pattern_cpu
+from sparse_scan.layers._conv import (
+    CSR_PATH_MAX_PADDED_SHARE,
+    SPARSE_FORWARD_MAX_DENSITY,
+    _structural_pattern_cpu,
+)
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
 # asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.
@@ -337,7 +342,10 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
     grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size)).astype(dtype)
     got = conv.weights_matvec(x.shape[1:])(grad)
     assert got.dtype == dtype
-    assert conv.weights_path(x.shape[1:]).csr
+    # the plan takes the CSR path unless most of its taps fall in the padding (JT's entries are the rest)
+    taps = np.count_nonzero(conv.weight) * math.prod(conv.forward(x).shape[2:])
+    mostly_inside = taps <= CSR_PATH_MAX_PADDED_SHARE * conv.transposed_jacobian(x).nnz
+    assert conv.weights_path(x.shape[1:]).csr == mostly_inside
     if dtype == np.float64:
         fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
         np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
@@ -473,3 +481,14 @@ def test_csr_weights_and_jt_values_take_the_values_of_every_version_once():
     np.testing.assert_allclose(conv.transposed_jacobian(x).todense(),
                                finite_difference_jt(lambda v: naive_conv(conv, v), x[0]), atol=1e-8)
     assert not np.array_equal(conv.transposed_jacobian(x).data, values)
+
+
+def test_pruned_layers_on_tiny_planes_keep_the_spmv():
+    """VGG-11's last pruned convolutions (3x3, padding 1, on 2x2 planes): 2.25 taps per JT entry, so
+    JT's SpMV; on 4x4 planes (1.44) the compiled kernel over the CSR weights."""
+    for side, through_weights in [(2, False), (4, True)]:
+        conv = Conv2d(64, 64, 3, padding=1, rng=0, prune_pattern=True)
+        weight = conv.weight.copy()
+        weight.ravel()[np.random.default_rng(1).permutation(weight.size)[weight.size // 33:]] = 0
+        conv.weight = weight
+        assert conv.weights_path((64, side, side)).csr is through_weights

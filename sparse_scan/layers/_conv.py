@@ -43,6 +43,14 @@ from ._weighted import RngLike, WeightedLayer
 __all__ = ["SPARSE_FORWARD_MAX_DENSITY", "Conv2d"]
 
 KERNEL_FILE = "conv_jt.cu"
+CSR_PATH_MAX_PADDED_SHARE = 2.0
+"""The compiled sparse transposed convolution runs every tap of every non-zero weight over whole output
+planes, padded ones included; JT's SpMV only the taps inside (JT's stored entries). Through the CSR
+weights while their taps are at most this many times JT's entries, else the SpMV of JT's (cached,
+shared) values. Measured on the pruned VGG-11 (2 cores, float32, batch 1 / 4 / 16): 4x4 planes (1.44x
+the entries) 192 / 431 / 1149 us against the SpMV's 292 / 1141 / 2047; 2x2 planes (2.25x) 260 / 557 /
+996 us against 115 / 392 / 914."""
+
 SPARSE_FORWARD_MAX_DENSITY = 0.05
 """Pruned weights with at most this fraction of non-zeros multiply the forward's columns as a CSR
 matrix on the CPU. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16): 2-4x
@@ -330,11 +338,14 @@ class Conv2d(WeightedLayer):
     # --- JT @ g through the weights -----------------------------------------------------------
     def weights_path(self, in_shape: Shape) -> WeightsPath:
         """The transposed convolution: one GEMM of every weight with every output pixel per sample,
-        or CSR weights where they are heavily pruned (:meth:`_csr_pays`)."""
+        or CSR weights where they are heavily pruned (:meth:`_csr_pays`) and the compiled kernel's
+        taps are not mostly padding (:data:`CSR_PATH_MAX_PADDED_SHARE`)."""
         g = self.geometry(in_shape)
-        multiply_adds = (g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1]
-                         * g.out_height * g.out_width)
-        return WeightsPath(multiply_adds, csr=self._csr_pays())
+        plane = g.out_height * g.out_width
+        multiply_adds = g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1] * plane
+        csr = bool(self._csr_pays() and (np.count_nonzero(self._weight) * plane
+                                         <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape)))
+        return WeightsPath(multiply_adds, csr=csr)
 
     def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
         """``JT @ g`` for a batch ``g`` of ``(B, out_size)``: the transposed convolution.
