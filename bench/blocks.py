@@ -47,13 +47,6 @@ def worker(repeats: int, batch: int) -> dict[str, float]:
     return out
 
 
-def pressure() -> str | None:
-    try:
-        return pathlib.Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except OSError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", type=pathlib.Path, required=True, help="the checkout timed as before")
@@ -66,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.repeats, args.batch)))
         return 0
     sys.path.insert(0, str(BENCH))
-    from common import machine
+    from common import cpu_pressure, machine
 
     from sparse_scan import backend
 
     trees = [("new", BENCH.parent), ("old", args.old.resolve())]
     report: dict[str, Any] = {"benchmark": "blocks", "machine": machine(backend.get("cpu")),
-                              "cpu_pressure_before": pressure(), "old_tree": str(args.old),
+                              "cpu_pressure_before": cpu_pressure(), "old_tree": str(args.old),
                               "rounds": args.rounds, "repeats": args.repeats}
     rounds = []
     for round_ in range(args.rounds):
@@ -94,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                      "median_round_ratio": statistics.median(o / n for o, n in zip(old, new, strict=True)),
                      "rounds_s": {"new": new, "old": old}})
     report["rows"] = rows
-    report["cpu_pressure_after"] = pressure()
+    report["cpu_pressure_after"] = cpu_pressure()
     print(json.dumps(report, indent=1))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -62,3 +63,12 @@ def machine(be: backend.Backend) -> dict[str, Any]:
         props = be.xp.cuda.runtime.getDeviceProperties(be.xp.cuda.Device().id)
         info["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     return info
+
+
+def cpu_pressure() -> str | None:
+    """The first line of ``/proc/pressure/cpu`` (how long tasks waited for a core lately: on a shared
+    machine, whether a timing can be believed), or None where the kernel has no such file."""
+    try:
+        return pathlib.Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except OSError:
+        return None

@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import cpu_pressure
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     for round_ in range(args.rounds):
         for workload in args.workloads:
@@ -97,9 +99,7 @@ def main() -> None:
         for key, by_tree in figures.items():
             old, new = statistics.median(by_tree["old"]), statistics.median(by_tree["new"])
             report[f"{workload}/{key}"] = {"old": old, "new": new, "new_over_old": new / old}
-    with open("/proc/pressure/cpu", encoding="utf-8") as pressure:
-        cpu_pressure = pressure.readline().strip()
-    print(json.dumps({"rounds": args.rounds, "cpu_pressure_after": cpu_pressure, "results": report},
+    print(json.dumps({"rounds": args.rounds, "cpu_pressure_after": cpu_pressure(), "results": report},
                      indent=1))
 
 

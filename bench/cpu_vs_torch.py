@@ -216,13 +216,6 @@ def run_worker(contender: str, tree: pathlib.Path, args: argparse.Namespace) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def pressure() -> str | None:
-    try:
-        return pathlib.Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except OSError:
-        return None
-
-
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per configuration: each contender's median over rounds, the ratios of those medians and the
     medians of the per-round ratios."""
@@ -269,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(ours(args) if args.worker == "ours" else theirs(args)))
         return 0
     sys.path.insert(0, str(BENCH))
-    from common import machine
+    from common import cpu_pressure, machine
 
     from sparse_scan import backend
 
@@ -278,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.old is not None:
         contenders.insert(1, ("old", "ours", args.old.resolve()))
     report: dict[str, Any] = {"benchmark": "cpu_vs_torch", "machine": machine(backend.get("cpu")),
-                              "cpu_pressure_before": pressure(), "rounds": args.rounds,
+                              "cpu_pressure_before": cpu_pressure(), "rounds": args.rounds,
                               "old_tree": None if args.old is None else str(args.old)}
     rounds = []
     for round_ in range(args.rounds):
@@ -291,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     for figures in rounds[1:]:
         figures["torch"].pop("torch_threads")
     report["rows"] = summarise(rounds)
-    report["cpu_pressure_after"] = pressure()
+    report["cpu_pressure_after"] = cpu_pressure()
     print(json.dumps(report, indent=1))
     return 0
 

@@ -124,13 +124,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def pressure() -> str | None:
-    try:
-        return pathlib.Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except OSError:
-        return None
-
-
 def key(row: dict[str, Any]) -> str:
     if "layers" in row:
         return f"level {row['level']} {'·'.join(row['layers'])} B={row['batch']}"
@@ -176,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)))
         return 0
     sys.path.insert(0, str(BENCH))
-    from common import machine
+    from common import cpu_pressure, machine
 
     from sparse_scan import backend
 
     report: dict[str, Any] = {"benchmark": "dead_work", "machine": machine(backend.get("cpu")),
-                              "cpu_pressure_before": pressure(), "rounds": args.rounds,
+                              "cpu_pressure_before": cpu_pressure(), "rounds": args.rounds,
                               "repeats": args.repeats, "old": str(args.old) if args.old else None}
     trees = {"new": BENCH.parent}
     if args.old:
@@ -199,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds[tree].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {round_ + 1}/{args.rounds}: {tree} done", file=sys.stderr, flush=True)
     report.update(summarise(rounds))
-    report["cpu_pressure_after"] = pressure()
+    report["cpu_pressure_after"] = cpu_pressure()
     text = json.dumps(report, indent=1)
     if args.output:
         args.output.write_text(text + "\n")

@@ -200,6 +200,9 @@ def main() -> None:
     if args.method:
         print(json.dumps(run_schedule(args)))
         return
+    sys.path.insert(0, str(BENCH))
+    from common import cpu_pressure
+
     from sparse_scan import load_model
     from sparse_scan.engine.schedule import depth
 
@@ -234,7 +237,7 @@ def main() -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "resnet20 export_torch gradients vs autograd", "batch": args.batch,
                       "dtype": "float64", "memory_limit_gb": args.memory_gb, "timeout_s": args.timeout,
-                      "chain_elements": n, "cpu_pressure": pathlib.Path("/proc/pressure/cpu").read_text(),
+                      "chain_elements": n, "cpu_pressure": cpu_pressure(),
                       "rows": rows}, indent=1))
 
 
