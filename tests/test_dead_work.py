@@ -174,12 +174,10 @@ def test_gpu_products_write_dead_entries_as_exact_zeros(b_sharing):
     plan = plan_product(a, b, "general", "general")
     a_data = live_values(rng, a, 3, "rows")
     b_data = rng.standard_normal(b.nnz) if b_sharing == "shared" else live_values(rng, b, 3, "columns")
-    for first, second in ((a_data, b_data), (b_data, a_data)) if b_sharing == "per-sample" else \
-            ((a_data, b_data),):
-        want = multiply(plan, first, second)
-        got = gpu.to_host(_gpu.multiply(plan, gpu.asarray(first), gpu.asarray(second)))
-        assert np.array_equal(got == 0, want == 0)
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    want = multiply(plan, a_data, b_data)
+    got = gpu.to_host(_gpu.multiply(plan, gpu.asarray(a_data), gpu.asarray(b_data)))
+    assert np.array_equal(got == 0, want == 0)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
 
 
 @pytest.mark.gpu
@@ -201,3 +199,17 @@ def test_gpu_backward_leaves_no_stale_values_in_its_reused_workspace():
         for g, w in zip(got, want, strict=True):
             assert np.array_equal(g == 0, w == 0)
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_operands_of_the_wrong_size_are_refused_before_any_kernel_reads_them():
+    """The compiled kernels do not check their reads: ``run.multiply`` compares the operands' lengths
+    with the plan's patterns first."""
+    rng = np.random.default_rng(9)
+    a, b = random_pattern(rng, 40, 30, 6), random_pattern(rng, 30, 35, 6)
+    plan = plan_product(a, b, "general", "general")
+    a_data, b_data = rng.standard_normal((3, a.nnz)), rng.standard_normal((3, b.nnz))
+    message = f"a_data holds {b.nnz} values per sample; the plan's operand has {a.nnz}"
+    with pytest.raises(ValueError, match=message):
+        multiply(plan, b_data, a_data)
+    with pytest.raises(ValueError, match="b_data holds"):
+        multiply(plan, a_data, a_data)

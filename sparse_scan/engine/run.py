@@ -112,6 +112,10 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:
     be = _backend.of(a_data)
     if _backend.of(b_data).name != be.name:
         raise ValueError("multiply: a_data and b_data must both be NumPy or both CuPy arrays")
+    for name, data, pattern in zip(("a_data", "b_data"), (a_data, b_data), plan.operands or (), strict=False):
+        if data.shape[-1] != pattern.nnz:  # the compiled kernels do not check their reads
+            raise ValueError(f"multiply: {name} holds {data.shape[-1]} values per sample; the plan's "
+                             f"operand has {pattern.nnz} entries")
     return _multiply(be, plan, a_data, b_data)
 
 
