@@ -65,3 +65,18 @@ def torch_modules(model) -> list:
                 module.bias.data = torch.from_numpy(np.asarray(layer.bias, np.float64))
         modules.append(module.double())
     return modules
+
+
+def randomize_batch_norms(net) -> None:
+    """Random running statistics and affine parameters for every ``nn.BatchNorm2d`` of ``net`` (in
+    place): PyTorch's initial ones make a frozen batch norm nearly the identity, which would hide a
+    wrong batch-norm JT."""
+    import torch  # noqa: PLC0415 - torch is optional: only tests that importorskip it call this
+
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.normal_()
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
+from oracles import randomize_batch_norms
 
 from sparse_scan import export_torch, load_model
 from sparse_scan.cli import app
@@ -34,17 +35,27 @@ def every_layer():
 def test_round_trip_gradients_equal_autograd(tmp_path, method, levels):
     net = every_layer()
     spec = export_torch(net, (2, 6, 8), tmp_path / "net.yaml")
+    assert_export_equals_autograd(net, spec, (3, 2, 6, 8), method, levels)
+
+
+def assert_export_equals_autograd(net, spec: pathlib.Path, x_shape: tuple[int, ...], method: str,
+                                  levels: int | None) -> None:
+    """The exported spec's forward, input gradient and every parameter gradient (by PyTorch's
+    names) equal autograd's through ``net`` on a seeded batch, float64."""
     model = load_model(spec, dtype=np.float64)
-    x = np.random.default_rng(1).standard_normal((3, 2, 6, 8))
-    g = np.random.default_rng(2).standard_normal((3, 3))
-    np.testing.assert_allclose(model.forward(x), net(torch.from_numpy(x)).detach().numpy(), rtol=1e-12)
+    x = np.random.default_rng(1).standard_normal(x_shape)
+    y = net(torch.from_numpy(x))
+    g = np.random.default_rng(2).standard_normal(tuple(y.shape))
+    np.testing.assert_allclose(model.forward(x), y.detach().numpy(), rtol=1e-12)
     grads = model.backward(g, method=method, levels=levels)
     parameters = model.parameter_gradients(grads)
     inputs = torch.from_numpy(x).requires_grad_(True)
     net(inputs).backward(torch.from_numpy(g))
     np.testing.assert_allclose(grads[0], inputs.grad.numpy(), rtol=1e-10, atol=1e-12)
+    assert sorted(parameters) == sorted(name for name, _ in net.named_parameters())
     for name, parameter in net.named_parameters():
-        np.testing.assert_allclose(parameters[name], parameter.grad.numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(parameters[name], parameter.grad.numpy(), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
 
 
 def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
@@ -228,13 +239,7 @@ def resnet_like():
                          ("nested", nn.Sequential(Nested())), ("avgpool", nn.AdaptiveAvgPool2d(1)),
                          ("flatten", nn.Flatten()), ("fc", nn.Linear(6, 5))]:
         net.add_module(name, module)
-    with torch.no_grad():
-        for module in net.modules():
-            if isinstance(module, nn.BatchNorm2d):
-                module.running_mean.normal_()
-                module.running_var.uniform_(0.5, 2.0)
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_()
+    randomize_batch_norms(net)
     return net.double().eval()
 
 
@@ -251,19 +256,7 @@ def test_residual_modules_round_trip_with_autograds_gradients(tmp_path, method, 
     assert "shortcut" not in entries[3]
     assert names[9:11] == ["nested.0.pre", "nested.0"] and entries[10]["shortcut"]["name"] == "proj"
     assert entries[10]["layers"][0]["type"] == "residual"
-    model = load_model(spec, dtype=np.float64)
-    x = np.random.default_rng(1).standard_normal((3, 3, 8, 8))
-    g = np.random.default_rng(2).standard_normal((3, 5))
-    np.testing.assert_allclose(model.forward(x), net(torch.from_numpy(x)).detach().numpy(), rtol=1e-12)
-    grads = model.backward(g, method=method, levels=levels)
-    parameters = model.parameter_gradients(grads)
-    inputs = torch.from_numpy(x).requires_grad_(True)
-    net(inputs).backward(torch.from_numpy(g))
-    np.testing.assert_allclose(grads[0], inputs.grad.numpy(), rtol=1e-10, atol=1e-12)
-    assert sorted(parameters) == sorted(name for name, _ in net.named_parameters())
-    for name, parameter in net.named_parameters():
-        np.testing.assert_allclose(parameters[name], parameter.grad.numpy(), rtol=1e-10, atol=1e-12,
-                                   err_msg=name)
+    assert_export_equals_autograd(net, spec, (3, 3, 8, 8), method, levels)
 
 
 class Functional(nn.Module):

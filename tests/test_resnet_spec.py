@@ -15,6 +15,7 @@ import pathlib
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from oracles import randomize_batch_norms
 
 from sparse_scan import Sequential, SpecError, load_model
 from sparse_scan.cli import app
@@ -111,13 +112,7 @@ def small_resnet(tmp_path: pathlib.Path) -> tuple[SmallResNet, pathlib.Path]:
     under its state_dict names."""
     torch.manual_seed(0)
     net = SmallResNet().double().eval()
-    with torch.no_grad():
-        for module in net.modules():
-            if isinstance(module, nn.BatchNorm2d):
-                module.running_mean.normal_()
-                module.running_var.uniform_(0.5, 2.0)
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_()
+    randomize_batch_norms(net)
     np.savez(tmp_path / "small.npz", **{key: value.numpy() for key, value in net.state_dict().items()})
     path = tmp_path / "small.yaml"
     path.write_text(SMALL_RESNET)
