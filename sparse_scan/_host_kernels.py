@@ -32,8 +32,8 @@ import numpy as np
 
 from ._threads import even_parts, kernel_pool
 
-__all__ = ["BLOCK_ENTRIES", "cache_directory", "conv_kernels", "dense_kernels", "kernels", "launch", "parts",
-           "rows2d"]
+__all__ = ["BLOCK_ENTRIES", "cache_directory", "conv_kernels", "dense_kernels", "kernels", "launch",
+           "operator_kernels", "parts", "rows2d"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 
@@ -102,6 +102,16 @@ def conv_kernels() -> ModuleType:
     from . import _numba_conv  # noqa: PLC0415 - lazy by design
 
     return _numba_conv
+
+
+@functools.lru_cache(maxsize=None)
+def operator_kernels() -> ModuleType:
+    """The matrix-free JT operators (:mod:`sparse_scan._numba_operators`: ReLU and 2x2 max-pool
+    ``JT(x) @ g`` from the input), loaded as :func:`kernels` is."""
+    _use_cache_directory()
+    from . import _numba_operators  # noqa: PLC0415 - lazy by design
+
+    return _numba_operators
 
 
 def parts(batch: int, count: int, workers: int) -> list[tuple[int, int, int, int]]:

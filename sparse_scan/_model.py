@@ -41,7 +41,7 @@ from .engine.plan import (
     operands_needing_patterns,
 )
 from .engine.products import ProductPlan
-from .engine.run import run_plan, through_weights
+from .engine.run import run_plan, through_inputs, through_weights
 from .engine.schedule import Element, checked_levels, depth
 from .layers import Layer
 
@@ -435,14 +435,18 @@ class Sequential:
         n = len(self.layers)  # scan element j is the JT of layer n - j
         batch = grad_out.shape[0]
         through = through_weights(be, plan, batch)  # JTs applied through their layers' weights
-        valueless = plan.weights.valueless(through)
+        # bound here, on this thread, run on the scan's threads
+        matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
+        operators = {j: self.layers[n - j].input_matvec(activations[n - j])
+                     for j in through_inputs(be, plan) - through}  # ... or from their layers' inputs
+        operators = {j: operator for j, operator in operators.items() if operator is not None}
+        matvecs.update(operators)
+        valueless = plan.weights.valueless(through) | operators.keys()
         jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                      for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
         if timings is not None:
             be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")
-        # bound here, on this thread, run on the scan's threads
-        matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
         flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
         if timings is not None:
             be.synchronize()

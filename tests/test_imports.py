@@ -47,6 +47,8 @@ LAZY = {
         "importing numba costs 0.3 s: the recurrent backward's kernels load on its first CPU call",
     ("sparse_scan._host_kernels", "sparse_scan._numba_conv"):
         "importing numba costs 0.3 s: the pruned convolutions' kernels load on their first CPU call",
+    ("sparse_scan._host_kernels", "sparse_scan._numba_operators"):
+        "importing numba costs 0.3 s: the ReLU and max-pool operators load on their first CPU call",
 }
 """Function-level imports of a sibling module, allowed: (importer, imported) -> why."""
 

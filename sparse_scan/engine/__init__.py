@@ -29,7 +29,7 @@ __all__ = ["METHODS", "SCHEDULES", "ChainInfo", "DenseScanPlan", "Element", "Ele
            "SizedDenseScanPlan", "Step", "WeightsPath", "WeightsPlan", "auto_levels", "build_dense_plan",
            "build_plan", "checked_levels", "count_multiply_adds", "critical_path", "dense_scan", "depth",
            "estimate_plan", "live_schedule", "multiply", "operands_needing_patterns", "plan_product",
-           "run_plan", "through_weights"]
+           "run_plan", "through_inputs", "through_weights"]
 
 _HOMES = {
     "schedule": ("METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule"),
@@ -38,7 +38,7 @@ _HOMES = {
              "WeightsPath", "WeightsPlan", "build_plan", "estimate_plan", "operands_needing_patterns"),
     "dense_plan": ("DenseScanPlan", "SizedDenseScanPlan", "auto_levels", "build_dense_plan"),
     "figures": ("ScanPlanLike", "critical_path"),
-    "run": ("dense_scan", "multiply", "run_plan", "through_weights"),
+    "run": ("dense_scan", "multiply", "run_plan", "through_inputs", "through_weights"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 

@@ -30,7 +30,7 @@ from .dense_plan import auto_levels, build_dense_plan
 from .plan import ScanPlan
 from .products import ProductPlan
 
-__all__ = ["dense_scan", "multiply", "run_plan", "through_weights"]
+__all__ = ["dense_scan", "multiply", "run_plan", "through_inputs", "through_weights"]
 
 _run_plan = _backend.twin(
     cpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs: _cpu.run_plan(
@@ -40,6 +40,8 @@ _run_plan = _backend.twin(
 # the GPU scan runs every mv as an SpMV in its level launch: no JT goes through its layer's weights
 _through_weights = _backend.twin(cpu=lambda be, plan, batch: plan.weights.through(batch),
                                  gpu=lambda be, plan, batch: frozenset())
+# ... nor by its layer's operator from the input
+_through_inputs = _backend.twin(cpu=lambda be, plan: plan.weights.mv_only, gpu=lambda be, plan: frozenset())
 _multiply = _backend.twin(cpu=lambda be, plan, a_data, b_data: _cpu.multiply(plan, a_data, b_data),
                           gpu=lambda be, plan, a_data, b_data: _gpu.multiply(plan, a_data, b_data))
 _run_dense_plan = _backend.twin(
@@ -53,6 +55,14 @@ def through_weights(be: _backend.Backend, plan: ScanPlan, batch: int) -> frozens
     ``plan.weights.through(batch)`` on the CPU (:mod:`sparse_scan.engine._weights_path`), none on the
     GPU. ``plan.weights.valueless`` of them need no values at all."""
     return _through_weights(be, plan, batch)
+
+
+def through_inputs(be: _backend.Backend, plan: ScanPlan) -> frozenset[int]:
+    """The layer JTs (scan elements ``j``) whose mv steps a run of ``plan`` on ``be`` may apply by
+    their layers' operators from the input (``Layer.input_matvec``: ReLU, 2x2 max-pool) instead of
+    their values, where the layer offers one: on the CPU every JT that only mv steps read
+    (``plan.weights.mv_only``; the run then fills no values for it), none on the GPU."""
+    return _through_inputs(be, plan)
 
 
 def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
@@ -77,8 +87,9 @@ def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: S
         as one launch.
     weights_matvecs : mapping, optional
         CPU only: ``weights_matvecs[j](g)`` computes ``JT_j @ g`` from the layer's weights
-        (``Layer.weights_matvec``) for the JTs of :func:`through_weights`; every mv step by such a JT
-        uses it.
+        (``Layer.weights_matvec``) for the JTs of :func:`through_weights`, or from its input
+        (``Layer.input_matvec``) for those of :func:`through_inputs` it offers one for; every mv step
+        by such a JT uses it.
 
     Returns
     -------

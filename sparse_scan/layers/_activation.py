@@ -10,12 +10,16 @@ gradient is 0 at its bounds, Softplus is linear above its threshold).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import backend as _backend
 from .._checks import number
+from .._host_kernels import launch, operator_kernels
+from .._scaled_gather import THREAD_MIN_VALUES
+from .._threads import cpu_threads, even_parts
 from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
@@ -63,6 +67,26 @@ class ReLU(_Elementwise):
 
     def _derivative(self, x: Array) -> Array:
         return (x > 0).astype(x.dtype)
+
+    def input_matvec(self, x: Array) -> Callable[[Array], Array]:
+        """``g -> g * (x > 0)`` in one compiled pass (:func:`_relu_matvec`), the scaling by JT's
+        diagonal without its values."""
+        x = self._check_input(x)
+        return functools.partial(_relu_matvec, np.ascontiguousarray(x).reshape(x.shape[0], -1))
+
+
+def _relu_matvec(x: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    """``grad * (x > 0)`` for flat ``(B, n)`` batches, in their result dtype
+    (:func:`sparse_scan._numba_operators.relu_backward`; runs of positions per core from
+    :data:`~sparse_scan._scaled_gather.THREAD_MIN_VALUES` values)."""
+    if grad.shape != x.shape:  # the kernel reads without bounds checks
+        raise ValueError(f"ReLU's JT @ g: expected gradients of shape {x.shape}, got {grad.shape}")
+    out = np.empty(x.shape, dtype=np.result_type(x, grad))
+    size = out.size
+    pieces = even_parts(size, cpu_threads() if size >= THREAD_MIN_VALUES else 1)
+    launch(operator_kernels().relu_backward,
+           (x.reshape(-1), np.ascontiguousarray(grad).reshape(-1), out.reshape(-1)), pieces)
+    return out
 
 
 class LeakyReLU(_Elementwise):

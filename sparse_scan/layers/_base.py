@@ -204,6 +204,16 @@ class Layer:
         until they change, and may run on any thread."""
         raise NotImplementedError(f"layer {self.label} has no path through its weights")
 
+    # --- JT @ g from the input (layers whose JT is cheaper to apply than to fill override) ------
+    def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
+        """``g -> JT(x) @ g`` for batches of flattened output gradients ``(B, out_size) -> (B,
+        in_size)``, computed on the host from the layer's input ``x`` without JT's values, bit for bit
+        what JT's values would give; None where the layer offers none (the default). A host backward
+        uses it for the JTs that only matrix-vector steps read
+        (:func:`sparse_scan.engine.run.through_inputs`): :class:`ReLU` and 2x2 :class:`MaxPool2d`
+        offer one, in one compiled pass (:mod:`sparse_scan._numba_operators`)."""
+        return None
+
 
 def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:
     """The pattern of a ``size × size`` diagonal matrix."""

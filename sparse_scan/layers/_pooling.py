@@ -31,15 +31,16 @@ array([[ 5.,  7.],
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag
-from .._host_kernels import kernels, launch
+from .._host_kernels import kernels, launch, operator_kernels
 from .._threads import cpu_threads, even_parts
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
@@ -236,6 +237,8 @@ def _window_max(xp: Any, x: Array, g: PoolGeometry) -> Array:
 
 
 # --- max-pool value twins ------------------------------------------------------------------------
+_NAN_IN_WINDOW = "NaN in a pooling window: its maximum selects no element"
+
 MAX_POOL_CHUNK = 512
 """Pairs of inputs per pass of the compiled 2x2 kernel (its temporaries stay in L1). Measured on
 VGG-11's pools at batch 16 (one thread): 256-1024 alike, within 5 %."""
@@ -260,8 +263,7 @@ def _max_selection_cpu(
     """
     g = aux["geometry"]
     batch = x.shape[0]
-    planes = batch * g.channels
-    pieces = even_parts(planes, cpu_threads()) if batch * nnz >= MAX_POOL_THREAD_MIN_VALUES else [(0, planes)]
+    pieces = _plane_pieces(g, batch, batch * nnz)
     data = np.empty((batch, nnz), dtype=x.dtype)
     if _two_by_two(g):
         covered = np.ascontiguousarray(x[:, :, :2 * g.out_height, :2 * g.out_width]).reshape(-1)
@@ -272,15 +274,55 @@ def _max_selection_cpu(
         kernel, geometry = kernels().max_pool_windows, tuple(g.as_array().tolist())
         args = [(np.ascontiguousarray(x).reshape(-1), aux["slot"], geometry, data, p0, p1)
                 for p0, p1 in pieces]
+    return data, _any_flag(kernel, args)
+
+
+def _plane_pieces(g: PoolGeometry, batch: int, values: int) -> list[tuple[int, int]]:
+    """Runs of the batch's (sample, channel) planes for a kernel writing ``values`` values: one per
+    core from :data:`MAX_POOL_THREAD_MIN_VALUES`."""
+    planes = batch * g.channels
+    return even_parts(planes, cpu_threads()) if values >= MAX_POOL_THREAD_MIN_VALUES else [(0, planes)]
+
+
+def _any_flag(kernel: Callable[..., bool], args: list[tuple]) -> bool:
+    """``kernel(*a)`` for every ``a`` of ``args`` (on the kernel pool when there are several): whether
+    one of them returned True (a NaN seen)."""
     if len(args) == 1:
-        return data, kernel(*args[0])
+        return bool(kernel(*args[0]))
     flags = [False] * len(args)
 
     def run(index: int) -> None:
         flags[index] = kernel(*args[index])
 
     launch(run, (), [(index,) for index in range(len(args))])
-    return data, any(flags)
+    return any(flags)
+
+
+def _max_pool_2x2_matvec(layer: MaxPool2d, g: PoolGeometry, x: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    """``JT(x) @ grad`` of 2x2 windows of stride 2 for flat ``(B, outputs)`` gradients, without JT's
+    values (:func:`sparse_scan._numba_operators.max_pool_2x2_backward`, over the inputs the windows
+    cover; an odd last row or column, in no window, gets 0). Raises as the values fill does on a
+    NaN in a window."""
+    batch = x.shape[0]
+    if grad.shape != (batch, g.outputs):  # the kernel reads without bounds checks
+        raise ValueError(f"layer {layer.label}: JT @ g expects gradients of shape {(batch, g.outputs)}, "
+                         f"got {grad.shape}")
+    dtype = np.result_type(x, grad)
+    rows, cols = 2 * g.out_height, 2 * g.out_width
+    exact = (rows, cols) == (g.height, g.width)
+    covered = x if exact else np.ascontiguousarray(x[:, :, :rows, :cols])
+    values = np.empty(covered.shape, dtype=dtype)
+    pairs = rows * g.out_width  # horizontal input pairs per plane
+    flat_grad = np.ascontiguousarray(grad).reshape(-1)
+    args = [(covered.reshape(-1), flat_grad, values.reshape(-1), g.out_width, p0 * pairs, p1 * pairs,
+             MAX_POOL_CHUNK) for p0, p1 in _plane_pieces(g, batch, values.size)]
+    if _any_flag(operator_kernels().max_pool_2x2_backward, args):
+        raise layer._error("input", _NAN_IN_WINDOW)
+    if exact:
+        return values.reshape(batch, -1)
+    out = np.zeros(x.shape, dtype=dtype)
+    out[:, :, :rows, :cols] = values
+    return out.reshape(batch, -1)
 
 
 def _two_by_two(g: PoolGeometry) -> bool:
@@ -418,8 +460,17 @@ class MaxPool2d(_Pool2d):
     def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         data, nan_found = _max_selection(be, x, aux, pattern.nnz)
         if nan_found:
-            raise self._error("input", "NaN in a pooling window: its maximum selects no element")
+            raise self._error("input", _NAN_IN_WINDOW)
         return data
+
+    def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
+        """``g -> JT(x) @ g`` in one compiled pass for 2x2 windows of stride 2 (VGG's and LeNet's
+        pools: :func:`_max_pool_2x2_matvec`); None for other geometries, whose JT is filled."""
+        x = self._check_input(x)
+        g = self._geometry(x.shape[1:])
+        if not _two_by_two(g):
+            return None
+        return functools.partial(_max_pool_2x2_matvec, self, g, np.ascontiguousarray(x))
 
     def __repr__(self) -> str:
         return (f"MaxPool2d(kernel_size={self.kernel_size}, stride={self.stride}, "
