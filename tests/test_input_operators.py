@@ -160,3 +160,11 @@ def test_linear_backward_with_operators_equals_torch_autograd():
     inp = torch.from_numpy(x).requires_grad_(True)
     (expected,) = torch.autograd.grad(net(inp), [inp], torch.from_numpy(grad))
     np.testing.assert_allclose(grads[0], expected.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_operators_only_on_the_host(be):
+    """The GPU scan fills every JT (``through_inputs`` names none there); the layers offer no operator
+    for device arrays either, so a residual block's inner chain keeps its JT values on the GPU."""
+    x = be.asarray(inputs((1, 2, 4, 4), np.float64, 17))
+    offered = [layer.input_matvec(x) is not None for layer in (ReLU(), MaxPool2d(2))]
+    assert offered == [be.name == "cpu"] * 2

@@ -68,11 +68,11 @@ class ReLU(_Elementwise):
     def _derivative(self, x: Array) -> Array:
         return (x > 0).astype(x.dtype)
 
-    def input_matvec(self, x: Array) -> Callable[[Array], Array]:
-        """``g -> g * (x > 0)`` in one compiled pass (:func:`_relu_matvec`), the scaling by JT's
-        diagonal without its values."""
+    def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
+        """``g -> g * (x > 0)`` in one compiled pass on the host (:func:`_relu_matvec`), the scaling by
+        JT's diagonal without its values; None on the GPU."""
         x = self._check_input(x)
-        return functools.partial(_relu_matvec, np.ascontiguousarray(x).reshape(x.shape[0], -1))
+        return _relu_operator(_backend.of(x), x)
 
 
 def _relu_matvec(x: np.ndarray, grad: np.ndarray) -> np.ndarray:
@@ -87,6 +87,11 @@ def _relu_matvec(x: np.ndarray, grad: np.ndarray) -> np.ndarray:
     launch(operator_kernels().relu_backward,
            (x.reshape(-1), np.ascontiguousarray(grad).reshape(-1), out.reshape(-1)), pieces)
     return out
+
+
+_relu_operator = _backend.twin(
+    cpu=lambda be, x: functools.partial(_relu_matvec, np.ascontiguousarray(x).reshape(x.shape[0], -1)),
+    gpu=lambda be, x: None)
 
 
 class LeakyReLU(_Elementwise):

@@ -351,6 +351,11 @@ def _max_selection_gpu(
 _max_selection = _backend.twin(cpu=_max_selection_cpu, gpu=_max_selection_gpu)
 
 
+_max_pool_operator = _backend.twin(
+    cpu=lambda be, layer, g, x: functools.partial(_max_pool_2x2_matvec, layer, g, np.ascontiguousarray(x)),
+    gpu=lambda be, layer, g, x: None)
+
+
 # --- the layers ----------------------------------------------------------------------------------
 class _Pool2d(Layer):
     """Argument parsing, shapes, pattern and slot table shared by the 2-D pooling layers."""
@@ -464,13 +469,12 @@ class MaxPool2d(_Pool2d):
         return data
 
     def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
-        """``g -> JT(x) @ g`` in one compiled pass for 2x2 windows of stride 2 (VGG's and LeNet's
-        pools: :func:`_max_pool_2x2_matvec`); None for other geometries, whose JT is filled."""
+        """``g -> JT(x) @ g`` in one compiled pass on the host for 2x2 windows of stride 2 (VGG's and
+        LeNet's pools: :func:`_max_pool_2x2_matvec`); None for other geometries, whose JT is filled,
+        and on the GPU."""
         x = self._check_input(x)
         g = self._geometry(x.shape[1:])
-        if not _two_by_two(g):
-            return None
-        return functools.partial(_max_pool_2x2_matvec, self, g, np.ascontiguousarray(x))
+        return _max_pool_operator(_backend.of(x), self, g, x) if _two_by_two(g) else None
 
     def __repr__(self) -> str:
         return (f"MaxPool2d(kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -420,8 +420,9 @@ class Residual(Layer):
     def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
         """``g -> JT @ g`` for batches ``(B, out_size) -> (B, in_size)`` at the last :meth:`forward`,
         without the block's JT: ``g`` back through the inner chain plus ``g`` back through the
-        shortcut. Inner layers with a path through their weights use it; the others' JT values (a
-        diagonal's: a scaling) are computed now, on the calling thread."""
+        shortcut. Inner layers with a path through their weights use it, those with an operator from
+        their input (ReLU) that; the others' JT values (a diagonal's: a scaling) are computed now, on
+        the calling thread."""
         shape = self.check_in_shape(self._sizes(in_shape))
         if self._input is None or tuple(self._input.shape[1:]) != shape:
             raise RuntimeError(f"layer {self.label}: call forward on a batch of {shape} first "
@@ -436,9 +437,13 @@ class Residual(Layer):
 
     @staticmethod
     def _operator(be: _backend.Backend, layer: Layer, x: Array, shape: Shape) -> Callable[[Array], Array]:
-        """``g -> JT @ g`` of one inner layer at its input ``x``, on ``be``."""
+        """``g -> JT @ g`` of one inner layer at its input ``x``, on ``be``: through its weights, by its
+        operator from the input (``Layer.input_matvec``), else by its JT's values."""
         if layer.weights_path(shape) is not None:
             return layer.weights_matvec(shape, be.name)
+        operator = layer.input_matvec(be.asarray(x))
+        if operator is not None:
+            return operator
         jt = layer.transposed_jacobian(be.asarray(x))
         return functools.partial(_matvec, be, jt, layer.jacobian_kind == "diagonal")
 
