@@ -62,6 +62,40 @@ def stored_products(a, b, a_pos, b_pos, starts, total, out, s0, s1, e0, e1, bloc
 
 
 @njit(**_OPTIONS)
+def first_term_products(a, b, a_pos, b_pos, starts, total, out, s0, s1, e0, e1, block):
+    """:func:`stored_products` for plans whose entries mostly hold one multiply-add: per block of
+    ``block`` entries, every entry's first term is streamed (``0 + a * b``, a loop with no branch
+    on the entry's length), then the entries with more terms (listed once per block, for every
+    sample) add theirs. Each entry is the same sum from zero in the plan's order, so the values
+    equal :func:`stored_products`' bit for bit (``0 + p`` is the first step of its sum too)."""
+    shared_a, shared_b = a.shape[0] == 1, b.shape[0] == 1
+    n = starts.shape[0]
+    zero = out.dtype.type(0)
+    longer = np.empty(block, dtype=np.int64)  # the block's entries of more than one term
+    for b0 in range(e0, e1, block):
+        b1 = min(b0 + block, e1)
+        count = 0
+        for e in range(b0, b1):
+            stop = starts[e + 1] if e + 1 < n else total
+            longer[count] = e
+            count += stop - starts[e] > 1
+        for s in range(s0, s1):
+            av = a[0] if shared_a else a[s]
+            bv = b[0] if shared_b else b[s]
+            o = out[s]
+            for e in range(b0, b1):
+                m = u(starts[e])
+                o[e] = zero + av[u(a_pos[m])] * bv[u(b_pos[m])]
+            for k in range(count):
+                e = longer[k]
+                stop = starts[e + 1] if e + 1 < n else total
+                acc = o[e]
+                for m in range(starts[e] + 1, stop):
+                    acc += av[u(a_pos[m])] * bv[u(b_pos[m])]
+                o[e] = acc
+
+
+@njit(**_OPTIONS)
 def rowwise_products(a_indptr, a_indices, b_indptr, b_indices, c_indptr, c_indices, columns,
                      a, b, out, s0, s1, r0, r1):
     """Rows ``r0:r1`` of ``C = A @ B`` into ``C``'s stored pattern: every entry summed from zero over

@@ -188,6 +188,65 @@ def test_stored_products_cut_by_multiply_adds_not_entries(monkeypatch):
     assert calls[-1][0][:4] == (0, 1, 0, 1)  # the first entry alone is about a third of the work
 
 
+def special_values(rng, shape, dtype):
+    """Random values with signed zeros, infinities and NaNs among them."""
+    values = rng.standard_normal(shape)
+    pick = rng.random(shape)
+    values[pick < 0.1] = -0.0
+    values[(pick >= 0.1) & (pick < 0.2)] = 0.0
+    values[(pick >= 0.2) & (pick < 0.22)] = np.inf
+    values[(pick >= 0.22) & (pick < 0.24)] = -np.inf
+    values[(pick >= 0.24) & (pick < 0.25)] = np.nan
+    return values.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("per_sample", ["neither", "a", "both"])
+def test_first_term_products_equal_the_per_entry_sums_bit_for_bit(dtype, index_dtype, per_sample):
+    """Entries of one to many terms, signed zeros (``0 + -0`` is ``+0``), infinities and NaNs, blocks
+    and pieces that cut anywhere: the first-term kernel's values are the per-entry loop's, bit for
+    bit."""
+    rng = np.random.default_rng([np.dtype(dtype).itemsize, np.dtype(index_dtype).itemsize, len(per_sample)])
+    pa, pb = random_operand(rng, 50, 40, 0.1, index_dtype), random_operand(rng, 40, 30, 0.1, index_dtype)
+    plan = plan_product(pa, pb, "general", "general", index_dtype=index_dtype)
+    terms = np.diff(np.append(plan.starts, plan.multiply_adds))
+    assert terms.min() == 1 and terms.max() >= 3
+    batch, nnz = 3 if per_sample != "neither" else 1, plan.out.nnz
+    a = special_values(rng, (batch if per_sample != "neither" else 1, pa.nnz), dtype)
+    b = special_values(rng, (batch if per_sample == "both" else 1, pb.nnz), dtype)
+    k = _host_kernels.kernels()
+    args = (a, b, plan.a_pos, plan.b_pos, plan.starts, plan.multiply_adds)
+    want = np.empty((batch, nnz), dtype)
+    k.stored_products(*args, want, 0, batch, 0, nnz, nnz)
+    bits = np.int32 if dtype == np.float32 else np.int64
+    for pieces in ([(0, batch, 0, nnz)], [(0, batch, 0, 7), (0, batch, 7, nnz - 1), (0, batch, nnz - 1, nnz)],
+                   [(0, 1, 0, nnz), (1, batch, 0, nnz)]):
+        for block in (1, 5, 8192):
+            got = np.full((batch, nnz), np.nan, dtype)
+            for piece in pieces:
+                k.first_term_products(*args, got, *piece, block)
+            assert np.array_equal(got.view(bits), want.view(bits))
+
+
+def test_stored_products_stream_first_terms_only_where_sums_are_short(monkeypatch):
+    kernels_run = []
+    real = _host_kernels.launch
+    monkeypatch.setattr(host, "launch", lambda kernel, args, pieces: (kernels_run.append(kernel.__name__),
+                                                                       real(kernel, args, pieces)))
+    rng = np.random.default_rng(4)
+    short = plan_product(random_operand(rng, 50, 40, 0.05, np.int32),
+                         random_operand(rng, 40, 60, 0.05, np.int32), "general", "general")
+    long = plan_product(random_operand(rng, 20, 30, 0.8, np.int32),
+                        random_operand(rng, 30, 10, 0.8, np.int32), "general", "general")
+    for plan in (short, long):
+        assert plan.method == "general" and plan.starts is not None
+        multiply(plan, np.ones(plan.operands[0].nnz), np.ones(plan.operands[1].nnz))
+    assert short.multiply_adds <= host.FIRST_TERM_MAX_TERMS * short.out.nnz
+    assert long.multiply_adds > host.FIRST_TERM_MAX_TERMS * long.out.nnz
+    assert kernels_run == ["first_term_products", "stored_products"]
+
+
 def test_numba_is_not_imported_by_the_package_or_the_cli():
     code = ("import sys, sparse_scan, sparse_scan.cli.app, sparse_scan.engine.products, sparse_scan.layers; "
             "assert 'numba' not in sys.modules, 'numba imported'")
