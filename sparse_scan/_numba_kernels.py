@@ -40,6 +40,30 @@ def scale_gather(values, values_index, gathered, table, index, out, s0, s1, e0, 
 
 
 @njit(**_OPTIONS)
+def scale_runs(values, table, run_starts, run_values, run_table, out, s0, s1, r0, r1, block):
+    """:func:`scale_gather` over runs: run ``r`` writes ``out[s, o + j] = values[s, run_values[r] + j]
+    * table[s, run_table[r]]`` for ``o = run_starts[r] + j`` up to ``run_starts[r + 1]`` (a scaled
+    contiguous copy: no index read per entry, the loop vectorised), for runs ``r0:r1``, in blocks of
+    at least ``block`` entries run through every sample."""
+    shared_values, shared_table = values.shape[0] == 1, table.shape[0] == 1
+    q0 = r0
+    while q0 < r1:
+        q1 = q0 + 1
+        while q1 < r1 and run_starts[q1] - run_starts[q0] < block:
+            q1 += 1
+        for s in range(s0, s1):
+            v = values[0] if shared_values else values[s]
+            t = table[0] if shared_table else table[s]
+            o = out[s]
+            for r in range(q0, q1):
+                x = t[u(run_table[r])]
+                first, shift = run_starts[r], run_values[r] - run_starts[r]
+                for e in range(first, run_starts[r + 1]):
+                    o[u(e)] = v[u(e + shift)] * x
+        q0 = q1
+
+
+@njit(**_OPTIONS)
 def stored_products(a, b, a_pos, b_pos, starts, total, out, s0, s1, e0, e1, block):
     """``out[s, e] = sum over m in starts[e]:starts[e + 1] of a[s, a_pos[m]] * b[s, b_pos[m]]``
     (``total`` ends the last entry), summed from zero in the plan's order (SciPy's CSR order), in

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparse_scan import _host_kernels
+from sparse_scan import _host_kernels, _scaled_gather
 from sparse_scan.csr import Pattern
 from sparse_scan.engine import _cpu as host
 from sparse_scan.engine.products import plan_product
@@ -102,11 +102,18 @@ def test_explicit_zeros_stay_in_the_pattern():
         np.testing.assert_array_equal(got, [[0.0], [0.0]])  # SciPy would drop both
 
 
+def runs_kernel(monkeypatch, runs):
+    """Every scaling and one-multiply-add product through the run kernel, or none."""
+    monkeypatch.setattr(_scaled_gather, "RUNS_MIN_LENGTH", 1 if runs else 10**9)
+
+
 @pytest.mark.parametrize("kind", ["scale_rows", "scale_columns"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("per_sample", ["neither", "diagonal", "other", "both"])
-def test_scalings_equal_the_dense_products(kind, dtype, index_dtype, per_sample):
+@pytest.mark.parametrize("runs", [False, True])
+def test_scalings_equal_the_dense_products(monkeypatch, kind, dtype, index_dtype, per_sample, runs):
+    runs_kernel(monkeypatch, runs)
     rng = np.random.default_rng(3)
     batch, n = 3, 23
     other = random_operand(rng, n, n, 0.3, index_dtype)
@@ -131,9 +138,13 @@ def test_scalings_equal_the_dense_products(kind, dtype, index_dtype, per_sample)
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("per_sample_other", [False, True])
 @pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("runs", [False, True])
 def test_selection_gathers_equal_the_dense_products(monkeypatch, pool_first, dtype, index_dtype,
-                                                    per_sample_other, threaded):
+                                                    per_sample_other, threaded, runs):
     threads(monkeypatch, threaded)
+    runs_kernel(monkeypatch, runs)
+    monkeypatch.setattr(_scaled_gather, "THREAD_MIN_VALUES", 1 if threaded else 2**18)
+    monkeypatch.setattr(_scaled_gather, "cpu_threads", lambda: 3)
     monkeypatch.setattr("sparse_scan.engine._selection.THREAD_MIN_VALUES", 1 if threaded else 2**18)
     monkeypatch.setattr("sparse_scan.engine._selection.cpu_threads", lambda: 3)
     rng = np.random.default_rng(11)
@@ -160,6 +171,10 @@ def test_selection_gathers_equal_the_dense_products(monkeypatch, pool_first, dty
     kinds = ("selection", "general") if pool_first else ("general", "selection")
     plan = plan_product(a.pattern, b.pattern, *kinds, index_dtype=index_dtype)
     assert plan.method == "gather" and (plan.selection is None) == pool_first
+    if pool_first and not runs:  # a pool gathering rows of a convolution's JT: long runs
+        monkeypatch.setattr(_scaled_gather, "RUNS_MIN_LENGTH", 8)
+        assert _scaled_gather.find_runs(plan.a_pos, plan.b_pos) is not None
+        monkeypatch.setattr(_scaled_gather, "RUNS_MIN_LENGTH", 10**9)
     assert plan.out.index_dtype == index_dtype
     got = multiply(plan, a_values, b_values)
     assert got.dtype == dtype and got.shape == (batch, plan.out.nnz)

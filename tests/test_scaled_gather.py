@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparse_scan import _scaled_gather
-from sparse_scan._scaled_gather import scaled_gather
+from sparse_scan._scaled_gather import find_runs, scaled_gather
 
 
 @pytest.fixture(params=["inline", "pieces on threads"])
@@ -20,6 +20,7 @@ def pieces(request, monkeypatch):
     for a batch, runs of entries for one sample."""
     if request.param == "pieces on threads":
         monkeypatch.setattr(_scaled_gather, "BLOCK_ENTRIES", 7)
+        monkeypatch.setattr(_scaled_gather, "RUNS_BLOCK_ENTRIES", 7)
         monkeypatch.setattr(_scaled_gather, "THREAD_MIN_VALUES", 1)
         monkeypatch.setattr(_scaled_gather, "cpu_threads", lambda: 3)
     return request.param
@@ -43,6 +44,43 @@ def test_equals_the_numpy_expression(pieces, values_batched, table_batched, gath
     want = read * table[..., index]
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("values_batched", [False, True])
+@pytest.mark.parametrize("table_batched", [False, True])
+@pytest.mark.parametrize("gathered_values", [False, True])
+@pytest.mark.parametrize("dtypes", [(np.float32, np.float32), (np.float64, np.float32)])
+def test_runs_equal_the_numpy_expression(pieces, values_batched, table_batched, gathered_values, dtypes):
+    rng = np.random.default_rng(1)
+    batch, n, m = 4, 9, 200
+    lengths = rng.integers(1, 30, 12)
+    nnz = int(lengths.sum())
+    index = np.repeat(rng.integers(0, n, lengths.size), lengths).astype(np.int32)
+    values_index = (np.concatenate([np.arange(start, start + length) for start, length in
+                                    zip(rng.integers(0, m - 30, lengths.size), lengths, strict=True)])
+                    if gathered_values else None)
+    width = m if gathered_values else nnz
+    values = rng.standard_normal((batch, width) if values_batched else (width,)).astype(dtypes[0])
+    table = rng.standard_normal((batch, n) if table_batched else (n,)).astype(dtypes[1])
+    runs = find_runs(index, values_index)
+    assert runs is not None and runs.values.size <= lengths.size and runs.starts[-1] == nnz
+    got = scaled_gather(values, table, index, values_index=values_index, runs=runs)
+    read = values if values_index is None else values[..., values_index]
+    want = read * table[..., index]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_runs_break_where_the_table_entry_changes_or_the_values_jump():
+    index = np.array([3, 3, 3, 3, 5, 5, 5, 5, 5, 5, 5, 5])
+    values_index = np.array([0, 1, 2, 3, 4, 5, 9, 10, 11, 12, 13, 14])
+    runs = find_runs(index, values_index)
+    assert runs is None  # 12 entries in 3 runs: 4 on average, under RUNS_MIN_LENGTH
+    runs = find_runs(np.repeat(index, 4), np.arange(48))
+    np.testing.assert_array_equal(runs.starts, [0, 16, 48])
+    np.testing.assert_array_equal(runs.values, [0, 16])
+    np.testing.assert_array_equal(runs.table, [3, 5])
+    assert find_runs(np.arange(40)) is None and find_runs(np.zeros(0, np.int32)) is None
 
 
 def test_no_entries(pieces):

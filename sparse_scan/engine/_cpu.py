@@ -18,7 +18,7 @@ import numpy as np
 import scipy.sparse
 
 from .._host_kernels import BLOCK_ENTRIES, kernels, launch, parts, rows2d
-from .._scaled_gather import THREAD_MIN_VALUES, scaled_gather
+from .._scaled_gather import THREAD_MIN_VALUES, Runs, find_runs, scaled_gather
 from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool
 from .._types import Array
 from ..csr import BatchedCSR, Pattern
@@ -51,9 +51,9 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array, out: Array | None 
         batch = max(a_data.shape[0] if a_data.ndim == 2 else 1, b_data.shape[0] if b_data.ndim == 2 else 1)
         return multiply_blocks_host(plan.blocks, a_data, b_data, _workers(plan.multiply_adds * batch))
     if plan.method == "scale_columns":
-        return scaled_gather(a_data, b_data, plan.b_pos, out=out)
+        return scaled_gather(a_data, b_data, plan.b_pos, out=out, runs=_runs(plan, plan.b_pos))
     if plan.method == "scale_rows":
-        return scaled_gather(b_data, a_data, plan.a_pos, out=out)
+        return scaled_gather(b_data, a_data, plan.a_pos, out=out, runs=_runs(plan, plan.a_pos))
     if plan.method in ("general", "gather") and plan.starts is None:
         return _single_products(plan, a_data, b_data, out)
     if plan.selection is not None and (a_data if plan.selection.operand == "a" else b_data).ndim == 2:
@@ -103,14 +103,31 @@ def _single_products(plan: ProductPlan, a_data: Array, b_data: Array, out: Array
     """``C`` entries with one multiply-add each: a stream of scalings (no sums, no scatter).
 
     Both operands are gathered into ``C``'s entry order piece by piece by :func:`scaled_gather`, the
-    per-sample one from its cached rows. A ``gather`` plan of this
+    per-sample one from its cached rows, as scaled contiguous copies where the entries come in long
+    runs (:func:`_runs`: a pool gathering rows of a convolution's JT). A ``gather`` plan of this
     shape (a non-overlapping pool on the left) runs its dead multiply-adds too: on the host a
     streamed product of every ``C`` entry costs less than scattering the live ones (3-4x at
     batch 16 on VGG-11's pool·conv products).
     """
     if b_data.ndim == 2 and a_data.ndim == 1:
-        return scaled_gather(a_data, b_data, plan.b_pos, values_index=plan.a_pos, out=out)
-    return scaled_gather(b_data, a_data, plan.a_pos, values_index=plan.b_pos, out=out)
+        return scaled_gather(a_data, b_data, plan.b_pos, values_index=plan.a_pos, out=out,
+                             runs=_runs(plan, plan.b_pos, plan.a_pos))
+    return scaled_gather(b_data, a_data, plan.a_pos, values_index=plan.b_pos, out=out,
+                         runs=_runs(plan, plan.a_pos, plan.b_pos))
+
+
+_RUNS: dict[tuple[int, int], Runs | None] = {}
+""":func:`_runs` per plan (by identity, dropped with the plan) and index array."""
+
+
+def _runs(plan: ProductPlan, index: np.ndarray, values_index: np.ndarray | None = None) -> Runs | None:
+    """``find_runs(index, values_index)`` of a scaling or one-multiply-add product, found on the
+    plan's first run and kept while the plan lives (one pass over its index arrays)."""
+    key = (id(plan), id(index))
+    if key not in _RUNS:
+        weakref.finalize(plan, _RUNS.pop, key, None)
+        _RUNS[key] = find_runs(index, values_index)
+    return _RUNS[key]
 
 
 def _workers(work: int) -> int:
