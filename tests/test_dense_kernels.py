@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparse_scan import backend
-from sparse_scan.recurrent import _base
+from sparse_scan.recurrent import GRU, LSTM, RNN, _base
 
 CPU = backend.get("cpu")
 chain_cpu, chain_numpy = _base._chain.twins["cpu"], _base._chain.twins["gpu"]
@@ -116,3 +116,66 @@ def test_chain_through_factors_on_cupy_arrays_equals_the_compiled_host_chain(aff
                                         for a in (weights_t, coefficients, diagonal, direct)))
     assert backend.of(got).name == "gpu"
     np.testing.assert_allclose(gpu.to_host(got), want, rtol=1e-12, atol=1e-12)
+
+
+def previous_bp(layer, direct):
+    """The previous implementation of BP's gradients: the factored chain (the compiled chain kernel,
+    or the LSTM's NumPy steps), then the gate gradients and the two sums kernels."""
+    return _base._bp_gradients.twins["gpu"](CPU, layer._single_run(), direct, None)
+
+
+def recurrent_layer(kind, dtype, steps, batch, seed=0):
+    layer = {"rnn-tanh": lambda: RNN(3, 6, dtype=dtype, rng=seed),
+             "rnn-relu": lambda: RNN(3, 6, nonlinearity="relu", dtype=dtype, rng=seed),
+             "gru": lambda: GRU(3, 6, dtype=dtype, rng=seed),
+             "lstm": lambda: LSTM(3, 6, dtype=dtype, rng=seed),
+             "lstm-proj": lambda: LSTM(3, 6, proj_size=4, dtype=dtype, rng=seed)}[kind]()
+    layer.forward(np.random.default_rng(seed + 1).standard_normal((batch, steps, 3)).astype(dtype))
+    return layer
+
+
+KINDS = ["rnn-tanh", "rnn-relu", "gru", "lstm", "lstm-proj"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_compiled_bp_equals_the_chain_then_the_gradient_sums(monkeypatch, kind, dtype, rtol, affine, threads):
+    """Each cell's one-kernel back-propagation (totals, input and every parameter) equals the chain
+    followed by the gate gradients and the sums kernels."""
+    monkeypatch.setenv("SPARSE_SCAN_THREADS", threads)
+    steps, batch = 11, 5
+    layer = recurrent_layer(kind, dtype, steps, batch)
+    size = layer._single_run().cell.state_size
+    rng = np.random.default_rng(4)
+    direct = rng.standard_normal((steps, batch, size) if affine else (batch, size)).astype(dtype)
+    got = _base._bp_gradients.twins["cpu"](CPU, layer._single_run(), direct, None)
+    want = previous_bp(layer, direct)
+    assert set(want) <= set(got)
+    for key, value in want.items():
+        assert got[key].dtype == dtype and got[key].shape == value.shape, key
+        np.testing.assert_allclose(got[key], value, rtol=rtol, atol=rtol * np.abs(value).max(), err_msg=key)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_bp_of_a_vanishing_chain_stops_at_zeros_and_keeps_nan_from_a_non_finite_value(kind):
+    """A loss on the last state of a long sequence: the totals vanish (flushed), every earlier total
+    and input gradient is an exact zero, and the parameter gradients equal the previous
+    implementation's; a non-finite saved value past the vanishing point still gives NaN there, as IEEE
+    arithmetic does."""
+    steps, batch = 1500, 3
+    layer = recurrent_layer(kind, np.float32, steps, batch)
+    run = layer._single_run()
+    direct = np.random.default_rng(5).standard_normal((batch, run.cell.state_size)).astype(np.float32)
+    got = _base._bp_gradients.twins["cpu"](CPU, run, direct, None)
+    want = previous_bp(layer, direct)
+    assert np.all(got["state"][:10] == 0) and np.all(got["x"][:10] == 0)
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6 * np.abs(value).max(), err_msg=key)
+    run.saved["x"][3, 1, 0] = np.inf  # the input's gradient there is 0 · inf
+    got = _base._bp_gradients.twins["cpu"](CPU, run, direct, None)
+    with np.errstate(invalid="ignore"):
+        want = previous_bp(layer, direct)
+    np.testing.assert_array_equal(np.isnan(got["weight_ih"]), np.isnan(want["weight_ih"]))
+    assert np.isnan(got["weight_ih"]).any() and not np.isnan(got["state"]).any()

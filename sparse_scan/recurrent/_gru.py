@@ -22,9 +22,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from .._host_kernels import dense_kernels
 from .._types import Array
 from ..layers._weighted import RngLike
-from ._base import Cell
+from ._base import Cell, compiled_back_propagation
 from ._module import RecurrentModule
 
 __all__ = ["GRU", "GRUSteps"]
@@ -68,6 +69,11 @@ class GRUSteps(Cell):
         coefficients = xp.stack([gate_n * m * r * (1 - r), (saved["h_prev"] - n) * z * (1 - z), gate_n * r],
                                 axis=2)
         return weights_t, coefficients, z
+
+    def back_propagate(self, saved: dict[str, Array], p: dict[str, Array | None], direct: Array
+                       ) -> dict[str, Array]:
+        return compiled_back_propagation(dense_kernels().gru_backward, tuple(saved[key] for key in "rznm"),
+                                         saved, p, direct, self.state_size)
 
     def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
                              totals: Array) -> tuple[Array, Array, dict[str, Array]]:

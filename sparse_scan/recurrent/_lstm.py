@@ -39,9 +39,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
+from .._host_kernels import dense_kernels
 from .._types import Array
 from ..layers._weighted import RngLike
-from ._base import Cell, fill_blocks
+from ._base import Cell, compiled_back_propagation, fill_blocks
 from ._gru import sigmoid
 from ._module import RecurrentModule, legacy_alias
 
@@ -137,6 +140,15 @@ class LSTMSteps(Cell):
             if affine and t > 1:
                 totals[t - 1] += direct[t - 2]
         return totals
+
+    def back_propagate(self, saved: dict[str, Array], p: dict[str, Array | None], direct: Array
+                       ) -> dict[str, Array]:
+        w_hr, dtype = p["weight_hr"], saved["h"].dtype
+        weight_hr, h_cell = (w_hr, saved["h_cell"]) if w_hr is not None else (np.empty((0, 0), dtype),
+                                                                            np.empty((0, 0, 0), dtype))
+        gates = tuple(saved[key] for key in ("i", "f", "g", "o", "tanh_c", "c_prev"))
+        return compiled_back_propagation(dense_kernels().lstm_backward, (weight_hr, *gates, h_cell), saved, p,
+                                         direct, self.state_size, {"weight_hr": weight_hr.shape})
 
     def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
                              totals: Array) -> tuple[Array, Array, dict[str, Array]]:

@@ -25,9 +25,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from .._host_kernels import dense_kernels
 from .._types import Array
 from ..layers._weighted import RngLike
-from ._base import Cell
+from ._base import Cell, compiled_back_propagation
 from ._module import RecurrentModule
 
 __all__ = ["RNN", "ElmanSteps"]
@@ -65,6 +66,11 @@ class ElmanSteps(Cell):
     def factors(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None]
                 ) -> tuple[Array, Array, Array | None]:
         return p["weight_hh"].T[None], saved["slope"][:, :, None, :], None
+
+    def back_propagate(self, saved: dict[str, Array], p: dict[str, Array | None], direct: Array
+                       ) -> dict[str, Array]:
+        return compiled_back_propagation(dense_kernels().elman_backward, (saved["slope"],), saved, p, direct,
+                                         self.state_size)
 
     def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],
                              totals: Array) -> tuple[Array, Array, dict[str, Array]]:
