@@ -10,8 +10,9 @@ its product buffers across levels and runs), and ``ours_fresh_s`` allocates the 
 (``run.multiply``: at batch 16 tens of MB of fresh pages, their faults included). SciPy's products,
 one sample at a time, reuse the memory malloc got back from the previous sample's. The targets are
 judged on ``ours_s`` (``speedup_vs_scipy``); ``speedup_fresh_vs_scipy`` stands beside it.
-``write_floor_s`` is one thread filling the kept output with zeros: the memory-write bound of a
-product whose output is much larger than its operands (batch 16). Every max-pool
+``write_floor_s`` is one thread zero-filling the kept output, a reference for products bound by
+writing an output much larger than their operands (batch 16; two threads may write faster than one
+fills). Every max-pool
 layer's JT values fill is timed against a same-size copy into a fresh array (``np.copy`` of an
 array of the values' bytes: the allocation and page faults included on both sides; target >= 0.5x).
 
