@@ -49,7 +49,7 @@ from sparse_scan.engine import _cpu
 from sparse_scan.engine.products import count_multiply_adds, plan_product
 from sparse_scan.engine.run import multiply
 from sparse_scan.engine.schedule import Element, schedule
-from sparse_scan.layers import MaxPool2d
+from sparse_scan.layers import MaxPool2d, ReLU
 
 TARGETS = {"scale_rows": (3, 10), "scale_columns": (3, 10), "gather": (3, 10), "general": (2, 4),
            "rowwise": (2, 4), "block": (2, 4)}
@@ -93,6 +93,8 @@ def touch_every_kernel() -> None:
         multiply(plan_product(pa, pc, "general", "general"), av, np.ones((2, 5), dtype))  # stored (2.5)
         multiply(plan_product(pa, pb, "general", "general", budget_bytes=200), av, bv)  # row-wise
         multiply(plan_product(pa, diagonal, "general", "diagonal"), av, np.ones((2, 5), dtype))
+        pool.input_matvec(x)(np.ones((2, 8), dtype))  # the operators from the input
+        ReLU().input_matvec(x)(np.ones((2, 32), dtype))
 
 
 def pressure() -> str | None:
