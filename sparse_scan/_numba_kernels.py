@@ -375,6 +375,29 @@ def col2im(taps, geometry, out, p0, p1):
                         flat_out[u(row + ow * sw)] += flat_taps[u(line + ow)]
 
 
+@njit(**_OPTIONS)
+def col2im_pairs(taps, sources, targets, out, p0, p1):
+    """:func:`col2im` through a table, for narrow planes (whose rows are too short to run as loops):
+    ``out[b, c].flat[targets[t]] += taps.flat[first(b, c) + sources[t]]`` for every pair ``t`` of the
+    geometry, from zero, ``first(b, c)`` being the offset of the plane's first tap ``(c kh kw, b)``.
+    The pairs run tap by tap in the order (i, j): each input element sums its taps in :func:`col2im`'s
+    order (equal bit for bit)."""
+    batch, channels = out.shape[0], out.shape[1]
+    plane_in = out.shape[2] * out.shape[3]
+    per_tap = taps.shape[1] * taps.shape[2] * taps.shape[3]
+    taps_per_channel = taps.shape[0] // channels
+    flat_taps, flat_out = taps.reshape(-1), out.reshape(-1)
+    zero = out.dtype.type(0)
+    for p in range(p0, p1):
+        b, c = p // channels, p % channels
+        base = p * plane_in
+        for e in range(base, base + plane_in):
+            flat_out[u(e)] = zero
+        first = c * taps_per_channel * per_tap + b * (per_tap // batch)
+        for t in range(sources.size):
+            flat_out[u(base + targets[t])] += flat_taps[u(first + sources[t])]
+
+
 # Dense channel-block products (sparse_scan.engine._blocks)
 
 

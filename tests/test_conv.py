@@ -438,12 +438,15 @@ def test_kept_csr_weights_follow_a_dtype_change():
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("threaded", [False, True])
-def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cfg, dtype, threaded):
+@pytest.mark.parametrize("rows_from", [0, 10**6])
+def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cfg, dtype, threaded,
+                                                                 rows_from):
     """The host's compiled im2col and col2im against the CuPy twins' expressions run on NumPy:
     the same columns, and the same sums in the same order (every geometry, cut over channels and
-    planes or not)."""
+    planes or not; col2im by rows of taps and by its table of pairs)."""
     from sparse_scan.layers import _conv
 
+    monkeypatch.setattr(_conv, "COL2IM_ROWS_MIN_WIDTH", rows_from)
     if threaded:
         monkeypatch.setattr(_conv, "THREAD_MIN_VALUES", 1)
         monkeypatch.setattr(_conv, "cpu_threads", lambda: 3)
