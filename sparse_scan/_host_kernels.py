@@ -106,7 +106,7 @@ def conv_kernels() -> ModuleType:
 
 @functools.lru_cache(maxsize=None)
 def operator_kernels() -> ModuleType:
-    """The matrix-free JT operators (:mod:`sparse_scan._numba_operators`: ReLU and 2x2 max-pool
+    """The matrix-free JT operators (:mod:`sparse_scan._numba_operators`: the ReLU's
     ``JT(x) @ g`` from the input), loaded as :func:`kernels` is."""
     _use_cache_directory()
     from . import _numba_operators  # noqa: PLC0415 - lazy by design

@@ -193,13 +193,16 @@ def live_products(selection, other, entries, valid, column_of_slot, out_pos, oth
 
 
 @njit(**_OPTIONS)
-def max_pool_2x2(x, out, out_width, j0, j1, chunk):
+def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
     """Max-pool values of 2x2 windows of stride 2 that tile the input exactly (``H = 2 Ho``,
     ``W = 2 Wo``, no padding or dilation): 1 at each window's first maximum (PyTorch's order a, b /
-    p, q), 0 elsewhere. The values are then the input's shape, so ``x`` and ``out`` are flat
-    ``(B, C, H, W)`` arrays read as horizontal pairs ``(x[2j], x[2j + 1])``; the kernel fills the
-    pairs ``j0:j1`` (whole rows of windows: multiples of ``2 out_width``). Returns whether one of
-    those inputs is NaN.
+    p, q), 0 elsewhere; or, given the gradient ``g`` (flat ``(B, C, Ho, Wo)``), ``JT @ g`` without the
+    values: each input gets its value times its window's gradient (bit for bit what the values' SpMV
+    gives; :meth:`sparse_scan.layers.MaxPool2d.input_matvec`). Both are the input's shape, so ``x``
+    and ``out`` are flat ``(B, C, H, W)`` arrays read as horizontal pairs ``(x[2j], x[2j + 1])``; the
+    kernel fills the pairs ``j0:j1`` (whole rows of windows: multiples of ``2 out_width``). Returns
+    whether one of those inputs is NaN. ``g`` is None for the values: numba compiles that case apart,
+    without the gradient's reads.
 
     Two vectorised passes per ``chunk`` pairs (no per-window branch, no short row loops): each pair's
     maximum and whether its right element wins (strictly greater: ties keep the left), then per pair
@@ -215,6 +218,7 @@ def max_pool_2x2(x, out, out_width, j0, j1, chunk):
         for i in range(wo):
             top[r + i] = True
             top[r + wo + i] = False
+    pair_grad = np.empty(size, dtype=out.dtype)  # pair i's window's gradient
     pair_max = np.zeros(size + 2 * wo, dtype=x.dtype)  # pair i at wo + i: the pair above is at i
     right = np.empty(size, dtype=out.dtype)
     nan = False
@@ -228,14 +232,26 @@ def max_pool_2x2(x, out, out_width, j0, j1, chunk):
             pair_max[u(wo + i)] = b if wins else a
             right[u(i)] = wins
             nan |= (a != a) | (b != b)
+        if g is not None:  # spread to the pairs by rows of windows: the next pass reads it in order
+            first = c // 2  # windows before pair c: c // period rows of wo windows
+            for r in range(0, n, period):
+                for i in range(wo):
+                    value = out.dtype.type(g[u(first + r // 2 + i)])
+                    pair_grad[u(r + i)] = value
+                    pair_grad[u(r + wo + i)] = value
         for i in range(n):
             mine = pair_max[u(wo + i)]
             top_holds = not (pair_max[u(wo + i + wo)] > mine)  # read for both, chosen below: no branch
             bottom_holds = mine > pair_max[u(i)]
             holds = out.dtype.type(top_holds if top[u(i)] else bottom_holds)
             on_right = right[u(i)] * holds
-            out[u(base + 2 * i + 1)] = on_right
-            out[u(base + 2 * i)] = holds - on_right
+            if g is None:
+                out[u(base + 2 * i + 1)] = on_right
+                out[u(base + 2 * i)] = holds - on_right
+            else:
+                grad = pair_grad[u(i)]
+                out[u(base + 2 * i + 1)] = on_right * grad
+                out[u(base + 2 * i)] = (holds - on_right) * grad
     return nan
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag
-from .._host_kernels import kernels, launch, operator_kernels
+from .._host_kernels import kernels, launch
 from .._threads import cpu_threads, even_parts
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
@@ -268,7 +268,7 @@ def _max_selection_cpu(
     if _two_by_two(g):
         covered = np.ascontiguousarray(x[:, :, :2 * g.out_height, :2 * g.out_width]).reshape(-1)
         kernel, pairs = kernels().max_pool_2x2, 2 * g.out_height * g.out_width  # pairs per plane
-        args = [(covered, data.reshape(-1), g.out_width, p0 * pairs, p1 * pairs, MAX_POOL_CHUNK)
+        args = [(covered, None, data.reshape(-1), g.out_width, p0 * pairs, p1 * pairs, MAX_POOL_CHUNK)
                 for p0, p1 in pieces]
     else:  # the kernel zeroes each plane's entries
         kernel, geometry = kernels().max_pool_windows, tuple(g.as_array().tolist())
@@ -300,7 +300,7 @@ def _any_flag(kernel: Callable[..., bool], args: list[tuple]) -> bool:
 
 def _max_pool_2x2_matvec(layer: MaxPool2d, g: PoolGeometry, x: np.ndarray, grad: np.ndarray) -> np.ndarray:
     """``JT(x) @ grad`` of 2x2 windows of stride 2 for flat ``(B, outputs)`` gradients, without JT's
-    values (:func:`sparse_scan._numba_operators.max_pool_2x2_backward`, over the inputs the windows
+    values (:func:`sparse_scan._numba_kernels.max_pool_2x2` given the gradient, over the inputs the windows
     cover; an odd last row or column, in no window, gets 0). Raises as the values fill does on a
     NaN in a window."""
     batch = x.shape[0]
@@ -316,7 +316,7 @@ def _max_pool_2x2_matvec(layer: MaxPool2d, g: PoolGeometry, x: np.ndarray, grad:
     flat_grad = np.ascontiguousarray(grad).reshape(-1)
     args = [(covered.reshape(-1), flat_grad, values.reshape(-1), g.out_width, p0 * pairs, p1 * pairs,
              MAX_POOL_CHUNK) for p0, p1 in _plane_pieces(g, batch, values.size)]
-    if _any_flag(operator_kernels().max_pool_2x2_backward, args):
+    if _any_flag(kernels().max_pool_2x2, args):
         raise layer._error("input", _NAN_IN_WINDOW)
     if exact:
         return values.reshape(batch, -1)
