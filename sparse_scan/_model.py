@@ -438,7 +438,7 @@ class Sequential:
         # bound here, on this thread, run on the scan's threads
         matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
         operators = {j: self.layers[n - j].input_matvec(activations[n - j])
-                     for j in through_inputs(be, plan) - through}  # ... or from their layers' inputs
+                     for j in through_inputs(plan) - through}  # ... or from their layers' inputs
         operators = {j: operator for j, operator in operators.items() if operator is not None}
         matvecs.update(operators)
         valueless = plan.weights.valueless(through) | operators.keys()

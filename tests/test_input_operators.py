@@ -141,7 +141,7 @@ def test_backward_uses_operators_and_equals_values_path(monkeypatch, method, lev
     again = model.backward(grad, method, levels)
     if method == "linear":
         assert filled == []  # every ReLU and pool JT went through its operator
-    monkeypatch.setattr(model_module, "through_inputs", lambda be, plan: frozenset())
+    monkeypatch.setattr(model_module, "through_inputs", lambda plan: frozenset())
     without = model.backward(grad, method, levels)
     assert len(filled) == 6 if method == "linear" else len(filled) > 0  # 4 ReLUs, 2 pools
     for a, b, c in zip(with_operators, again, without, strict=True):
@@ -163,8 +163,9 @@ def test_linear_backward_with_operators_equals_torch_autograd():
 
 
 def test_operators_only_on_the_host(be):
-    """The GPU scan fills every JT (``through_inputs`` names none there); the layers offer no operator
-    for device arrays either, so a residual block's inner chain keeps its JT values on the GPU."""
+    """The layers offer no operator for device arrays (the one place that says so: their operator
+    twins), so the GPU scan fills every JT ``through_inputs`` names, and a residual block's inner
+    chain keeps its JT values on the GPU."""
     x = be.asarray(inputs((1, 2, 4, 4), np.float64, 17))
     offered = [layer.input_matvec(x) is not None for layer in (ReLU(), MaxPool2d(2))]
     assert offered == [be.name == "cpu"] * 2

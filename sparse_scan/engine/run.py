@@ -40,8 +40,6 @@ _run_plan = _backend.twin(
 # the GPU scan runs every mv as an SpMV in its level launch: no JT goes through its layer's weights
 _through_weights = _backend.twin(cpu=lambda be, plan, batch: plan.weights.through(batch),
                                  gpu=lambda be, plan, batch: frozenset())
-# ... nor by its layer's operator from the input
-_through_inputs = _backend.twin(cpu=lambda be, plan: plan.weights.mv_only, gpu=lambda be, plan: frozenset())
 _multiply = _backend.twin(cpu=lambda be, plan, a_data, b_data: _cpu.multiply(plan, a_data, b_data),
                           gpu=lambda be, plan, a_data, b_data: _gpu.multiply(plan, a_data, b_data))
 _run_dense_plan = _backend.twin(
@@ -57,12 +55,14 @@ def through_weights(be: _backend.Backend, plan: ScanPlan, batch: int) -> frozens
     return _through_weights(be, plan, batch)
 
 
-def through_inputs(be: _backend.Backend, plan: ScanPlan) -> frozenset[int]:
-    """The layer JTs (scan elements ``j``) whose mv steps a run of ``plan`` on ``be`` may apply by
-    their layers' operators from the input (``Layer.input_matvec``: ReLU, 2x2 max-pool) instead of
-    their values, where the layer offers one: on the CPU every JT that only mv steps read
-    (``plan.weights.mv_only``; the run then fills no values for it), none on the GPU."""
-    return _through_inputs(be, plan)
+def through_inputs(plan: ScanPlan) -> frozenset[int]:
+    """The layer JTs (scan elements ``j``) whose mv steps a run of ``plan`` may apply by their layers'
+    operators from the input (``Layer.input_matvec``: ReLU, 2x2 max-pool) instead of their values:
+    every JT that only mv steps read (``plan.weights.mv_only``); the run then fills no values for
+    those whose layer offers an operator. Whether one exists on a backend is the layer's to say (its
+    operator twin): the host's are compiled kernels, and on the GPU no layer offers one, so the GPU
+    scan fills every JT."""
+    return plan.weights.mv_only
 
 
 def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
