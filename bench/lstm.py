@@ -5,10 +5,13 @@ The paper's RNN setting (H=20, input 1, 10 classes, loss on the last hidden stat
 an LSTM cell: a T sweep at B=16 and a B sweep at T=1000. Per configuration, the median over repeats of
 one backward pass per iteration:
 
-- ``blelloch``, ``hybrid-auto`` and ``linear``: our ``LSTM.backward`` (the ``(h, c)`` state's
-  ``2H×2H`` blocks, the scan, input and parameter gradients); on the CPU back-propagation's schedule
-  (``linear``, or ``hybrid-auto`` at depth 0) fills no block: it applies the factored block, one
-  ``(B, 4H) × (4H, H)`` GEMM per step. The scan alone and the block fill are reported beside;
+- ``blelloch``, ``hybrid-auto`` and ``linear``: our ``LSTM.backward`` (``backward_s``: the ``(h, c)``
+  state's ``2H×2H`` blocks, the scan, input and parameter gradients), with the phase the backward runs
+  for its chain beside it: ``scan_s``, the scan over the filled blocks (``blocks_s`` fills them). On
+  the CPU back-propagation's schedule (``linear``, or ``hybrid-auto`` at depth 0) fills no block and
+  has no scan of its own: the cell's compiled kernel (``lstm_backward``) runs the totals, the input
+  and the parameter gradients in one pass per run of samples, so its entry has ``kernel_s`` (that
+  pass alone, the run's ``backward``) and no ``scan_s``;
 - ``torch``: ``loss.backward()`` through ``nn.LSTM`` with the same weights, in a fresh process of
   its own (PyTorch's OpenMP threads slow NumPy work in a shared process, and are slowed by it), with
   the largest relative difference of our gradients from its.
@@ -35,7 +38,7 @@ from typing import Any
 
 import numpy as np
 from common import machine
-from rnn import interleaved, repeats_for, timed
+from rnn import factored_schedule, interleaved, repeats_for, timed
 
 from sparse_scan import backend
 from sparse_scan.engine.dense_plan import auto_levels
@@ -46,6 +49,9 @@ from sparse_scan.recurrent import LSTM, Bitstream, RecurrentClassifier, train_re
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
 HIDDEN = 20
+NOTE = ("per schedule: backward_s, LSTM.backward; scan_s, the scan over the filled blocks alone (blocks_s "
+        "fills them); kernel_s in place of scan_s where the backward has no scan of its own (the CPU's "
+        "linear, and hybrid-auto at depth 0): the cell's compiled kernel, totals and gradients in one pass")
 
 
 def problem(steps: int, batch: int) -> tuple[LSTM, np.ndarray, np.ndarray]:
@@ -122,8 +128,9 @@ def measure(steps: int, batch: int, be: backend.Backend) -> dict[str, Any]:
     for label, method, levels in SCHEDULES:
         timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: lstm.backward(seed_d, m, lv), sync)
         level = resolved[label]
-        if be.name == "cpu" and (method == "linear" or level == 0):  # no block filled
-            timers[f"{label}_scan"] = timed(lambda: run.factored_chain(state_seed), sync)
+        if factored_schedule(method, level, be.name):  # one compiled pass: no block filled, no scan
+            timers[f"{label}_kernel"] = timed(lambda m=method, lv=level: run.backward(state_seed, m, lv),
+                                              sync)
         else:
             timers[f"{label}_scan"] = timed(lambda m=method, lv=level: dense_scan(blocks, state_seed, m, lv),
                                             sync)
@@ -137,7 +144,8 @@ def measure(steps: int, batch: int, be: backend.Backend) -> dict[str, Any]:
                            "depth": depth(steps),
                            "forward_s": seconds["forward"], "blocks_s": seconds["blocks"]}
     for label, method, levels in SCHEDULES:
-        entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"]}
+        phase = "kernel" if f"{label}_kernel" in seconds else "scan"
+        entry = {"backward_s": seconds[f"{label}_backward"], f"{phase}_s": seconds[f"{label}_{phase}"]}
         if baseline is not None:
             result = lstm.backward(seed_d, method, levels)
             entry["max_rel_error_vs_torch"] = max(
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{label} {row[label]['backward_s'] * 1e3:.2f} ms" for label, _, _ in SCHEDULES)
             + (f", torch {row['torch']['backward_s'] * 1e3:.2f} ms" if "torch" in row else ""),
             file=sys.stderr)
-    print(json.dumps({"machine": info, "rows": rows}, indent=1))
+    print(json.dumps({"machine": info, "note": NOTE, "rows": rows}, indent=1))
     return 0
 
 
