@@ -35,6 +35,9 @@ from typing import Any
 import numpy as np
 
 BENCH = pathlib.Path(__file__).resolve().parent
+TESTS = BENCH.parent / "tests"
+"""Holds ``resnet_blocks.py``, torchvision's BasicBlock that the tests export too (no package: put on
+the path where the block is needed)."""
 STAGES = ((16, 1), (32, 2), (64, 2))
 
 
@@ -45,29 +48,9 @@ def torch_resnet20(seed: int, random_statistics: bool = True) -> Any:
     import torch
     from torch import nn
 
-    class BasicBlock(nn.Module):
-        """torchvision.models.resnet.BasicBlock's forward (torchvision is not a dependency)."""
-
-        def __init__(self, inplanes: int, planes: int, stride: int) -> None:
-            super().__init__()
-            self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(planes)
-            self.relu = nn.ReLU()
-            self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(planes)
-            self.downsample = None
-            if stride != 1 or inplanes != planes:
-                self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False),
-                                                nn.BatchNorm2d(planes))
-
-        def forward(self, x):
-            identity = x
-            out = self.relu(self.bn1(self.conv1(x)))
-            out = self.bn2(self.conv2(out))
-            if self.downsample is not None:
-                identity = self.downsample(x)
-            out += identity
-            return self.relu(out)
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
+    from resnet_blocks import BasicBlock  # the tests' reference, torchvision's forward
 
     torch.manual_seed(seed)
     net = nn.Sequential()

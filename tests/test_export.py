@@ -19,6 +19,8 @@ from sparse_scan.layers import BatchNorm2d, Dropout
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from resnet_blocks import BasicBlock  # noqa: E402 - imports torch, skipped above without it
+
 
 def every_layer():
     torch.manual_seed(0)
@@ -185,42 +187,14 @@ def test_run_and_flops_on_an_exported_normalised_cnn(tmp_path):
 
 
 # --- residual blocks, recognised by torch.fx tracing -------------------------------------------
-class TorchvisionBasicBlock(nn.Module):
-    """torchvision.models.resnet.BasicBlock's forward, verbatim (torchvision is not a dependency)."""
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample = None
-        if stride != 1 or inplanes != planes:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False),
-                                            nn.BatchNorm2d(planes))
-
-    def forward(self, x):
-        identity = x
-        out = self.conv1(x)
-        out = self.bn1(out)
-        out = self.relu(out)
-        out = self.conv2(out)
-        out = self.bn2(out)
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        out = self.relu(out)
-        return out
-
-
+# BasicBlock (resnet_blocks.py) with torchvision's ReLU(inplace=True): the traced graph is torchvision's
 class Nested(nn.Module):
     """A block whose inner chain holds a block, with a single-module shortcut."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pre = nn.Tanh()
-        self.inner = TorchvisionBasicBlock(8, 8)
+        self.inner = BasicBlock(8, 8, inplace=True)
         self.conv = nn.Conv2d(8, 6, 3, padding=1)
         self.proj = nn.Conv2d(8, 6, 1)
 
@@ -233,9 +207,9 @@ def resnet_like():
     torch.manual_seed(0)
     net = nn.Sequential()
     for name, module in [("conv1", nn.Conv2d(3, 4, 3, 1, 1, bias=False)), ("bn1", nn.BatchNorm2d(4)),
-                         ("relu", nn.ReLU()), ("layer1", nn.Sequential(TorchvisionBasicBlock(4, 4))),
-                         ("layer2", nn.Sequential(TorchvisionBasicBlock(4, 8, 2),
-                                                  TorchvisionBasicBlock(8, 8))),
+                         ("relu", nn.ReLU()), ("layer1", nn.Sequential(BasicBlock(4, 4, inplace=True))),
+                         ("layer2", nn.Sequential(BasicBlock(4, 8, 2, inplace=True),
+                                                  BasicBlock(8, 8, inplace=True))),
                          ("nested", nn.Sequential(Nested())), ("avgpool", nn.AdaptiveAvgPool2d(1)),
                          ("flatten", nn.Flatten()), ("fc", nn.Linear(6, 5))]:
         net.add_module(name, module)

@@ -26,6 +26,8 @@ from sparse_scan.weights import load_state_dict, named_layers, state_dict
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from resnet_blocks import BasicBlock  # noqa: E402 - imports torch, skipped above without it
+
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -55,29 +57,6 @@ SMALL_RESNET = ("input_shape: [3, 8, 8]\nweights: small.npz\nlayers:\n"
                 + block_spec("layer2.1", 8, 8, 1) + "  - {name: relu3, type: relu}\n"
                 "  - {name: avgpool, type: adaptive_avgpool2d, output_size: 1}\n"
                 "  - {name: flatten, type: flatten}\n  - {name: fc, type: linear, out_features: 5}\n")
-
-
-class BasicBlock(nn.Module):
-    """torchvision's ``BasicBlock`` (``relu(bn2(conv2(relu(bn1(conv1(x))))) + downsample(x))``)."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU()
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def residual(self, x):
-        """The block before its final ReLU (the spec's ``residual`` layer)."""
-        identity = x if self.downsample is None else self.downsample(x)
-        return self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + identity
-
-    def forward(self, x):
-        return self.relu(self.residual(x))
 
 
 class SmallResNet(nn.Module):
