@@ -5,10 +5,12 @@ its GRU shapes S/M/L (T x input = 259x38, 517x24, 1034x12, H=20) on random data 
 configuration, the median over repeats of one backward pass per iteration:
 
 - ``blelloch``, ``hybrid-auto`` and ``linear`` (BP emulated with the Jacobians): our
-  ``recurrent.backward`` — Jacobian blocks, the scan, input and parameter gradients — with the
-  scan alone reported next to it. On the CPU back-propagation's schedule (``linear``, or ``hybrid-auto``
-  when it picks depth 0) fills no blocks: its scan is ``chain_through_factors`` over the blocks'
-  factors (on a GPU it is the chain kernel over the filled blocks);
+  ``recurrent.backward`` (``backward_s``: Jacobian blocks, the scan, input and parameter gradients),
+  with the phase it runs for its chain beside it: ``scan_s``, the scan over the filled blocks alone
+  (on a GPU BP's is the chain kernel over them). On the CPU back-propagation's schedule (``linear``,
+  or ``hybrid-auto`` when it picks depth 0) fills no blocks and has no scan of its own: the cell's
+  compiled kernel runs the totals and the gradients in one pass, so its entry has ``kernel_s`` (that
+  pass alone, the run's ``backward``) and no ``scan_s`` or scan speedups;
 - ``torch``: ``loss.backward()`` through ``nn.RNN``/``nn.GRU`` with the same weights (PyTorch's CPU
   kernels here, cuDNN on a GPU), when torch is installed;
 - ``jax``: ``jax.lax.associative_scan`` over the same blocks (jit-compiled, compile time excluded),
@@ -40,7 +42,7 @@ from sparse_scan import backend
 from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
-from sparse_scan.recurrent import GRU, RNN, Bitstream, chain_through_factors
+from sparse_scan.recurrent import GRU, RNN, Bitstream
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
 GRU_SHAPES = {"S": (259, 38), "M": (517, 24), "L": (1034, 12)}
@@ -187,13 +189,14 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
                            "depth": depth(steps)}
     cell.forward(xd)
     blocks, factors = cell.transposed_jacobians(), cell.jacobian_factors()
+    run = cell._single_run()
     timers: dict[str, Timer] = {"forward": timed(lambda: cell.forward(xd), sync),
                                 "blocks": timed(cell.transposed_jacobians, sync)}
     for label, method, levels in SCHEDULES:
         timers[f"{label}_backward"] = timed(lambda m=method, lv=levels: cell.backward(seed, m, lv), sync)
         resolved = row["auto_levels"] if levels == "auto" else levels
-        if factored_schedule(method, resolved, be.name):
-            timers[f"{label}_scan"] = timed(lambda: chain_through_factors(*factors, seed), sync)
+        if factored_schedule(method, resolved, be.name):  # one compiled pass: no block filled, no scan
+            timers[f"{label}_kernel"] = timed(lambda m=method, lv=resolved: run.backward(seed, m, lv), sync)
         else:
             timers[f"{label}_scan"] = timed(lambda m=method, lv=resolved: dense_scan(blocks, seed, m, lv),
                                             sync)
@@ -207,7 +210,8 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
     row.update(forward_s=seconds["forward"], blocks_s=seconds["blocks"])
     for label, method, levels in SCHEDULES:
         resolved = row["auto_levels"] if levels == "auto" else levels
-        entry = {"backward_s": seconds[f"{label}_backward"], "scan_s": seconds[f"{label}_scan"]}
+        phase = "kernel" if f"{label}_kernel" in seconds else "scan"
+        entry = {"backward_s": seconds[f"{label}_backward"], f"{phase}_s": seconds[f"{label}_{phase}"]}
         if factored_schedule(method, resolved, be.name):  # T steps of one GEMM over the stacked factors
             terms = factors[1].shape[2] + (factors[2] is not None)
             flops = 2 * steps * batch * terms * hidden * hidden
@@ -221,8 +225,9 @@ def measure(kind: str, steps: int, batch: int, size: int, hidden: int, be: backe
             result = cell.backward(seed, method, levels)
             entry["max_rel_error_vs_torch"] = relative_error(result, torch_grads)
             entry["speedup_vs_torch"] = baseline["backward_s"] / entry["backward_s"]
-            entry["scan_speedup_vs_torch"] = baseline["backward_s"] / entry["scan_s"]
-        if jax is not None:
+            if "scan_s" in entry:
+                entry["scan_speedup_vs_torch"] = baseline["backward_s"] / entry["scan_s"]
+        if jax is not None and "scan_s" in entry:
             entry["scan_speedup_vs_jax"] = jax["scan_s"] / entry["scan_s"]
         row[label] = entry
     if baseline is not None:
