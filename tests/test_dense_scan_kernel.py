@@ -382,8 +382,9 @@ def test_gpu_dense_scan_twin_is_a_launch_per_level(dense_launches):
 @pytest.mark.parametrize("cell", [RNN, GRU])
 @pytest.mark.parametrize("last_only", [False, True], ids=["every-step", "last-only"])
 def test_gpu_recurrent_bp_twin_is_one_chain_launch(dense_launches, cell, last_only):
-    """On a GPU, BP fills the blocks and runs their chain in one launch: equal to BP through the
-    factors (the CPU twin), which fills nothing."""
+    """On a GPU, BP fills the blocks and runs their chain in one launch: its totals equal BP through
+    the factors (``factored_chain``, which fills nothing), its gradients the CPU twin's (the cell's
+    compiled kernel)."""
     gpu, cpu = backend.get("gpu"), backend.get("cpu")
     steps, batch, hidden = 9, 3, 5
     layer = cell(2, hidden, dtype=np.float64, rng=1)
@@ -391,10 +392,14 @@ def test_gpu_recurrent_bp_twin_is_one_chain_launch(dense_launches, cell, last_on
     x = rng.standard_normal((batch, steps, 2))
     direct = rng.standard_normal((batch, hidden) if last_only else (steps, batch, hidden))
     layer.forward(gpu.asarray(x))
-    got = recurrent_base._back_propagate.twins["gpu"](gpu, layer, gpu.asarray(direct), None)
+    got = recurrent_base._bp_gradients.twins["gpu"](gpu, layer._single_run(), gpu.asarray(direct), None)
     assert dense_launches == [("chain", steps), steps + 1]
     layer.forward(x)
-    assert_close(to_host(got), recurrent_base._back_propagate.twins["cpu"](cpu, layer, direct, None), 1e-12)
+    assert_close(to_host(got["state"]), layer.factored_chain(direct), 1e-12)
+    want = recurrent_base._bp_gradients.twins["cpu"](cpu, layer._single_run(), direct, None)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert_close(to_host(got[key]), value, 1e-12)
 
 
 @pytest.mark.gpu

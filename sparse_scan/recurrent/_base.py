@@ -13,10 +13,12 @@ A :class:`Run` is one layer and direction of a module: a cell, the names of its 
 module and what its last forward kept; :meth:`Run.backward` scans the state chain with any schedule.
 
 Back-propagation's schedule (``linear``, or a ``hybrid`` of depth 0) needs no block at all on the CPU:
-each step applies the factored block to one vector per sample, a GEMM over the samples
-(:func:`chain_through_factors`, or the LSTM's chain), so the ``T·B·S²`` block values are neither filled
-nor read. On a GPU that loop would be a few launches per step; there the blocks are filled (a few
-launches over all steps) and the chain of ``T`` products is one launch (``dense_scan_chain``).
+the cell's compiled kernel (:meth:`Cell.back_propagate`) runs the whole backward of a run of samples,
+the totals through the factored blocks, the input's and the parameters' gradients, so the ``T·B·S²``
+block values are neither filled nor read. :func:`chain_through_factors` (and :meth:`Run.factored_chain`)
+give the totals alone the same way, a GEMM over the samples per step. On a GPU that loop would be a few
+launches per step; there the blocks are filled (a few launches over all steps) and the chain of ``T``
+products is one launch (``dense_scan_chain``).
 """
 
 from __future__ import annotations
@@ -139,19 +141,6 @@ def chain_through_factors(weights_t: Array, coefficients: Array, diagonal: Array
     return _chain(_backend.of(coefficients), weights_t, coefficients, diagonal, direct)
 
 
-def _back_propagate_cpu(be: _backend.Backend, layer: Run, direct: Array, threads: int | None) -> Array:
-    """NumPy twin: BP through the factors, no block filled."""
-    return layer.factored_chain(direct)
-
-
-def _back_propagate_gpu(be: _backend.Backend, layer: Run, direct: Array, threads: int | None) -> Array:
-    """CUDA twin: fill the blocks, then the chain in one launch."""
-    return dense_scan(layer.transposed_jacobians(threads), direct, "linear")
-
-
-_back_propagate = _backend.twin(cpu=_back_propagate_cpu, gpu=_back_propagate_gpu)
-
-
 def _bp_gradients_cpu(be: _backend.Backend, layer: Run, direct: Array,
                       threads: int | None) -> dict[str, Array]:
     """Compiled twin: the cell's kernel runs the whole backward (no block filled, no ``(T, B, ·)``
@@ -165,7 +154,7 @@ def _bp_gradients_gpu(be: _backend.Backend, layer: Run, direct: Array,
                       threads: int | None) -> dict[str, Array]:
     """CUDA twin: BP's totals (the blocks filled, the chain in one launch), then the gradients from
     them."""
-    return layer.gradients(_back_propagate(be, layer, direct, threads))
+    return layer.gradients(dense_scan(layer.transposed_jacobians(threads), direct, "linear"))
 
 
 _bp_gradients = _backend.twin(cpu=_bp_gradients_cpu, gpu=_bp_gradients_gpu)
