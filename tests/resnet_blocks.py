@@ -71,14 +71,5 @@ class BasicBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """torchvision's forward: :meth:`residual`, then the ReLU.
-
-        Parameters
-        ----------
-        x : torch.Tensor, shape (N, inplanes, H, W)
-
-        Returns
-        -------
-        torch.Tensor, shape (N, planes, H', W')
-        """
+        """torchvision's forward: :meth:`residual`, then the ReLU (its shapes)."""
         return self.relu(self.residual(x))
