@@ -114,6 +114,27 @@ def test_empty_batches_and_non_positive_sizes_name_the_layer():
             layer.transposed_jacobian(np.zeros(shape, np.float32))
 
 
+def test_inputs_like_an_accepted_one_skip_the_checks_and_no_other_does():
+    """A layer remembers the (type, dtype, shape) of inputs it accepted: after a good call, a bad
+    dtype, batch, size or non-array of the same shape is still refused, each with its own message."""
+    from sparse_scan.layers import MaxPool2d
+
+    layer = MaxPool2d(2)
+    good = np.random.default_rng(0).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    assert layer.transposed_jacobian(good).nnz == 3 * 16
+    assert len(layer._valid_inputs) == 1  # the memo the next call hits
+    assert layer.transposed_jacobian(good.copy()).nnz == 3 * 16
+    assert len(layer._valid_inputs) == 1
+    refused = [(good.astype(np.int32), "dtype must be float32 or float64"),
+               (good[:0], "expected a batch of at least one sample"),
+               (good[:, :, :1, :1], "window"),
+               (good.tolist(), "expected an ndarray")]
+    for bad, message in refused:
+        with pytest.raises(ValueError, match=message):
+            layer.transposed_jacobian(bad)
+    assert len(layer._valid_inputs) == 1
+
+
 def test_recurrent_training_arguments_are_checked():
     from sparse_scan.optim import Adam
     from sparse_scan.recurrent import Bitstream, RecurrentClassifier, train_recurrent
