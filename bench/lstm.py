@@ -23,7 +23,8 @@ after the pass; ``gpu`` in the machine record names the device.
 Our contenders are timed in turn within each round (medians over the rounds), after a warm-up round.
 ``--curve`` trains the paper's classifier with an LSTM for ``--iterations`` (100) Adam steps with
 BPPSA (``blelloch``) and with PyTorch on the same batches and reports both loss curves and their
-largest relative difference. Prints JSON.
+largest relative difference. Prints JSON; ``--rows FILE`` also appends each measured row to FILE as
+one JSON line the moment it is measured (``common.Rows``: a run killed half-way keeps what it finished).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from common import machine
+from common import Rows, machine
 from rnn import factored_schedule, interleaved, repeats_for, timed
 
 from sparse_scan import backend
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--lr", type=float, default=1e-3,
                         help="Adam's (the paper's 1e-5 barely moves the loss in 100 steps)")
+    parser.add_argument("--rows", type=pathlib.Path, metavar="FILE",
+                        help="append each measured row to FILE as one JSON line as soon as it is measured")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=pathlib.Path, help=argparse.SUPPRESS)
@@ -225,16 +228,19 @@ def main(argv: list[str] | None = None) -> int:
                                                           be.name)}, indent=1))
         return 0
     rows = []
+    log = Rows(args.rows, "lstm", info, note=NOTE)
     sweep = [("T", steps, 16) for steps in args.steps] + [("B", 1000, batch) for batch in args.batches
                                                            if batch != 16 or 1000 not in args.steps]
     for name, steps, batch in sweep:
         row = measure(steps, batch, be)
         row["sweep"] = name
         rows.append(row)
+        log.add(row)
         print(f"lstm T={steps} B={batch}: " + ", ".join(
             f"{label} {row[label]['backward_s'] * 1e3:.2f} ms" for label, _, _ in SCHEDULES)
             + (f", torch {row['torch']['backward_s'] * 1e3:.2f} ms" if "torch" in row else ""),
             file=sys.stderr)
+    log.finish()
     print(json.dumps({"machine": info, "note": NOTE, "rows": rows}, indent=1))
     return 0
 

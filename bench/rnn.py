@@ -20,8 +20,10 @@ Our contenders are timed in turn within each round (medians over the rounds); th
 in a fresh process of their own (PyTorch's OpenMP threads and XLA's thread pool spin between
 operations and slow NumPy work in a shared process, and are slowed by it). Also the forward times,
 the plan's figures (critical steps, work, peak bytes) and the gradients' largest relative difference
-from PyTorch (and JAX's from the linear scan). Prints JSON; ``--plot FILE.png`` draws the speedups over
-PyTorch against T and against B (paper Fig. 8).
+from PyTorch (and JAX's from the linear scan). Prints JSON; ``--rows FILE`` also appends each row to
+FILE as one JSON line the moment it is measured (``common.Rows``: a run killed half-way keeps what it
+finished); ``--plot FILE.png`` draws the speedups over PyTorch against T and against B (paper Fig. 8).
+``--steps 30000 --batches --gru`` measures one point alone (T=30000, B=16).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-from common import machine
+from common import Rows, machine, read_rows
 
 from sparse_scan import backend
 from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
@@ -279,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-jax", action="store_true", help="skip JAX even when it is installed")
     parser.add_argument("--plot", type=pathlib.Path, help="write the Fig. 8-style plot here")
     parser.add_argument("--replot", type=pathlib.Path, metavar="JSON",
-                        help="only draw --plot from this script's saved JSON output")
+                        help="only draw --plot from this script's saved JSON output (or its --rows file)")
     parser.add_argument("--json", action="store_true", help="JSON only (default also JSON)")
+    parser.add_argument("--rows", type=pathlib.Path, metavar="FILE",
+                        help="append each measured row to FILE as one JSON line as soon as it is measured")
     parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="rnn", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
@@ -296,16 +300,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot is not None:
         if args.plot is None:
             parser.error("--replot needs --plot")
-        saved = json.loads(args.replot.read_text())
+        try:
+            saved = json.loads(args.replot.read_text())
+        except json.JSONDecodeError:  # JSON lines: a --rows file
+            saved = {}
+        if "rows" not in saved:
+            saved = read_rows(args.replot)
         plot(saved["rows"], args.plot, saved["machine"].get("gpu", saved["machine"]["processor"]))
         return 0
     be = backend.get(args.device)
     rows = []
+    log = Rows(args.rows, "rnn", machine(be, with_torch=False))  # torch stays out of this process
 
     def run(kind: str, sweep: str, steps: int, batch: int, size: int) -> None:
         row = measure(kind, steps, batch, size, 20, be, not args.no_jax)
         row["sweep"] = sweep
         rows.append(row)
+        log.add(row)
         print(f"{kind} T={steps} B={batch}: " + ", ".join(
             f"{name} {row[name]['backward_s'] * 1e3:.2f} ms" for name, _, _ in SCHEDULES)
             + (f", torch {row['torch']['backward_s'] * 1e3:.2f} ms" if "torch" in row else ""),
@@ -319,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         steps, size = GRU_SHAPES[name]
         run("gru", name, steps, 16, size)
     info = machine(be)
+    log.finish()
     print(json.dumps({"machine": info, "rows": rows}, indent=1), flush=True)  # before the plot can fail
     if args.plot is not None:
         plot(rows, args.plot, info.get("gpu", info["processor"]))

@@ -9,19 +9,21 @@ fit the memory budget or need a product of more than ``--max-step-flops`` (check
 built), or whose work exceeds ``--max-work-flops``, are listed (with their figures when planned) and
 not run. With ``--device gpu`` the forward and backward run on CuPy arrays (timed to the end of the
 device work) against PyTorch autograd on CUDA, and the gradients are checked against the CPU's linear
-scan. Prints JSON (``--json``) or a table.
+scan. Prints JSON (``--json``) or a table; ``--rows FILE`` also appends each row to FILE as one JSON line
+the moment it is done (``common.Rows``: a run killed half-way keeps what it finished).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 from typing import Any
 
 import numpy as np
-from common import machine, median_time, no_sync
+from common import Rows, machine, median_time, no_sync
 from vgg import vgg11_features
 
 from sparse_scan import backend
@@ -70,7 +72,7 @@ def schedules(n: int) -> list[tuple[str, Any]]:
                                                                                 ("blelloch", None)])
 
 
-def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, prune: float, log: Rows) -> list[dict[str, Any]]:
     be = backend.get(args.device)
     rng = np.random.default_rng(0)
     model = vgg11_features(pruned=prune > 0)
@@ -87,35 +89,41 @@ def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
     for method, levels in schedules(len(model)):
         row: dict[str, Any] = {"model": name, "batch": args.batch, "method": method, "levels": levels}
         rows.append(row)
-        start = time.perf_counter()
         try:
-            plan = model.plan(x.shape[1:], method, levels, max_step_flops=int(args.max_step_flops))
-        except ScanMemoryError as error:
-            row["skipped"] = f"does not fit the memory budget: {error}"
-            continue
-        except ScanCostError as error:
-            row["skipped"] = f"not planned: {error}"
+            start = time.perf_counter()
+            try:
+                plan = model.plan(x.shape[1:], method, levels, max_step_flops=int(args.max_step_flops))
+            except ScanMemoryError as error:
+                row["skipped"] = f"does not fit the memory budget: {error}"
+                continue
+            except ScanCostError as error:
+                row["skipped"] = f"not planned: {error}"
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                continue
+            row["plan_s"] = time.perf_counter() - start
+            row["levels_chosen"] = plan.levels
+            totals = plan.report(args.batch, 4)["totals"]
+            row.update(totals)
+            if plan.work_flops * args.batch > args.max_work_flops:
+                row["skipped"] = f"{plan.work_flops * args.batch:.3g} FLOPs of work over --max-work-flops"
+                continue
+            grads = [be.to_host(g) for g in model.backward(grad, method, levels)]
+            row["max_rel_error_vs_linear"] = max(float(np.abs(g - r).max() / max(np.abs(r).max(), 1e-30))
+                                                 for g, r in zip(grads, reference, strict=True))
+            row["backward_s"] = median_time(lambda m=method, k=levels: model.backward(grad, m, k),
+                                            args.repeats, be.synchronize)
+            if torch_s is not None:
+                row["torch_autograd_s"] = torch_s
+                row["speedup_vs_torch"] = torch_s / row["backward_s"]
+            linear_s = rows[0].get("backward_s")
+            if linear_s:
+                row["speedup_vs_linear"] = linear_s / row["backward_s"]
             print(json.dumps(row), file=sys.stderr, flush=True)
-            continue
-        row["plan_s"] = time.perf_counter() - start
-        row["levels_chosen"] = plan.levels
-        totals = plan.report(args.batch, 4)["totals"]
-        row.update(totals)
-        if plan.work_flops * args.batch > args.max_work_flops:
-            row["skipped"] = f"{plan.work_flops * args.batch:.3g} FLOPs of work over --max-work-flops"
-            continue
-        grads = [be.to_host(g) for g in model.backward(grad, method, levels)]
-        row["max_rel_error_vs_linear"] = max(float(np.abs(g - r).max() / max(np.abs(r).max(), 1e-30))
-                                             for g, r in zip(grads, reference, strict=True))
-        row["backward_s"] = median_time(lambda m=method, k=levels: model.backward(grad, m, k), args.repeats,
-                                        be.synchronize)
-        if torch_s is not None:
-            row["torch_autograd_s"] = torch_s
-            row["speedup_vs_torch"] = torch_s / row["backward_s"]
-        linear_s = rows[0].get("backward_s")
-        if linear_s:
-            row["speedup_vs_linear"] = linear_s / row["backward_s"]
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"
+            raise
+        finally:  # each row as soon as it is done, skipped or failed ones too
+            log.add(row)
     return rows
 
 
@@ -131,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the unpruned network")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rows", type=pathlib.Path, metavar="FILE",
+                        help="append each row to FILE as one JSON line as soon as it is done")
     args = parser.parse_args(argv)
-    rows = measure(args, 0.97) + (measure(args, 0.0) if args.dense else [])
+    log = Rows(args.rows, "scan", machine(backend.get(args.device), with_torch=False))
+    rows = measure(args, 0.97, log) + (measure(args, 0.0, log) if args.dense else [])
+    log.finish()
     if args.json:
         print(json.dumps({"benchmark": "scan", "machine": machine(backend.get(args.device)), "rows": rows},
                          indent=2))

@@ -12,20 +12,22 @@ With ``--device gpu`` the numeric phase runs on the GPU (``spgemm.multiply`` on 
 RawKernel launch, or batched GEMMs for block products) against cupyx ``A @ B`` (cuSPARSE SpGEMM), one
 sample at a time, both timed to the end of their device work. The numeric results are checked against
 SciPy's (or cupyx's). Products over ``--max-multiply-adds`` (per sample) are listed with their figures
-but not run. Prints JSON (``--json``) or a table.
+but not run. Prints JSON (``--json``) or a table; ``--rows FILE`` also appends each row to FILE as one
+JSON line the moment it is done (``common.Rows``: a run killed half-way keeps what it finished).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
 import scipy.sparse as sp
-from common import machine, median_time
+from common import Rows, machine, median_time
 from vgg import vgg11_features
 
 from sparse_scan import backend
@@ -54,7 +56,7 @@ def scipy_products(pairs: list) -> list:
     return [a @ b for a, b in pairs]
 
 
-def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, prune: float, log: Rows) -> list[dict[str, Any]]:
     be = backend.get(args.device)
     baseline = "cupyx" if be.name == "gpu" else "scipy"
     rows = []
@@ -79,52 +81,59 @@ def measure(args: argparse.Namespace, prune: float) -> list[dict[str, Any]]:
                                    "layers": [model.layers[n - right.hi].name,
                                               model.layers[n - left.lo].name]}
             rows.append(row)
-            if values.get(left) is None or values.get(right) is None:
-                row["skipped"] = "an operand was not computed"
-                values[out] = None
-                continue
-            (a_pat, a_kind, a_data), (b_pat, b_kind, b_data) = values[right], values[left]
-            multiply_adds = count_multiply_adds(a_pat, b_pat)
-            row.update(mnk=[a_pat.shape[0], a_pat.shape[1], b_pat.shape[1]], multiply_adds=multiply_adds)
-            channels = (shapes[n - right.hi][0], shapes[n - left.hi][0], shapes[n - left.lo + 1][0])
-            dense_blocks = (block_layout(a_pat, *channels[:2]) is not None
-                            and block_layout(b_pat, *channels[1:]) is not None)
-            limit = args.max_multiply_adds if dense_blocks else args.max_scalar_multiply_adds
-            if multiply_adds > limit:
-                row["skipped"] = f"{multiply_adds} multiply-adds per sample over the limit"
-                values[out] = None
-                continue
-            start = time.perf_counter()
-            plan = plan_product(a_pat, b_pat, a_kind, b_kind, channels=channels)
-            row["plan_s"] = time.perf_counter() - start
-            row.update(method=plan.method, flops=plan.flops, flops_live=plan.flops_live,
-                       out_nnz=plan.out.nnz, plan_bytes=plan.nbytes,
-                       shared_operands=a_data.ndim == 1 and b_data.ndim == 1)
-            result = multiply(plan, a_data, b_data)
-            values[out] = (plan.out, "general", result)
-            operands = (plan, be.asarray(a_data), be.asarray(b_data))
-            row["ours_s"] = median_time_of(multiply, operands, args.repeats, be)
-            if be.name == "gpu":
-                on_device = be.to_host(multiply(*operands))
-                row["max_rel_error_gpu_vs_cpu"] = float(abs(on_device - result).max()) / max(
-                    float(abs(result).max(initial=0.0)), 1e-30)
-            samples = 1 if row["shared_operands"] else batch
-            if multiply_adds > args.max_scipy_multiply_adds:
-                row[f"{baseline}_skipped"] = "over --max-scipy-multiply-adds"
-                continue
-            pairs = [(scipy_matrix(a_pat, a_data, s, be), scipy_matrix(b_pat, b_data, s, be))
-                     for s in range(samples)]
-            row[f"{baseline}_s"] = median_time_of(scipy_products, (pairs,), args.repeats, be)
-            check = pairs[0][0] @ pairs[0][1]
-            if be.name == "gpu":
-                check = check.get()
-            ours = sp.csr_matrix((result if result.ndim == 1 else result[0], plan.out.indices,
-                                  plan.out.indptr), shape=plan.out.shape)
-            scale = float(abs(check).max()) if check.nnz else 1.0
-            row[f"max_rel_error_vs_{baseline}"] = float(abs(ours - check).max()) / scale if check.nnz else 0.0
-            row[f"speedup_vs_{baseline}"] = row[f"{baseline}_s"] / row["ours_s"]
-            row[f"plan_vs_one_{baseline}_product"] = row["plan_s"] / (row[f"{baseline}_s"] / samples)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            try:
+                if values.get(left) is None or values.get(right) is None:
+                    row["skipped"] = "an operand was not computed"
+                    values[out] = None
+                    continue
+                (a_pat, a_kind, a_data), (b_pat, b_kind, b_data) = values[right], values[left]
+                multiply_adds = count_multiply_adds(a_pat, b_pat)
+                row.update(mnk=[a_pat.shape[0], a_pat.shape[1], b_pat.shape[1]], multiply_adds=multiply_adds)
+                channels = (shapes[n - right.hi][0], shapes[n - left.hi][0], shapes[n - left.lo + 1][0])
+                dense_blocks = (block_layout(a_pat, *channels[:2]) is not None
+                                and block_layout(b_pat, *channels[1:]) is not None)
+                limit = args.max_multiply_adds if dense_blocks else args.max_scalar_multiply_adds
+                if multiply_adds > limit:
+                    row["skipped"] = f"{multiply_adds} multiply-adds per sample over the limit"
+                    values[out] = None
+                    continue
+                start = time.perf_counter()
+                plan = plan_product(a_pat, b_pat, a_kind, b_kind, channels=channels)
+                row["plan_s"] = time.perf_counter() - start
+                row.update(method=plan.method, flops=plan.flops, flops_live=plan.flops_live,
+                           out_nnz=plan.out.nnz, plan_bytes=plan.nbytes,
+                           shared_operands=a_data.ndim == 1 and b_data.ndim == 1)
+                result = multiply(plan, a_data, b_data)
+                values[out] = (plan.out, "general", result)
+                operands = (plan, be.asarray(a_data), be.asarray(b_data))
+                row["ours_s"] = median_time_of(multiply, operands, args.repeats, be)
+                if be.name == "gpu":
+                    on_device = be.to_host(multiply(*operands))
+                    row["max_rel_error_gpu_vs_cpu"] = float(abs(on_device - result).max()) / max(
+                        float(abs(result).max(initial=0.0)), 1e-30)
+                samples = 1 if row["shared_operands"] else batch
+                if multiply_adds > args.max_scipy_multiply_adds:
+                    row[f"{baseline}_skipped"] = "over --max-scipy-multiply-adds"
+                    continue
+                pairs = [(scipy_matrix(a_pat, a_data, s, be), scipy_matrix(b_pat, b_data, s, be))
+                         for s in range(samples)]
+                row[f"{baseline}_s"] = median_time_of(scipy_products, (pairs,), args.repeats, be)
+                check = pairs[0][0] @ pairs[0][1]
+                if be.name == "gpu":
+                    check = check.get()
+                ours = sp.csr_matrix((result if result.ndim == 1 else result[0], plan.out.indices,
+                                      plan.out.indptr), shape=plan.out.shape)
+                scale = float(abs(check).max()) if check.nnz else 1.0
+                row[f"max_rel_error_vs_{baseline}"] = (float(abs(ours - check).max()) / scale
+                                                       if check.nnz else 0.0)
+                row[f"speedup_vs_{baseline}"] = row[f"{baseline}_s"] / row["ours_s"]
+                row[f"plan_vs_one_{baseline}_product"] = row["plan_s"] / (row[f"{baseline}_s"] / samples)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {error}"
+                raise
+            finally:  # each row as soon as it is done, skipped or failed ones too
+                log.add(row)
     return rows
 
 
@@ -140,9 +149,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="SciPy is not timed on products above this (per sample)")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="gpu: our numeric phase on CuPy operands against cupyx (cuSPARSE)")
+    parser.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the unpruned network")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rows", type=pathlib.Path, metavar="FILE",
+                        help="append each row to FILE as one JSON line as soon as it is done")
     args = parser.parse_args(argv)
-    rows = measure(args, 0.97) + measure(args, 0.0)
+    log = Rows(args.rows, "spgemm", machine(backend.get(args.device), with_torch=False))
+    rows = measure(args, 0.97, log) + (measure(args, 0.0, log) if args.dense else [])
+    log.finish()
     if args.json:
         print(json.dumps({"benchmark": "spgemm", "machine": machine(backend.get(args.device)), "rows": rows},
                          indent=2))
