@@ -6,7 +6,10 @@
 ``x_i``), ``param.<name>``, ``sent_bytes`` and ``products`` (each rank's slice product non-zeros, -1
 for none) to ``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes
 it sleep; a :class:`~sparse_scan.distributed.DistributedError` is printed, and a timeout ends every
-rank (:func:`sparse_scan.distributed.abort`).
+rank (:func:`sparse_scan.distributed.abort`). With ``--hang-rank`` every rank first runs the whole
+forward pass once (its kernels loaded) and then waits at a barrier, so that the ranks start the
+timed pass together: the rank waiting on the stuck one times out first, whatever the machine's
+speed (a rank still starting up would otherwise look stuck to its neighbours).
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ def main() -> None:
     model = load(args.model)
     x, grad = inputs(model)
     split = None if args.split is None else [int(c) for c in args.split.split(",")]
+    if args.hang_rank is not None:
+        model.forward(x)  # warm: the timed pass below runs no first-call compilation or loading
+        comm.Barrier()
     if comm.rank in (args.fail_rank, args.hang_rank):
         first = distributed.slices(model, comm.size, split, model.input_shape)[comm.rank][0]
         layer = model.layers[first]
