@@ -252,6 +252,10 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path, device_name: str) -> No
               ("B", [r for r in rnn if r["sweep"] == "B"], "batch size B (T=1000)")]
     for axis, (key, sweep, label) in zip(axes, sweeps, strict=True):
         xs = [r[key] for r in sweep]
+        if not xs:  # e.g. the GPU run's rows: T = 1000 and 30000 at B = 16, no B sweep
+            axis.set_axis_off()
+            axis.set_title(f"no {label.split(' (')[0]} sweep in these rows", fontsize=9)
+            continue
         for name, style in (("blelloch", "o-"), ("hybrid-auto", "s--"), ("linear", "^:")):
             ys = [r[name].get("speedup_vs_torch") for r in sweep]
             if all(y is not None for y in ys):

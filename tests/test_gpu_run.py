@@ -250,6 +250,11 @@ def test_a_benchmark_killed_half_way_keeps_its_finished_rows(tmp_path):
     measured = [row["T"] for row in saved["rows"]]
     assert 1 <= len(measured) < len(steps) and measured == [int(t) for t in steps[:len(measured)]]
     assert all(row["linear"]["backward_s"] > 0 for row in saved["rows"])
+    if importlib.util.find_spec("matplotlib") is not None:  # and they still draw Fig. 8 (no B sweep here)
+        plot = tmp_path / "rnn.png"
+        subprocess.run([sys.executable, str(BENCH / "rnn.py"), "--replot", str(rows), "--plot", str(plot)],
+                       check=True, capture_output=True, timeout=120)
+        assert plot.stat().st_size > 0
 
 
 def test_a_rows_file_cut_in_its_last_line_reads_back_to_its_whole_rows(tmp_path):
