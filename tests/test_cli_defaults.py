@@ -1,24 +1,56 @@
 """Default options work on every bundled model: `run` and `flops` choose a schedule (``--method
-auto``) from estimates before building any product, plan in seconds, and say what they chose."""
+auto``) from estimates before building any product, plan within a bound of symbolic work (seconds, not
+minutes), and say what they chose.
+
+The bound is counted, not timed, so that no verdict depends on the machine's speed: the entries of
+every pattern built (layers' JTs, residual blocks' JTs, products' results) and the multiply-adds
+expanded by scalar symbolic products. The most any bundled spec needs with default options is
+ResNet-20's 1.9e8 (its blocks' JTs; 4 s of planning on a quiet 2-core machine, resnet20-pruned 1.7e8
+in 8 s); a schedule choice gone wrong costs 10-1000x that (resnet20-pruned's hybrid 2 expands 3.8e9
+multiply-adds in 250 s).
+"""
 
 from __future__ import annotations
 
 import json
 import pathlib
-import time
 
 import pytest
 from click.testing import CliRunner
 
+from sparse_scan import csr
 from sparse_scan.cli import app
+from sparse_scan.engine import products
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 SPECS = sorted(path.name for path in DATA.glob("*.yaml"))
-PLAN_SECONDS = 10.0
+SYMBOLIC_BOUND = 2.5e8
+"""The most symbolic work (pattern entries plus expanded multiply-adds) default options may cost."""
 
 
 def invoke(*args):
     return CliRunner().invoke(app.main, list(map(str, args)))
+
+
+@pytest.fixture
+def symbolic_work(monkeypatch):
+    """Counts, while a test runs, the entries of every pattern built and the multiply-adds that
+    scalar symbolic products expand (``engine.products._expand``): ``symbolic_work[0]``."""
+    work = [0]
+    expand, make_pattern = products._expand, csr.Pattern.__init__
+
+    def counted_expand(a, b, row_start, row_stop):
+        expanded = expand(a, b, row_start, row_stop)
+        work[0] += len(expanded[2])
+        return expanded
+
+    def counted_pattern(self, *args, **kwargs):
+        make_pattern(self, *args, **kwargs)
+        work[0] += len(self.indices)
+
+    monkeypatch.setattr(products, "_expand", counted_expand)
+    monkeypatch.setattr(csr.Pattern, "__init__", counted_pattern)
+    return work
 
 
 def test_every_bundled_spec_is_covered():
@@ -26,11 +58,11 @@ def test_every_bundled_spec_is_covered():
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_run_with_default_options_succeeds_and_plans_in_seconds(spec):
+def test_run_with_default_options_succeeds_within_the_symbolic_bound(spec, symbolic_work):
     result = invoke("run", DATA / spec, "--random", "1", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["timings"]["plan_s"] < PLAN_SECONDS
+    assert symbolic_work[0] <= SYMBOLIC_BOUND
     schedule = report["schedule"]
     assert schedule["requested"] == "auto" and (schedule["method"], schedule["levels"]) == (
         report["method"], report["levels"])
@@ -38,11 +70,10 @@ def test_run_with_default_options_succeeds_and_plans_in_seconds(spec):
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_flops_with_default_options_succeeds_in_seconds(spec):
-    start = time.perf_counter()
+def test_flops_with_default_options_succeeds_within_the_symbolic_bound(spec, symbolic_work):
     result = invoke("flops", DATA / spec, "--json")
-    assert time.perf_counter() - start < PLAN_SECONDS
     assert result.exit_code == 0, result.output
+    assert symbolic_work[0] <= SYMBOLIC_BOUND
     report = json.loads(result.output)
     assert report["schedule"]["critical_flops"] == report["totals"]["critical_flops"]
     assert report["totals"]["critical_flops"] <= report["totals"]["bp_flops"]
