@@ -6,8 +6,9 @@ Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed J
 ``Sequential`` from a YAML model spec, :mod:`sparse_scan.spec`), :mod:`sparse_scan.recurrent` (RNN,
 GRU and LSTM whose backward is a scan over dense blocks), :mod:`sparse_scan.engine` (the scan engine
 itself: schedules, plans and their executors), :mod:`sparse_scan.optim`, :mod:`sparse_scan.train`,
-:mod:`sparse_scan.weights`, :mod:`sparse_scan.loss`, :mod:`sparse_scan.flops` and
-:mod:`sparse_scan.distributed`. Every other
+:mod:`sparse_scan.weights`, :mod:`sparse_scan.loss`, :mod:`sparse_scan.flops`,
+:mod:`sparse_scan.distributed` and :mod:`sparse_scan.torch` (PyTorch models in: :func:`export_torch`,
+imported only when used). Every other
 module is private by name (``_...``); ``sparse_scan.scan``, ``sparse_scan.spgemm`` and
 ``sparse_scan.dense_scan`` are deprecated aliases of parts of :mod:`sparse_scan.engine`.
 
@@ -24,11 +25,11 @@ from ._version import __version__
 __all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
            "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads", "csr",
            "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "optim",
-           "recurrent", "train", "weights"]
+           "recurrent", "torch", "train", "weights"]
 
 _MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "loss", "optim", "recurrent",
-            "train", "weights")
-_NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "_export", "Sequential": "_model",
+            "torch", "train", "weights")
+_NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "torch._export", "Sequential": "_model",
           "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",
           "SCHEDULES": "engine.schedule", "GPUUnavailableError": "backend", "SpecError": "spec",
           "load_model": "spec", "cpu_threads": "_threads"}

@@ -44,6 +44,7 @@ from .engine.products import ProductPlan
 from .engine.run import run_plan, through_inputs, through_weights
 from .engine.schedule import Element, checked_levels, depth
 from .layers import Layer
+from .layers._base import scoped_name
 
 __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
 
@@ -382,7 +383,7 @@ class Sequential:
         for index, layer in enumerate(self.layers):
             if hasattr(layer, "parameter_gradients"):
                 for name, value in layer.parameter_gradients(activations[index], grads[index + 1]).items():
-                    out[f"{layer.name}.{name}"] = value
+                    out[scoped_name(str(layer.name), layer, name)] = value
         return out
 
     # --- backward ------------------------------------------------------------------------------

@@ -58,8 +58,9 @@ new mask every forward pass from the spec's generator (seeded by ``init``: the s
 masks); in eval mode it is the identity. ``prune`` prunes the ``conv2d`` and ``linear`` weights only.
 
 A recurrent model is a recurrent layer (``rnn``, ``gru`` or ``lstm``, PyTorch's ``nn.RNN``/``nn.GRU``/
-``nn.LSTM`` arguments) followed by one ``linear`` layer, the classifier head on the last output; it
-loads as a :class:`~sparse_scan.recurrent.RecurrentClassifier` (in eval mode: no dropout). One sample
+``nn.LSTM`` arguments) followed by one ``linear`` layer, the classifier head on the last output (or,
+with ``reduction: mean`` on the head, on the mean of the outputs over time); it loads as a
+:class:`~sparse_scan.recurrent.RecurrentClassifier` (in eval mode: no dropout). One sample
 is ``[time steps, input_size]`` (batch-first data ``(N, T, input_size)`` whatever ``batch_first``
 says: that argument is the module's call layout), ``input_size`` and ``in_features`` are inferred, and
 the weights have PyTorch's state_dict names (``rnn.weight_ih_l0``, ``rnn.weight_hh_l1_reverse``, ...):
@@ -104,6 +105,7 @@ from .layers import (
     ELU,
     GELU,
     AdaptiveAvgPool2d,
+    Affine,
     AvgPool2d,
     BatchNorm2d,
     Conv2d,
@@ -114,33 +116,38 @@ from .layers import (
     Layer,
     LeakyReLU,
     Linear,
+    LogSoftmax,
     MaxPool2d,
     ReLU,
     Residual,
     Sigmoid,
     SiLU,
+    Softmax,
     Softplus,
     Tanh,
 )
 from .layers._weighted import as_float_dtype
 from .recurrent import GRU, LSTM, RNN, RecurrentClassifier
+from .recurrent._classifier import REDUCTIONS
 from .weights import named_layers, read_npz
 
-__all__ = ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model"]
+__all__ = ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"]
 
 LAYER_TYPES: dict[str, type[Layer]] = {
     "conv2d": Conv2d, "linear": Linear, "relu": ReLU, "leaky_relu": LeakyReLU, "tanh": Tanh,
     "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
-    "residual": Residual,
+    "affine": Affine, "log_softmax": LogSoftmax, "softmax": Softmax, "residual": Residual,
 }
 """Spec ``type`` -> layer class (arguments: the class's, PyTorch's names; ``residual``'s:
 :data:`RESIDUAL_FIELDS`)."""
 
-RESIDUAL_FIELDS = ("layers", "shortcut", "shortcut_name")
-"""A ``residual`` block's fields: its inner chain, its shortcut (absent: the identity) and the name its
-shortcut's parameters take (``"shortcut"`` by default; ``"downsample"`` gives torchvision's names)."""
+RESIDUAL_FIELDS = ("layers", "shortcut", "shortcut_name", "scoped")
+"""A ``residual`` block's fields: its inner chain, its shortcut (absent: the identity), the name its
+shortcut's parameters take (``"shortcut"`` by default; ``"downsample"`` gives torchvision's names) and
+whether its layers are named under the block (``scoped``, true by default; false: a sum written inline
+in a module's forward, whose layers keep their own names in the scope holding the block)."""
 
 RECURRENT_TYPES: dict[str, type] = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
 """Spec ``type`` of a recurrent first layer -> its class (arguments: PyTorch's; ``input_size`` inferred)."""
@@ -192,6 +199,11 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError(f"{path}: malformed YAML{at}: {getattr(error, 'problem', None) or error}") from None
+    return _checked_top_level(path, spec)
+
+
+def _checked_top_level(path: pathlib.Path, spec: Any) -> dict[str, Any]:
+    """``spec`` if it is a mapping of the known top-level keys holding ``input_shape`` and ``layers``."""
     if not isinstance(spec, dict):
         raise SpecError(f"{path}: expected a mapping with {', '.join(TOP_LEVEL[:2])}, ...; "
                         f"got {type(spec).__name__}")
@@ -274,7 +286,7 @@ def _build_entry(ctx: _Context, entry: Any, shape: tuple[int, ...], location: st
         raise _fail(ctx.path, where, "name", "used by an earlier layer")
     ctx.paths.add(full)
     if entry.get("type") == "residual":
-        return _build_residual(ctx, entry, shape, location, name, where, full)
+        return _build_residual(ctx, entry, shape, location, name, where, full, prefix)
     layer, out_shape = _build_layer(ctx.path, where, name, entry, shape, ctx.dtype, ctx.rng,
                                     ctx.amount is not None)
     _set_weights(ctx.path, where, full, layer, ctx.stored, ctx.initialised)
@@ -284,9 +296,11 @@ def _build_entry(ctx: _Context, entry: Any, shape: tuple[int, ...], location: st
 
 
 def _build_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...], location: str,
-                    name: str, where: str, full: str) -> tuple[Residual, tuple[int, ...]]:
+                    name: str, where: str, full: str, prefix: str) -> tuple[Residual, tuple[int, ...]]:
     """A ``residual`` block: its inner chain ``layers`` and its ``shortcut`` (absent or null: the
-    identity; one mapping: a single layer named ``shortcut_name``; a list: a chain under it)."""
+    identity; one mapping: a single layer named ``shortcut_name``; a list: a chain under it), its
+    layers' paths under the block's (``full``), or in the block's scope (``prefix``) when it is not
+    ``scoped``."""
     for argument in entry:
         if argument not in ("name", "type") + RESIDUAL_FIELDS:
             raise _fail(ctx.path, where, argument, f"unknown argument of residual (allowed: "
@@ -294,6 +308,11 @@ def _build_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...]
     if "layers" not in entry:
         raise _fail(ctx.path, where, "layers", "missing (required by residual: the inner chain f of "
                     "y = f(x) + shortcut(x))")
+    scoped = entry.get("scoped", True)
+    if not isinstance(scoped, bool):
+        raise _fail(ctx.path, where, "scoped", f"must be true or false, got {scoped!r}")
+    if not scoped:
+        return _build_inline_residual(ctx, entry, shape, location, name, where, prefix)
     shortcut_name = entry.get("shortcut_name", "shortcut")
     if not isinstance(shortcut_name, str) or not shortcut_name or "." in shortcut_name:
         raise _fail(ctx.path, where, "shortcut_name", f"must be a non-empty name without dots, got "
@@ -318,6 +337,35 @@ def _build_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...]
                                           f"{full}.{shortcut_name}.", where, "shortcut")
     else:
         chain = None
+    return _residual_block(ctx, where, name, shape, inner, inner_shape, chain, short_shape,
+                           dict(shortcut_name=shortcut_name))
+
+
+def _build_inline_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...], location: str,
+                           name: str, where: str, prefix: str) -> tuple[Residual, tuple[int, ...]]:
+    """A ``residual`` block with ``scoped: false``: its inner layers and its shortcut (absent or null:
+    the identity; a mapping or a list: one layer or a chain) named by their own names in the block's
+    scope ``prefix``; ``shortcut_name`` has no use there."""
+    if "shortcut_name" in entry:
+        raise _fail(ctx.path, where, "shortcut_name", "names the shortcut's layers under the block; with "
+                    "scoped: false every layer is named by its own name")
+    inner, inner_shape = _build_chain(ctx, entry["layers"], shape, f"{location}.layers", prefix, where,
+                                      "layers")
+    shortcut = entry.get("shortcut")
+    chain, short_shape = None, shape
+    if shortcut is not None:
+        entries = [shortcut] if isinstance(shortcut, dict) else shortcut
+        chain, short_shape = _build_chain(ctx, entries, shape, f"{location}.shortcut", prefix, where,
+                                          "shortcut")
+    return _residual_block(ctx, where, name, shape, inner, inner_shape, chain, short_shape,
+                           dict(scoped=False))
+
+
+def _residual_block(ctx: _Context, where: str, name: str, shape: tuple[int, ...], inner: list[Layer],
+                    inner_shape: tuple[int, ...], chain: Layer | list[Layer] | None,
+                    short_shape: tuple[int, ...],
+                    options: dict[str, Any]) -> tuple[Residual, tuple[int, ...]]:
+    """The :class:`Residual` of built chains whose output shapes must agree (``options``: its naming)."""
     if inner_shape != short_shape:
         which = (f"the shortcut gives {list(short_shape)}" if chain is not None else
                  "the identity shortcut keeps it; add a shortcut (e.g. a strided 1x1 conv2d and a "
@@ -325,7 +373,7 @@ def _build_residual(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...]
         raise _fail(ctx.path, where, "shortcut", f"the layers map the block's input {list(shape)} to "
                     f"{list(inner_shape)} but {which} (y = f(x) + shortcut(x) needs equal shapes)")
     try:
-        block = Residual(*inner, shortcut=chain, shortcut_name=shortcut_name)
+        block = Residual(*inner, shortcut=chain, **options)
     except (TypeError, ValueError) as error:  # defensive: the checks above cover Residual's own
         raise _fail(ctx.path, where, "layers", str(error)) from None
     block.name = name
@@ -446,12 +494,53 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential 
     dtype = as_float_dtype(dtype, "load_model")
     path = pathlib.Path(path)
     spec = _read_yaml(path)
+    stored = _load_weights(path, spec["weights"]) if "weights" in spec else {}
+    return _build_model(path, spec, stored, dtype)
+
+
+def model_from_spec(spec: dict[str, Any], weights: dict[str, Any] | None = None, dtype: Any = np.float32,
+                    source: str | pathlib.Path = "<spec>") -> Sequential | RecurrentClassifier:
+    """Build the model a spec describes from the spec's mapping and its weights, in memory.
+
+    What :func:`load_model` does after reading the files, with the same checks and messages (naming
+    ``source`` as the file): :func:`sparse_scan.export_torch` builds the model it is about to write
+    this way, to check it before writing anything.
+
+    Parameters
+    ----------
+    spec : dict
+        The spec's YAML as a mapping (``input_shape``, ``layers``, optional ``init`` and ``prune``;
+        a ``weights`` file name is not read: ``weights`` gives the arrays).
+    weights : dict, optional
+        ``"<layer>.<parameter>"`` -> array (the weights file's content).
+    dtype : numpy dtype
+        Parameter dtype (float32 or float64).
+    source : str or path-like
+        How messages name the spec.
+
+    Returns
+    -------
+    Sequential or RecurrentClassifier
+
+    Raises
+    ------
+    SpecError
+        As :func:`load_model`.
+    """
+    dtype = as_float_dtype(dtype, "model_from_spec")
+    path = pathlib.Path(source)
+    stored = {key: np.asarray(value) for key, value in (weights or {}).items()}
+    return _build_model(path, _checked_top_level(path, spec), stored, dtype)
+
+
+def _build_model(path: pathlib.Path, spec: dict[str, Any], stored: dict[str, np.ndarray],
+                 dtype: Any) -> Sequential | RecurrentClassifier:
+    """The model of a checked spec mapping and its stored weights (``path`` names it in messages)."""
     shape = _input_shape(path, spec["input_shape"])
     seed = _options(path, spec, "init", "seed", lambda v: isinstance(v, int) and not isinstance(v, bool)
                     and v >= 0)
     amount = _options(path, spec, "prune", "amount",
                       lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1)
-    stored = _load_weights(path, spec["weights"]) if "weights" in spec else {}
     if not isinstance(spec["layers"], list) or not spec["layers"]:
         raise _fail(path, "", "layers", "must be a non-empty list of layers")
     first = spec["layers"][0]
@@ -547,9 +636,14 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
                     f"linear, got {entries[1].get('type')!r}")
     if head_name == name:
         raise _fail(path, head_where, "name", "used by an earlier layer")
-    head, _ = _build_layer(path, head_where, head_name, entries[1],
+    head_entry = {key: value for key, value in entries[1].items() if key != "reduction"}
+    reduction = entries[1].get("reduction", "last")
+    if reduction not in REDUCTIONS:
+        raise _fail(path, head_where, "reduction", f"what the head reads of the recurrent outputs: one of "
+                    f"{', '.join(REDUCTIONS)} (the last output, or the mean over time), got {reduction!r}")
+    head, _ = _build_layer(path, head_where, head_name, head_entry,
                            (recurrent.num_directions * recurrent.output_size,), dtype, rng, False)
-    model = RecurrentClassifier(recurrent, head=head, input_shape=shape)
+    model = RecurrentClassifier(recurrent, head=head, input_shape=shape, reduction=reduction)
     for parameter, expected in recurrent.parameter_shapes().items():
         cast = _stored(path, where, name, parameter, stored, seed is not None, recurrent.dtype)
         if cast is None:

@@ -33,20 +33,24 @@ __all__ = ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_
 
 
 def _walk(model: Any) -> Iterator[tuple[str, Any]]:
-    """``(path, layer)`` for every layer of ``model``, a block before the layers it holds."""
-    def visit(path: str, layer: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, layer)`` for every layer of ``model``, a block before the layers it holds: under the
+    block's path, or in the block's own scope for a block that is not ``scoped`` (an inline residual
+    sum, whose layers keep their paths)."""
+    def visit(path: str, layer: Any, scope: str) -> Iterator[tuple[str, Any]]:
         yield path, layer
+        inner = path if getattr(layer, "scoped", True) else scope
         for name, child in getattr(layer, "named_children", list)():
-            yield from visit(f"{path}.{name}", child)
+            yield from visit(f"{inner}.{name}" if inner else name, child, inner)
 
     for layer in model.layers:
-        yield from visit(str(layer.name), layer)
+        yield from visit(str(layer.name), layer, "")
 
 
 def named_layers(model: Any) -> dict[str, Any]:
     """Every layer of ``model`` by its path, in order: a layer's ``name``, and the layers a block holds
-    (a :class:`~sparse_scan.layers.Residual`'s ``named_children``) as ``"<block path>.<child name>"``,
-    nested blocks included. A parameter's state_dict name is ``"<path>.<parameter>"``."""
+    (a :class:`~sparse_scan.layers.Residual`'s ``named_children``) as ``"<block path>.<child name>"``
+    (or ``"<child name>"`` in the block's scope where the block is not ``scoped``), nested blocks
+    included. A parameter's state_dict name is ``"<path>.<parameter>"``."""
     return dict(_walk(model))
 
 

@@ -1,4 +1,5 @@
-"""export_torch: a PyTorch nn.Sequential round-trips to a spec whose gradients equal autograd's."""
+"""export_torch: a PyTorch module round-trips to a spec whose gradients equal autograd's (its forward
+captured by torch.fx; the corpus of models as people write them: test_export_corpus.py)."""
 
 from __future__ import annotations
 
@@ -65,14 +66,15 @@ def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
     with pytest.raises(FileExistsError, match="never overwrites"):
         export_torch(every_layer(), (2, 6, 8), tmp_path / "net.yaml")
     assert (tmp_path / "net.npz").read_bytes() == b"keep"
-    with pytest.raises(ValueError, match="layer '1': type: InstanceNorm2d is not supported"):
+    with pytest.raises(ValueError, match=r"node '_1' \(module '1'\): InstanceNorm2d is not supported"):
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2)), (1, 5, 5), tmp_path / "b.yaml")
     assert not (tmp_path / "b.yaml").exists()
     with pytest.raises(ValueError, match="needs a name of its own"):  # the weights would be overwritten
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "model.npz")
     assert not (tmp_path / "model.npz").exists()
 
-    with pytest.raises(ValueError, match="nothing written, the spec would not load: .*field 'in_channels'"):
+    with pytest.raises(ValueError, match=r"node '_0' \(module '0'\) fails on a batch of the input shape "
+                                         r"\[3, 5, 5\]: RuntimeError"):
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (3, 5, 5), tmp_path / "wrong.yaml")  # 1 channel
     assert not (tmp_path / "wrong.yaml").exists() and not (tmp_path / "wrong.npz").exists()
     with pytest.raises(FileNotFoundError, match="no such directory"):
@@ -92,14 +94,14 @@ def test_every_argument_is_written():
 
 
 @pytest.mark.parametrize("module, fragment", [
-    (lambda: nn.AvgPool2d(2, divisor_override=3), "layer '0': divisor_override: 3 cannot be represented"),
-    (lambda: nn.MaxPool2d(2, return_indices=True), "layer '0': return_indices: True cannot be represented"),
+    (lambda: nn.AvgPool2d(2, divisor_override=3), "'0'): divisor_override: 3 cannot be represented"),
+    (lambda: nn.MaxPool2d(2, return_indices=True), "'0'): return_indices: True cannot be represented"),
     (lambda: nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"), "padding_mode: 'reflect' cannot be"),
-    (lambda: nn.ReLU6(), "layer '0': type: ReLU6 is not supported"),
+    (lambda: nn.Hardswish(), "node '_0' (module '0'): Hardswish is not supported"),
     (lambda: nn.BatchNorm2d(1, track_running_stats=False).eval(),
-     "layer '0': track_running_stats: False cannot be represented (only True): without running statistics"),
-    (lambda: nn.BatchNorm2d(1), "layer '0': training: the BatchNorm2d is in training mode"),
-    (lambda: nn.Dropout2d(), "layer '0': type: Dropout2d is not supported"),
+     "'0'): track_running_stats: False cannot be represented (only True): without running statistics"),
+    (lambda: nn.BatchNorm2d(1), "(module '0'): the BatchNorm2d is in training mode"),
+    (lambda: nn.Dropout2d(), "node '_0' (module '0'): Dropout2d is not supported"),
 ])
 def test_arguments_the_spec_cannot_represent_are_refused_and_nothing_is_written(tmp_path, module, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -224,11 +226,17 @@ def test_residual_modules_round_trip_with_autograds_gradients(tmp_path, method, 
     spec = export_torch(net, (3, 8, 8), tmp_path / "net.yaml")
     entries = yaml.safe_load(spec.read_text())["layers"]
     names = [entry["name"] for entry in entries]
-    assert names[3:9] == ["layer1.0", "layer1.0.relu_out", "layer2.0", "layer2.0.relu_out", "layer2.1",
-                          "layer2.1.relu_out"]
-    assert entries[5]["shortcut_name"] == "downsample" and len(entries[5]["shortcut"]) == 2
-    assert "shortcut" not in entries[3]
-    assert names[9:11] == ["nested.0.pre", "nested.0"] and entries[10]["shortcut"]["name"] == "proj"
+    # torchvision's BasicBlock: its sum a block named by the module's path, its layers by theirs (the
+    # spec's parameter names are PyTorch's), its ReLU called again after the sum a layer of its own
+    assert names[3:9] == ["layer1.0", "layer1.0.relu_1", "layer2.0", "layer2.0.relu_1", "layer2.1",
+                          "layer2.1.relu_1"]
+    assert entries[3]["scoped"] is False and "shortcut" not in entries[3]
+    assert [entry["name"] for entry in entries[3]["layers"]] == [
+        "layer1.0.conv1", "layer1.0.bn1", "layer1.0.relu", "layer1.0.conv2", "layer1.0.bn2"]
+    assert [entry["name"] for entry in entries[5]["shortcut"]] == ["layer2.0.downsample.0",
+                                                                   "layer2.0.downsample.1"]
+    assert names[9:11] == ["nested.0.pre", "nested.0"]
+    assert entries[10]["shortcut"][0]["name"] == "nested.0.proj"
     assert entries[10]["layers"][0]["type"] == "residual"
     assert_export_equals_autograd(net, spec, (3, 3, 8, 8), method, levels)
 
@@ -268,12 +276,21 @@ class Split(Functional):
         return self.conv2(self.conv(x)) + self.b(self.a(x))
 
 
+@pytest.mark.parametrize("module", [Functional, TwoSums, Split])
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_inline_sums_are_captured_as_residual_blocks(tmp_path, module, method):
+    """``relu(conv(x)) + x``, ``conv(x) + x + x`` (a block in a block) and a shortcut of two modules no
+    nn.Sequential holds: blocks whose layers keep the module's names."""
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.add_module("block", module().double().eval())
+    spec = export_torch(net, (2, 4, 4), tmp_path / "net.yaml")
+    assert_export_equals_autograd(net, spec, (3, 2, 4, 4), method, None)
+
+
 @pytest.mark.parametrize("module, fragment", [
-    (Functional(), "layer 'block': node 'relu' (call_function relu): not a residual pattern"),
-    (TwoSums(), "layer 'block': node 'add' (call_function add): not a residual pattern"),
-    (Concat(), "layer 'block': node 'cat' (call_function cat): not a residual pattern"),
-    (SharedWeights(), "module 'conv' is called more than once"),
-    (Split().eval(), "layer 'block': node 'a' (call_module a): the shortcut's modules must be one submodule"),
+    (Concat(), "node 'cat' (cat at test_export.py:"),
+    (SharedWeights(), "node 'block_conv_1' (module 'block.conv' at test_export.py:"),
 ])
 def test_other_module_patterns_are_refused_with_the_node_named(tmp_path, module, fragment):
     net = nn.Sequential()

@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TOP_LEVEL = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
              "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads", "csr",
              "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "optim",
-             "recurrent", "train", "weights"]
+             "recurrent", "torch", "train", "weights"]
 
 PUBLIC = {
     "sparse_scan.backend": ["Backend", "Device", "GPUUnavailableError", "get", "gpu_usable", "of", "twin"],
@@ -56,15 +56,17 @@ PUBLIC = {
     "sparse_scan.engine.schedule": ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth",
                                     "live_schedule", "scan_outputs", "schedule"],
     "sparse_scan.flops": ["CONVENTIONS", "analyse", "layer_stats", "live"],
-    "sparse_scan.layers": ["AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm2d", "Conv2d", "Dropout", "ELU",
-                           "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU", "Linear",
-                           "MaxPool2d", "ReLU", "Residual", "SiLU", "Sigmoid", "Softplus", "Tanh"],
+    "sparse_scan.layers": ["AdaptiveAvgPool2d", "Affine", "AvgPool2d", "BatchNorm2d", "Conv2d", "Dropout",
+                           "ELU", "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU", "Linear",
+                           "LogSoftmax", "MaxPool2d", "ReLU", "Residual", "SiLU", "Sigmoid", "Softmax",
+                           "Softplus", "Tanh"],
     "sparse_scan.loss": ["softmax_cross_entropy"],
     "sparse_scan.optim": ["SGD", "Adam", "Optimizer", "check_built_on"],
     "sparse_scan.recurrent": ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell",
                               "RNNCell", "RecurrentClassifier", "RecurrentPlan", "chain_through_factors",
                               "train_recurrent"],
-    "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model"],
+    "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
+    "sparse_scan.torch": ["Capture", "CaptureError", "capture", "export_torch"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
                           "train"],
     "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict",

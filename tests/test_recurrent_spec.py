@@ -93,12 +93,12 @@ def test_export_refuses_recurrent_modules_it_cannot_represent(tmp_path):
     torch = pytest.importorskip("torch")
     nn = torch.nn
     cases = [(nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 4)),
-              "layer '1': type: a LSTM must be the first of two"),
-             (nn.Sequential(nn.GRU(3, 4), nn.Linear(4, 2), nn.ReLU()),
-              "layer '0': type: a GRU must be the first"),
-             (nn.Sequential(nn.RNN(3, 4), nn.ReLU()),
-              "the layer after a recurrent layer is its classifier head"),
-             (nn.Sequential(nn.RNN(3, 4), nn.Linear(5, 2)), "field 'in_features': is 5 but the input")]
+              r"node '_1' \(module '1'\): LSTM must read the forward's input"),
+             (nn.Sequential(nn.GRU(3, 4), nn.Linear(4, 2), nn.ReLU()),  # nn.Linear given the GRU's pair
+              r"node '_1' \(module '1'\) fails on a batch of the input shape \[4, 3\]: TypeError"),
+             (nn.Sequential(nn.RNN(3, 4), nn.ReLU()), r"node '_1' \(module '1'\) fails on a batch"),
+             (classifier("GRU", {"num_layers": 2, "dropout": 0.5}).train(),
+              r"node 'rnn' \(module 'rnn'.*the GRU's dropout between layers is active \(training mode\)")]
     for index, (module, fragment) in enumerate(cases):
         path = tmp_path / f"m{index}.yaml"
         with pytest.raises(ValueError, match=fragment):

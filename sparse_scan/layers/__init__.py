@@ -5,7 +5,7 @@ transposed Jacobian, cached per shape) and ``transposed_jacobian(x)`` (a :class:
 BatchedCSR`: the cached pattern plus this batch's values).
 """
 
-from ._activation import ELU, GELU, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
+from ._activation import ELU, GELU, Affine, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from ._adaptive_pool import AdaptiveAvgPool2d
 from ._base import Layer
 from ._conv import Conv2d
@@ -15,9 +15,11 @@ from ._linear import Linear
 from ._normalization import BatchNorm2d
 from ._pooling import AvgPool2d, MaxPool2d
 from ._residual import Residual
+from ._softmax import LogSoftmax, Softmax
 
 __all__ = [
     "AdaptiveAvgPool2d",
+    "Affine",
     "AvgPool2d",
     "BatchNorm2d",
     "Conv2d",
@@ -30,11 +32,13 @@ __all__ = [
     "Layer",
     "LeakyReLU",
     "Linear",
+    "LogSoftmax",
     "MaxPool2d",
     "ReLU",
     "Residual",
     "SiLU",
     "Sigmoid",
+    "Softmax",
     "Softplus",
     "Tanh",
 ]

@@ -1,4 +1,5 @@
-"""Elementwise activations: ReLU, LeakyReLU, Tanh, Sigmoid, GELU, SiLU, ELU, Hardtanh, Softplus, Identity.
+"""Elementwise activations: ReLU, LeakyReLU, Tanh, Sigmoid, GELU, SiLU, ELU, Hardtanh, Softplus, Identity,
+and Affine (a constant scaling and shift, ``x * 2.0`` or ``x + 1`` in a module's forward).
 
 Their transposed Jacobian is diagonal (``jacobian_kind = "diagonal"``): the pattern is the identity's,
 and the values are the elementwise derivative, input-dependent zeros (ReLU's off units) kept explicit.
@@ -24,7 +25,8 @@ from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
 
-__all__ = ["ELU", "GELU", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"]
+__all__ = ["ELU", "GELU", "Affine", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid",
+           "Softplus", "Tanh"]
 
 
 def _sigmoid(x: Array) -> Array:
@@ -302,3 +304,44 @@ class Softplus(_Elementwise):
 
     def __repr__(self) -> str:
         return f"Softplus(beta={self.beta}, threshold={self.threshold})"
+
+
+class Affine(_Elementwise):
+    """``x * scale + shift`` with constants: what ``x * 2.0``, ``x / 4``, ``x + 1``, ``1 - x`` or ``-x``
+    compute in a module's forward. The transposed Jacobian is ``scale`` times the identity, the same
+    for every sample.
+
+    Parameters
+    ----------
+    scale, shift : float
+        Finite numbers; with ``scale == 1`` the forward only adds ``shift``, with ``shift == 0`` it only
+        multiplies (PyTorch's rounding for ``x + c`` and ``x * c``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Affine(scale=-1.0, shift=1.0).forward(np.array([[0.25, 2.0]]))
+    array([[ 0.75, -1.  ]])
+    >>> Affine(scale=2.0).transposed_jacobian(np.zeros((3, 2))).data
+    array([2., 2.])
+    """
+
+    sample_independent = True
+
+    def __init__(self, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__()
+        self.scale = number(scale, f"layer {self.label}: scale")
+        self.shift = number(shift, f"layer {self.label}: shift")
+
+    def _apply(self, x: Array) -> Array:
+        out = x if self.scale == 1 else x * x.dtype.type(self.scale)
+        return out if self.shift == 0 else out + x.dtype.type(self.shift)
+
+    def _derivative(self, x: Array) -> Array:
+        return _backend.of(x).xp.full(x.shape, self.scale, dtype=x.dtype)
+
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
+        return be.xp.full(pattern.nnz, self.scale, dtype=x.dtype)
+
+    def __repr__(self) -> str:
+        return f"Affine(scale={self.scale}, shift={self.shift})"

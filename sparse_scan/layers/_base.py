@@ -43,6 +43,10 @@ class Layer:
 
     jacobian_kind: str = "general"
     sample_independent: bool = False
+    scoped: bool = True
+    """Whether the layers this one holds are named under its name, as PyTorch names a module's
+    children (``"block.conv1"``); False for a :class:`Residual` written inline in a module's forward,
+    whose layers are named in the scope that holds the block (:func:`scoped_name`)."""
 
     def __init__(self) -> None:
         self.name: str | None = None
@@ -222,6 +226,13 @@ class Layer:
         :class:`ReLU` and 2x2 :class:`MaxPool2d` offer one, in one compiled pass
         (:mod:`sparse_scan._numba_operators`)."""
         return None
+
+
+def scoped_name(name: str, layer: Any, key: str) -> str:
+    """How ``key`` (a parameter's name, or a path inside ``layer``) of the layer ``name`` is named in the
+    scope that holds the layer: ``"<name>.<key>"``, or ``key`` alone where the layer names what it holds
+    in that scope (``layer.scoped`` False: an inline residual block)."""
+    return f"{name}.{key}" if getattr(layer, "scoped", True) else key
 
 
 def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:

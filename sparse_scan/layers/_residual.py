@@ -29,12 +29,13 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from .. import backend as _backend
+from .._checks import flag
 from .._types import Array
 from ..csr import BatchedCSR, Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
 from ..engine.products import ProductPlan, plan_product
 from ..engine.run import multiply
-from ._base import Layer, Shape, diagonal_pattern
+from ._base import Layer, Shape, diagonal_pattern, scoped_name
 
 __all__ = ["ChainProduct", "Residual", "plan_sum"]
 
@@ -202,7 +203,13 @@ class Residual(Layer):
         BatchNorm2d(2 * c).eval()]``).
     shortcut_name : str
         Under which name the shortcut's parameters appear (``"downsample"`` gives torchvision's
-        ``BasicBlock`` names).
+        ``BasicBlock`` names); not used when the block is not ``scoped``.
+    scoped : bool
+        True: the inner and shortcut layers are named under the block, as a PyTorch module's children
+        (below). False: the block is a sum written inline in a module's forward, and its layers keep
+        their own names in the scope that holds the block (every layer of the chains, the shortcut's
+        included, named by its ``name``), so that their parameters carry that module's state_dict
+        names (``"conv1.weight"``, not ``"<block>.conv1.weight"``).
 
     Attributes
     ----------
@@ -249,8 +256,9 @@ class Residual(Layer):
     parameter_names: tuple[str, ...] = ()
 
     def __init__(self, *layers: Layer, shortcut: Layer | Sequence[Layer] | None = None,
-                 shortcut_name: str = "shortcut") -> None:
+                 shortcut_name: str = "shortcut", scoped: bool = True) -> None:
         super().__init__()
+        self.scoped = flag(scoped, "Residual: scoped")
         if not layers:
             raise ValueError("Residual needs at least one inner layer (y = f(x) + s(x))")
         if shortcut is None:
@@ -291,7 +299,10 @@ class Residual(Layer):
 
     def named_children(self) -> list[tuple[str, Layer]]:
         """``(name, layer)`` of the inner layers, then of the shortcut's (``shortcut_name`` for one
-        layer, ``"<shortcut_name>.<name>"`` in a chain): the prefixes of their parameters' names."""
+        layer, ``"<shortcut_name>.<name>"`` in a chain; every layer's own ``name`` when the block is not
+        ``scoped``): the prefixes of their parameters' names."""
+        if not self.scoped:
+            return [(str(layer.name), layer) for layer in self.layers + list(self.shortcut)]
         if self._single_shortcut:
             short = [(self.shortcut_name, self.shortcut[0])]
         else:
@@ -451,7 +462,8 @@ class Residual(Layer):
     def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
         """Every inner and shortcut layer's parameter gradients (paper Eq. 2) from the gradient
         ``grad_out`` w.r.t. the block's output, back-propagated through both chains; named as
-        :meth:`named_children` prefixes them (``"0.weight"``, ``"shortcut.0.weight"``). On ``x``'s
+        :meth:`named_children` prefixes them (``"0.weight"``, ``"shortcut.0.weight"``; a nested block
+        that is not ``scoped`` names its own layers' alone). On ``x``'s
         device, wherever the backward ran."""
         x = self._check_input(x)
         be = _backend.of(x)
@@ -469,7 +481,7 @@ class Residual(Layer):
                 if hasattr(layer, "parameter_gradients"):
                     for key, value in layer.parameter_gradients(a, g.reshape((batch,) + shapes[index + 1])
                                                                 ).items():
-                        grads[f"{names[index]}.{key}"] = value
+                        grads[scoped_name(names[index], layer, key)] = value
                 if index:
                     g = self._operator(be, layer, a, shapes[index])(g)
         return grads

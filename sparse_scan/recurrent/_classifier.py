@@ -1,5 +1,6 @@
 """The paper's recurrent classifier (§4.1): a recurrent layer, then softmax over a linear map of the
-last hidden state, trained with cross-entropy; its schedules and its training loop.
+last hidden state (or of the mean of the hidden states over time), trained with cross-entropy; its
+schedules and its training loop.
 
 :class:`RecurrentClassifier` has the calls of a :class:`~sparse_scan.Sequential` (``forward``,
 ``backward`` returning the gradient w.r.t. every activation, ``parameter_gradients``, ``plan``,
@@ -54,7 +55,7 @@ from ..loss import softmax_cross_entropy
 from ..optim import check_built_on
 from ._module import RecurrentModule
 
-__all__ = ["RecurrentClassifier", "RecurrentPlan", "train_recurrent"]
+__all__ = ["REDUCTIONS", "RecurrentClassifier", "RecurrentPlan", "train_recurrent"]
 
 AUTO_CRITERION = ("the least modelled time (a fixed cost per level plus its FLOPs over the device's "
                   "throughput)")
@@ -173,8 +174,14 @@ def _schedule_of(requested: str, k: int, full: int) -> tuple[str, int | None]:
     return ("linear", None) if k == 0 else ("blelloch", None) if k >= full - 1 else ("hybrid", k)
 
 
+REDUCTIONS = ("last", "mean")
+"""How the head reads the recurrent layer's outputs: the last one (PyTorch's ``fc(out[:, -1])``) or their
+mean over time (``fc(out.mean(dim=1))``)."""
+
+
 class RecurrentClassifier:
-    """``logits = fc(h_T)`` after a recurrent layer ``rnn``; loss is softmax cross-entropy.
+    """``logits = fc(h_T)`` (or ``fc(mean_t h_t)``) after a recurrent layer ``rnn``; loss is softmax
+    cross-entropy.
 
     Parameters
     ----------
@@ -192,6 +199,10 @@ class RecurrentClassifier:
     input_shape : (int, int), optional
         One sample's shape ``(T, input_size)`` (a loaded spec sets it): :meth:`plan` and the command
         line read ``T`` from it.
+    reduction : {"last", "mean"}
+        What the head reads: the top layer's last output (``fc(output[:, -1])``), or the mean of its
+        outputs over time (``fc(output.mean(dim=1))``: every time step then receives ``1 / T`` of the
+        head's gradient, and every state's scan carries direct gradients).
 
     Attributes
     ----------
@@ -202,7 +213,12 @@ class RecurrentClassifier:
     """
 
     def __init__(self, recurrent: RecurrentModule, classes: int | None = None, rng: RngLike = None, *,
-                 head: Linear | None = None, input_shape: Sequence[int] | None = None) -> None:
+                 head: Linear | None = None, input_shape: Sequence[int] | None = None,
+                 reduction: str = "last") -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"RecurrentClassifier: reduction: must be one of {', '.join(REDUCTIONS)}, got "
+                             f"{reduction!r}")
+        self.reduction = reduction
         recurrent.name = recurrent.name or "rnn"
         width = recurrent.num_directions * recurrent.output_size
         if head is None:
@@ -219,7 +235,7 @@ class RecurrentClassifier:
         self.recurrent, self.fc, self.classes = recurrent, head, head.out_features
         self.layers = [recurrent, head]
         self.input_shape = None if input_shape is None else self._checked_shape(input_shape, "input_shape")
-        self._last: Array | None = None
+        self._pooled: Array | None = None  # what the head read at the last forward
         self._steps = 0
         self._logits: Array | None = None
         self._gradients: tuple[list[Array], dict[str, Array]] | None = None
@@ -255,8 +271,8 @@ class RecurrentClassifier:
         GPU); keeps what :meth:`backward` needs."""
         hidden = self.recurrent.forward(x)
         self._steps = int(hidden.shape[1])
-        self._last = hidden[:, -1]
-        self._logits = self.fc.forward(self._last)
+        self._pooled = hidden[:, -1] if self.reduction == "last" else hidden.mean(axis=1)
+        self._logits = self.fc.forward(self._pooled)
         self._gradients = None
         return self._logits
 
@@ -264,10 +280,10 @@ class RecurrentClassifier:
 
     def non_finite_output(self) -> str | None:
         """The name of the first layer whose output at the last :meth:`forward` holds NaN or Inf (the
-        recurrent layer's last output, then the logits), or None when both are finite."""
-        if self._last is None or self._logits is None:
+        recurrent layer's output the head reads, then the logits), or None when both are finite."""
+        if self._pooled is None or self._logits is None:
             raise RuntimeError("RecurrentClassifier: call forward(x) first")
-        for layer, output in zip(self.layers, (self._last, self._logits), strict=True):
+        for layer, output in zip(self.layers, (self._pooled, self._logits), strict=True):
             xp = _backend.of(output).xp
             if not bool(xp.all(xp.isfinite(output))):
                 return layer.name
@@ -328,7 +344,9 @@ class RecurrentClassifier:
                  for direction in range(recurrent.num_directions)]
         scans = tuple(f"{recurrent.name}.l{layer}{'_reverse' if direction else ''}"
                       for layer, direction in order)
-        affine = tuple(layer < recurrent.num_layers - 1 or direction == 1 for layer, direction in order)
+        every_state = self.reduction == "mean"
+        affine = tuple(layer < recurrent.num_layers - 1 or direction == 1 or every_state
+                       for layer, direction in order)
         plan = RecurrentPlan(method, levels, steps, recurrent.state_size, scans, affine, device)
         if not auto:
             return plan
@@ -368,9 +386,9 @@ class RecurrentClassifier:
             scan's outputs: through the chain, not only the head's direct one at ``T``).
             :meth:`parameter_gradients` takes this list.
         """
-        if self._last is None:
+        if self._pooled is None:
             raise RuntimeError("RecurrentClassifier: call forward(x) before backward")
-        be = _backend.of(self._last)
+        be = _backend.of(self._pooled)
         grad = be.asarray(grad_out)
         if tuple(grad.shape) != tuple(self._logits.shape) or grad.dtype.kind != "f":
             raise ValueError(f"grad_out: expected floats of shape {tuple(self._logits.shape)} (the logits), "
@@ -381,8 +399,13 @@ class RecurrentClassifier:
                              batch=int(grad.shape[0]), device=be.name)
             method, levels = plan.method, plan.levels
         weight = be.asarray(self.fc.weight)
-        result = self.recurrent.backward(grad @ weight, method=method, levels=levels)
-        parameters = {f"{self.fc.name}.weight": grad.T @ self._last}
+        head = grad @ weight
+        if self.reduction == "mean":  # every output h_t receives 1/T of the pooled output's gradient
+            head = be.xp.ascontiguousarray(be.xp.broadcast_to(
+                (head / head.dtype.type(self._steps))[:, None, :],
+                (head.shape[0], self._steps, head.shape[1])))
+        result = self.recurrent.backward(head, method=method, levels=levels)
+        parameters = {f"{self.fc.name}.weight": grad.T @ self._pooled}
         if self.fc.bias is not None:
             parameters[f"{self.fc.name}.bias"] = grad.sum(axis=0)
         for key in self.recurrent.parameter_names:

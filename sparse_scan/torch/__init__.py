@@ -1,0 +1,22 @@
+"""PyTorch's front door: a module's ``forward()`` captured exactly as sparse-scan layers, or refused.
+
+:func:`capture` traces a ``torch.nn.Module``'s forward with torch.fx and turns every node of its graph
+into a layer, an inline residual block or a recurrent classifier's head, checked against the module in
+float64 (:class:`Capture`: the spec, the module's own weight tensors, their names); anything it cannot
+represent exactly is refused with a :class:`CaptureError` naming the graph node and the line of the
+forward. :func:`export_torch` writes a capture as a model spec and its weights
+(:func:`sparse_scan.load_model` reads them back).
+
+PyTorch is imported by these functions when they run, never by ``import sparse_scan``: the engine does
+not need it.
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_attributes
+
+__all__ = ["Capture", "CaptureError", "capture", "export_torch"]
+
+_NAMES = {"Capture": "_capture", "CaptureError": "_graph", "capture": "_capture", "export_torch": "_export"}
+
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _NAMES, ())

@@ -1,0 +1,944 @@
+"""A PyTorch module's ``forward()`` as sparse-scan layers, exactly, or a refusal that names the node.
+
+torch.fx traces the whole forward (:mod:`sparse_scan.torch._graph`): PyTorch's own layers are leaves,
+everything else (custom submodules, ``ModuleList`` loops, nested ``Sequential``) is traced through.
+Then every node the output depends on becomes part of one chain:
+
+- a call of a supported layer module, or a functional or method form of one (``F.relu``,
+  ``torch.relu``, ``x.relu()``, ``F.max_pool2d``, ``F.dropout(x, p, training=...)``, ...): a layer;
+- a reshape that keeps the batch axis (``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``, ...): a
+  ``flatten`` layer over the axes it merges (read off the probes' shapes), or nothing when it keeps the
+  shape; ``x.mean((2, 3))``: a global average pool;
+- a constant scaling or shift (``x * 2.0``, ``1 - x``, ``-x``): an ``affine`` layer;
+- the sum (or difference) of two branches that leave one node: an inline residual block
+  (``scoped: false``: its layers keep the module's names), nested blocks for sums of sums;
+- a recurrent layer read by its head (``out[:, -1]``, ``out[-1]``, ``h_n[-1]``, ``out.mean(dim=1)``)
+  and one ``Linear``: a recurrent classifier.
+
+A parameter-free module called twice becomes one layer per call (``pool``, ``pool_1``); a module with
+parameters called twice (weight tying) is refused. Anything else is refused, never approximated: a
+:class:`~sparse_scan.torch._graph.CaptureError` naming the node, its operation, the line of the forward
+it comes from, and why. Layers are named by their module's path, so parameters keep PyTorch's
+state_dict names.
+
+Last, the model built from the captured spec runs on a probe batch in float64 beside the module's own
+forward (dropout off in both): a difference refuses the capture, naming the first layer whose output
+differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ..spec import SpecError, model_from_spec
+from ..weights import every_layer
+from ._graph import (
+    CaptureError,
+    Traced,
+    describe,
+    live_nodes,
+    no_dropout,
+    probe,
+    swaps_time_and_batch,
+    trace,
+)
+
+__all__ = ["Capture", "CaptureError", "capture"]
+
+WRITTEN, IGNORED = "written", "ignored"
+
+MODULES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "Conv2d": ("conv2d", {"in_channels": WRITTEN, "out_channels": WRITTEN, "kernel_size": WRITTEN,
+                          "stride": WRITTEN, "padding": WRITTEN, "dilation": WRITTEN, "groups": WRITTEN,
+                          "bias": WRITTEN, "padding_mode": ("zeros",)}, {}),
+    "Linear": ("linear", {"in_features": WRITTEN, "out_features": WRITTEN, "bias": WRITTEN}, {}),
+    "MaxPool2d": ("maxpool2d", {"kernel_size": WRITTEN, "stride": WRITTEN, "padding": WRITTEN,
+                                "dilation": WRITTEN, "ceil_mode": WRITTEN, "return_indices": (False,)}, {}),
+    "AvgPool2d": ("avgpool2d", {"kernel_size": WRITTEN, "stride": WRITTEN, "padding": WRITTEN,
+                                "ceil_mode": WRITTEN, "count_include_pad": WRITTEN,
+                                "divisor_override": (None,)}, {}),
+    "Flatten": ("flatten", {"start_dim": WRITTEN, "end_dim": WRITTEN}, {}),
+    "ReLU": ("relu", {"inplace": IGNORED}, {}),
+    "ReLU6": ("hardtanh", {"inplace": IGNORED}, {"min_val": 0.0, "max_val": 6.0}),
+    "LeakyReLU": ("leaky_relu", {"negative_slope": WRITTEN, "inplace": IGNORED}, {}),
+    "Tanh": ("tanh", {}, {}), "Sigmoid": ("sigmoid", {}, {}), "Identity": ("identity", {}, {}),
+    "SiLU": ("silu", {"inplace": IGNORED}, {}),
+    "GELU": ("gelu", {"approximate": WRITTEN}, {}),
+    "ELU": ("elu", {"alpha": WRITTEN, "inplace": IGNORED}, {}),
+    "Hardtanh": ("hardtanh", {"min_val": WRITTEN, "max_val": WRITTEN, "inplace": IGNORED,
+                              "min_value": IGNORED, "max_value": IGNORED}, {}),  # deprecated aliases
+    "Softplus": ("softplus", {"beta": WRITTEN, "threshold": WRITTEN}, {}),
+    "BatchNorm2d": ("batchnorm2d", {"num_features": WRITTEN, "eps": WRITTEN, "momentum": WRITTEN,
+                                    "affine": WRITTEN, "track_running_stats": (True,), "bias": WRITTEN}, {}),
+    "Dropout": ("dropout", {"p": WRITTEN, "inplace": IGNORED}, {}),
+    "AdaptiveAvgPool2d": ("adaptive_avgpool2d", {"output_size": WRITTEN}, {}),
+    "LogSoftmax": ("log_softmax", {"dim": WRITTEN}, {}),
+    "Softmax": ("softmax", {"dim": WRITTEN}, {}),
+}
+"""PyTorch module type -> (spec type, what becomes of each argument of its constructor, fields the spec
+entry always has). An argument is written to the spec, ignored (``inplace``: no effect on values or
+gradients; deprecated aliases torch folds into other arguments), or a tuple of the only values the
+spec represents (anything else is refused, with the reason in :data:`REASONS` where there is one). An
+argument not listed (a newer PyTorch's) is refused too: nothing is dropped silently."""
+
+REASONS: dict[tuple[str, str], str] = {
+    ("BatchNorm2d", "track_running_stats"): "without running statistics BatchNorm2d normalises every batch "
+    "by its own mean and variance, in eval mode too, so every output depends on every sample of the batch "
+    "(no per-sample Jacobian to scan)",
+}
+"""Why a value outside a rule's tuple cannot be represented, by (module type, argument)."""
+
+MODES = ("BatchNorm2d", "Dropout")
+"""Module types whose spec entry has ``training``: the module's mode."""
+
+RECURRENT: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    kind: (kind.lower(), {"mode": IGNORED, "input_size": WRITTEN, "hidden_size": WRITTEN,
+                          "num_layers": WRITTEN, "bias": WRITTEN, "batch_first": WRITTEN, "dropout": WRITTEN,
+                          "bidirectional": WRITTEN, "proj_size": WRITTEN if kind == "LSTM" else (0,)}, {})
+    for kind in ("RNN", "GRU", "LSTM")}
+"""The recurrent modules, by the arguments of their common base ``RNNBase`` (theirs are ``*args``):
+``mode`` is the module's type (and, for ``nn.RNN``, its ``nonlinearity``, written)."""
+
+DROPPED_BUFFERS = ("num_batches_tracked",)
+"""Buffers not written: BatchNorm2d's count of training batches, which frozen statistics never use."""
+
+_KEEP_FIELDS = ("device", "dtype")  # constructor arguments that leave no trace in the module
+
+FORWARD_TOLERANCE = 1e-9
+"""The float64 check: a layer's output may differ from the module's by this much relative to the
+output's largest magnitude (different summation orders), not more."""
+
+
+@dataclasses.dataclass
+class Capture:
+    """A module's forward as a model spec, checked.
+
+    Attributes
+    ----------
+    spec : dict
+        ``input_shape`` and ``layers`` (what :func:`~sparse_scan.spec.model_from_spec` takes).
+    weights : dict
+        ``"<layer>.<parameter>"`` -> the module's own tensor (not a copy): its parameters and buffers
+        (a pruned layer's effective ``weight``, ``weight_orig * weight_mask``).
+    parameters : dict
+        The spec's parameter names -> the module's (``named_parameters``) they come from.
+    time_major : bool
+        Whether the module takes its input time-major ``(T, B, F)``; the spec's model takes batch-first
+        ``(B, T, F)``.
+    """
+
+    spec: dict[str, Any]
+    weights: dict[str, Any]
+    parameters: dict[str, str]
+    time_major: bool
+
+
+@dataclasses.dataclass
+class _Layer:
+    """Layer entries (names come later) that one graph node computes from its tensor input."""
+
+    node: Any
+    entries: list[dict[str, Any]]
+    module: str | None = None  # the path of the module it calls
+    synthetic: bool = False  # a sum's scaling of its second operand (the sum's node is the block's)
+
+
+@dataclasses.dataclass
+class _Block:
+    """An inline residual sum: the arms from the split node to the sum's two operands."""
+
+    node: Any
+    inner: list[Any]
+    shortcut: list[Any]
+
+
+def capture(module: Any, input_shape: Any) -> Capture:
+    """Capture ``module``'s forward as a spec, checked against the module in float64.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Any module whose forward the capture accepts (module docstring).
+    input_shape : sequence of int
+        One sample's shape, no batch axis (``(T, input_size)`` for a recurrent model).
+
+    Returns
+    -------
+    Capture
+
+    Raises
+    ------
+    CaptureError
+        The forward cannot be captured exactly, or the captured model's forward differs from the
+        module's (the node, or the first layer that differs, named).
+    """
+    shape = _input_shape(input_shape)
+    reference, graph = trace(module)
+    _check_module_types(reference, live_nodes(graph))
+    traced = probe(reference, graph, shape)
+    live = traced.live()
+    recurrent = [node for node in live if node.op == "call_module"
+                 and type(traced.module(node)).__name__ in RECURRENT]
+    builder = _Builder(module, traced, live)
+    if recurrent:
+        layers, mapped = builder.recurrent(recurrent[0])
+    else:
+        layers, mapped = builder.sequential()
+    spec = {"input_shape": list(shape), "layers": layers}
+    _check(traced, spec, builder.weights, mapped)
+    return Capture(spec, builder.weights, builder.parameters, traced.time_major)
+
+
+def _check_module_types(reference: Any, live: list[Any]) -> None:
+    """Refuse the first module call (forward order) of a type no layer represents, before any runs."""
+    supported = ", ".join(sorted(set(MODULES) | set(RECURRENT)))
+    for node in live:
+        if node.op == "call_module":
+            kind = type(reference.get_submodule(node.target)).__name__
+            if kind not in MODULES and kind not in RECURRENT:
+                raise CaptureError(f"{describe(node)}: {kind} is not supported (supported layers: "
+                                   f"{supported})")
+
+
+def _input_shape(value: Any) -> tuple[int, ...]:
+    try:
+        shape = tuple(value)
+    except TypeError:
+        shape = ()
+    if not shape or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s > 0
+                            for s in shape):
+        raise CaptureError(f"input_shape: must be one sample's shape (positive ints, no batch axis), got "
+                           f"{value!r}")
+    return tuple(int(s) for s in shape)
+
+
+def _plain(value: Any) -> Any:
+    """YAML-friendly: tuples become lists, numbers stay numbers."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _scalar(value: Any) -> bool:
+    """A finite real Python number (a constant in the forward)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class _Builder:
+    """Turns the traced graph into spec entries, names them and gathers their weights."""
+
+    def __init__(self, module: Any, traced: Traced, live: list[Any]) -> None:
+        self.original = module
+        self.traced = traced
+        self.live = live
+        self.weights: dict[str, Any] = {}
+        self.parameters: dict[str, str] = {}
+        self.used: set[str] = set()
+        self.reserved = {path for path, _ in traced.reference.named_modules() if path}
+        self.module_layers: set[str] = set()
+        self.calls: dict[str, int] = {}
+
+    # --- checks over every node, in forward order ----------------------------------------------
+    def _check_nodes(self, nodes: list[Any]) -> None:
+        """Refuse the first node (in forward order) that no layer represents."""
+        traced = self.traced
+        for node in nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "get_attr":
+                if traced.is_tensor(node):
+                    raise CaptureError(f"{describe(node)}: the forward uses the tensor attribute "
+                                       f"{node.target!r} in an expression; only the parameters of PyTorch's "
+                                       "own layers (modules) are captured")
+                continue
+            op = traced.op(node)
+            if node.op == "call_module":
+                self._check_module(node)
+            elif not traced.is_tensor(node) and (op.name == "getitem" or not op.known):
+                continue  # x.size(0), x.shape, a recurrent layer's outputs: read by other nodes
+            elif not op.known:
+                raise CaptureError(f"{describe(node)}: {op.name} is not supported (no sparse-scan layer "
+                                   "computes it)")
+            if op.in_place:
+                self._check_in_place(node)
+
+    def _check_module(self, node: Any) -> None:
+        module = self.traced.module(node)
+        kind = type(module).__name__
+        if kind in RECURRENT:
+            return  # its arguments and its head: recurrent()
+        self._module_entry(node, module)  # every argument representable
+        if len(self.traced.tensor_inputs(node)) != 1 or len(node.args) + len(node.kwargs) != 1:
+            raise CaptureError(f"{describe(node)}: {kind} is called with {len(node.args) + len(node.kwargs)} "
+                               "arguments; a layer takes its input alone")
+        count = self.calls[node.target] = self.calls.get(node.target, 0) + 1
+        if count > 1 and any(True for _ in module.parameters()):
+            raise CaptureError(f"{describe(node)}: module {node.target!r} is called more than once (call "
+                               f"{count}) and has parameters (weight tying): a spec layer cannot share "
+                               "its weights with another")
+
+    def _check_in_place(self, node: Any) -> None:
+        tensors = self.traced.tensor_inputs(node)
+        if not tensors:
+            return
+        target = tensors[0]
+        others = [user for user in target.users if user is not node and self.traced.is_tensor(user)]
+        if others:
+            raise CaptureError(f"{describe(node)}: changes {target.name!r} in place, and "
+                               f"{describe(others[0])} reads it too; write the operation out of place")
+
+    # --- the chain -------------------------------------------------------------------------------
+    def sequential(self) -> tuple[list[dict[str, Any]], list[tuple[int, Any]]]:
+        """The spec's layers of a (non-recurrent) forward and, per top-level layer index, the node
+        whose value its output is."""
+        traced = self.traced
+        self._check_nodes(self.live)
+        output = traced.output()
+        result = output.args[0]
+        if not hasattr(result, "op") or not traced.is_tensor(result):
+            raise CaptureError(f"{describe(output)}: the forward returns {self._returned(result)}; a model "
+                               "returns one tensor")
+        start = traced.placeholder()
+        self._predecessors: dict[Any, Any] = {}
+        self._converted: dict[Any, list[dict[str, Any]]] = {}
+        for node in self.live:  # every node's entries in forward order: the first refusal is the first node
+            if node.op in ("placeholder", "output", "get_attr") or not traced.is_tensor(node):
+                continue
+            op = traced.op(node)
+            tensors = traced.tensor_inputs(node)
+            if op.name in ("add", "sub") and len(tensors) == 2:
+                continue  # a residual sum: its arms are chains of these nodes
+            if len(tensors) != 1:
+                raise self._joins(node, op, tensors)
+            self._converted[node] = self._entries(node, op)
+        items = self._chain(result, start)
+        self._check_coverage(items)
+        if not any(self._entries_of(item) for item in items):
+            raise CaptureError(f"{describe(output)}: the forward computes no layer (it returns its input)")
+        layers, mapped = [], []
+        for item in items:
+            for entry in self._name(item):
+                layers.append(entry)
+            if layers and (not mapped or mapped[-1][0] != len(layers) - 1):
+                mapped.append((len(layers) - 1, item.node))
+        return layers, mapped
+
+    def _returned(self, result: Any) -> str:
+        """How a message names what the forward returns, when it is no tensor."""
+        value = self.traced.values[0].get(result) if hasattr(result, "op") else result
+        return self.traced.kind_of(value)
+
+    def _chain(self, end: Any, start: Any) -> list[Any]:
+        """The items from ``start`` (exclusive) to ``end`` (inclusive), in forward order."""
+        items = []
+        node = end
+        while node is not start:
+            if node.op == "placeholder":  # cannot happen: every branch is walked from its split
+                raise CaptureError(f"{describe(end)}: not one chain from the input")
+            item, node = self._item(node)
+            items.append(item)
+        return items[::-1]
+
+    def _item(self, node: Any) -> tuple[Any, Any]:
+        """The item ``node`` computes and the node it reads."""
+        traced = self.traced
+        op = traced.op(node)
+        tensors = traced.tensor_inputs(node)
+        if op.name in ("add", "sub") and len(tensors) == 2:
+            return self._sum(node, op)
+        if len(tensors) != 1:
+            raise self._joins(node, op, tensors)
+        return _Layer(node, self._converted[node], node.target if node.op == "call_module" else None), \
+            tensors[0]
+
+    def _predecessor(self, node: Any) -> Any:
+        """The node ``node``'s value comes from along the chain: its tensor input, or for a sum of two
+        branches the node they split from."""
+        if node not in self._predecessors:
+            op = self.traced.op(node)
+            tensors = self.traced.tensor_inputs(node)
+            if op.name in ("add", "sub") and len(tensors) == 2:
+                self._predecessors[node] = self._split(node, *tensors)
+            elif len(tensors) == 1:
+                self._predecessors[node] = tensors[0]
+            else:
+                raise self._joins(node, op, tensors)
+        return self._predecessors[node]
+
+    def _joins(self, node: Any, op: Any, tensors: list[Any]) -> CaptureError:
+        """The refusal of a node that reads other than one tensor and is no sum of two branches."""
+        if not tensors:
+            return CaptureError(f"{describe(node)}: {op.name} makes a tensor of no input (a constant "
+                                "tensor in the forward); no layer computes it")
+        what = {"mul": "multiplies", "div": "divides"}.get(op.name, f"{op.name} combines")
+        return CaptureError(f"{describe(node)}: {what} {len(tensors)} tensors; only a sum (or difference) "
+                            "of two branches joins branches (a residual block)")
+
+    def _ancestry(self, node: Any) -> list[Any]:
+        chain = [node]
+        while chain[-1].op != "placeholder":
+            chain.append(self._predecessor(chain[-1]))
+        return chain
+
+    def _split(self, node: Any, a: Any, b: Any) -> Any:
+        """The node both operands of a sum come from (the deepest common node of their chains)."""
+        seen = set(self._ancestry(b))
+        return next(candidate for candidate in self._ancestry(a) if candidate in seen)
+
+    def _sum(self, node: Any, op: Any) -> tuple[Any, Any]:
+        """``a + b`` (``a - b``, ``alpha``) of two branches: a residual block from their split, or an
+        affine layer for ``x + x``."""
+        arguments = self.traced.arguments(node, op)
+        a, b = arguments["input"], arguments["other"]
+        alpha = arguments.get("alpha", 1)
+        if not _scalar(alpha):
+            raise CaptureError(f"{describe(node)}: alpha must be a constant number, got {alpha!r}")
+        factor = (-1.0 if op.name == "sub" else 1.0) * float(alpha)
+        split = self._split(node, a, b)
+        arms = [self._chain(a, split), self._chain(b, split)]
+        if factor != 1:
+            arms[1].append(_Layer(node, [{"type": "affine", "scale": factor}], synthetic=True))
+        if not any(self._entries_of(item) for arm in arms for item in arm):  # x + x, x - x
+            return _Layer(node, [{"type": "affine", "scale": 1.0 + factor}]), split
+        sizes = [sum(len(self._entries_of(item)) for item in arm) for arm in arms]
+        inner, shortcut = (arms[0], arms[1]) if sizes[0] >= sizes[1] else (arms[1], arms[0])
+        return _Block(node, inner, shortcut), split
+
+    def _entries_of(self, item: Any) -> list[Any]:
+        return item.entries if isinstance(item, _Layer) else [item]
+
+    def _check_coverage(self, items: list[Any]) -> None:
+        """Every node the output reads is in the chain exactly once (a node read by two branches that
+        do not form one sum would be computed twice)."""
+        covered: list[Any] = []
+
+        def visit(entries: list[Any]) -> None:
+            for item in entries:
+                if isinstance(item, _Block):
+                    visit(item.inner)
+                    visit(item.shortcut)
+                if not getattr(item, "synthetic", False):
+                    covered.append(item.node)
+
+        visit(items)
+        seen: set[Any] = set()
+        for node in covered:
+            if node in seen:
+                raise CaptureError(f"{describe(node)}: its value feeds branches that are not one residual "
+                                   "sum (the chain would compute it twice)")
+            seen.add(node)
+        for node in self.live:
+            if node.op in ("placeholder", "output", "get_attr") or not self.traced.is_tensor(node):
+                continue
+            if node not in seen:
+                raise CaptureError(f"{describe(node)}: not part of one chain of layers and residual sums")
+
+    # --- one node's layer entries ----------------------------------------------------------------
+    def _entries(self, node: Any, op: Any) -> list[dict[str, Any]]:
+        """The spec entries (no names) of a one-input node."""
+        if node.op == "call_module":
+            return [self._module_entry(node, self.traced.module(node))]
+        handler = getattr(self, f"_op_{op.name}", None)
+        if handler is None:
+            raise CaptureError(f"{describe(node)}: {op.name} is not supported here")
+        if op.name in ("reshape", "contiguous"):  # the probes' shapes decide, not the arguments
+            return handler(node, {})
+        return handler(node, self.traced.arguments(node, op))
+
+    def _module_entry(self, node: Any, module: Any) -> dict[str, Any]:
+        """The spec entry of a module: every constructor argument written or refused."""
+        kind = type(module).__name__
+        spec_type, rules, fixed = MODULES[kind] if kind in MODULES else RECURRENT[kind]
+        entry: dict[str, Any] = {"type": spec_type, **fixed}
+        if kind == "RNN":
+            entry["nonlinearity"] = module.nonlinearity
+        for argument, parameter in _constructor(type(module)).parameters.items():
+            if argument == "self" or argument in _KEEP_FIELDS or parameter.kind in (
+                    inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                continue
+            rule = rules.get(argument)
+            if rule is None:
+                raise CaptureError(f"{describe(node)}: {argument}: an argument of {kind} the spec cannot "
+                                   "represent")
+            if rule == IGNORED:
+                continue
+            value = getattr(module, argument)
+            if argument == "bias" and not isinstance(value, bool):  # a layer's bias tensor, a recurrent flag
+                value = value is not None
+            if rule == WRITTEN:
+                entry[argument] = _plain(value)
+            elif value not in rule:
+                allowed = " or ".join(repr(v) for v in rule)
+                reason = REASONS.get((kind, argument))
+                raise CaptureError(f"{describe(node)}: {argument}: {value!r} cannot be represented (only "
+                                   f"{allowed})" + (f": {reason}" if reason else ""))
+        if kind == "BatchNorm2d" and module.training:
+            raise CaptureError(f"{describe(node)}: the BatchNorm2d is in training mode, where it normalises "
+                               "by each batch's own mean and variance, coupling the samples of a batch (no "
+                               "per-sample Jacobian to scan); call module.eval() first to capture it with "
+                               "its frozen running_mean and running_var")
+        if kind in ("LogSoftmax", "Softmax") and entry.get("dim") is None:
+            entry["dim"] = 1  # PyTorch's implicit dim of a (B, n) batch
+        if kind in MODES:
+            entry["training"] = bool(module.training)
+        return entry
+
+    def _activation(self, spec_type: str, **fields: Any) -> list[dict[str, Any]]:
+        return [{"type": spec_type, **fields}]
+
+    def _op_relu(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("relu")
+
+    def _op_relu6(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("hardtanh", min_val=0.0, max_val=6.0)
+
+    def _op_silu(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("silu")
+
+    def _op_sigmoid(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("sigmoid")
+
+    def _op_tanh(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("tanh")
+
+    def _op_leaky_relu(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("leaky_relu", negative_slope=self._number(node, args, "negative_slope"))
+
+    def _op_elu(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("elu", alpha=self._number(node, args, "alpha"))
+
+    def _op_gelu(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("gelu", approximate=args["approximate"])
+
+    def _op_hardtanh(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("hardtanh", min_val=self._number(node, args, "min_val"),
+                                max_val=self._number(node, args, "max_val"))
+
+    def _op_softplus(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("softplus", beta=self._number(node, args, "beta"),
+                                threshold=self._number(node, args, "threshold"))
+
+    def _op_max_pool2d(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        if args["return_indices"]:
+            raise CaptureError(f"{describe(node)}: return_indices=True returns a pair; a layer returns one "
+                               "tensor")
+        return [{"type": "maxpool2d", **{key: _plain(args[key]) for key in (
+            "kernel_size", "stride", "padding", "dilation", "ceil_mode")}}]
+
+    def _op_avg_pool2d(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        if args["divisor_override"] is not None:
+            raise CaptureError(f"{describe(node)}: divisor_override={args['divisor_override']!r} cannot be "
+                               "represented (only None)")
+        return [{"type": "avgpool2d", **{key: _plain(args[key]) for key in (
+            "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")}}]
+
+    def _op_adaptive_avg_pool2d(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"type": "adaptive_avgpool2d", "output_size": _plain(args["output_size"])}]
+
+    def _op_dropout(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        p, training = args["p"], args["training"]
+        if not _scalar(p) or not 0 <= p <= 1 or not isinstance(training, bool):
+            raise CaptureError(f"{describe(node)}: dropout with p={p!r}, training={training!r}: expected a "
+                               "constant probability and mode")
+        return [{"type": "dropout", "p": float(p), "training": training}]
+
+    def _op_softmax(self, node: Any, args: dict[str, Any],
+                    spec_type: str = "softmax") -> list[dict[str, Any]]:
+        shape = self.traced.shapes(self.traced.tensor_inputs(node)[0])[0]
+        dim = args["dim"]
+        if dim is None and len(shape) == 2:
+            dim = 1  # PyTorch's implicit dim of a (B, n) batch
+        if len(shape) != 2 or dim not in (1, -1) or args["dtype"] is not None:
+            raise CaptureError(f"{describe(node)}: {spec_type} over dim {dim!r} of a tensor of shape "
+                               f"{list(shape)} (dtype {args['dtype']!r}); sparse-scan's runs over the "
+                               "features of a flat (B, n) batch, in the input's dtype")
+        return [{"type": spec_type, "dim": dim}]
+
+    def _op_log_softmax(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._op_softmax(node, args, "log_softmax")
+
+    def _op_contiguous(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+    def _op_reshape(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """A reshape that keeps the batch axis and merges consecutive per-sample axes: a flatten layer
+        (none when it keeps the shape). The probes' shapes decide, not the arguments."""
+        source = self.traced.tensor_inputs(node)[0]
+        before, after = self.traced.shapes(source), self.traced.shapes(node)
+        batches = [shape[0] for shape in before]
+        if any(len(shape) == 0 or shape[0] != batch for shape, batch in zip(after, batches, strict=True)):
+            raise CaptureError(f"{describe(node)}: reshapes a batch of {before[0][0]} samples "
+                               f"{list(before[0])} to {list(after[0])}: it does not keep the batch axis "
+                               "first (a layer maps each sample on its own)")
+        sample_in, sample_out = before[0][1:], after[0][1:]
+        if before[1][1:] != sample_in or after[1][1:] != sample_out:
+            raise CaptureError(f"{describe(node)}: the per-sample shape it gives depends on the batch size")
+        if sample_out == sample_in:
+            return []
+        merged = _merged_axes(sample_in, sample_out)
+        if merged is None:
+            raise CaptureError(f"{describe(node)}: reshapes each sample {list(sample_in)} to "
+                               f"{list(sample_out)}, which is no flattening of consecutive axes (the only "
+                               "reshape sparse-scan has: flatten)")
+        start, end = merged
+        return [{"type": "flatten", "start_dim": start + 1, "end_dim": end + 1}]
+
+    def _op_mean(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``x.mean((2, 3))`` of an image batch: a global average pool (and a flatten unless keepdim)."""
+        shape = self.traced.shapes(self.traced.tensor_inputs(node)[0])[0]
+        dims = args["dim"]
+        dims = (dims,) if isinstance(dims, int) else tuple(dims) if isinstance(dims, (tuple, list)) else None
+        if (len(shape) != 4 or dims is None or not all(isinstance(d, int) for d in dims)
+                or sorted(d % 4 for d in dims) != [2, 3] or args["dtype"] is not None):
+            raise CaptureError(f"{describe(node)}: a mean over dim {args['dim']!r} of a tensor of shape "
+                               f"{list(shape)}; only the mean over the spatial axes (2, 3) of an image batch "
+                               "(a global average pool) is a layer")
+        pool = {"type": "adaptive_avgpool2d", "output_size": 1}
+        return [pool] if args["keepdim"] else [pool, {"type": "flatten"}]
+
+    def _op_mul(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        constant = self._constant(node, args)
+        return [{"type": "affine", "scale": float(constant)}]
+
+    def _op_div(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        if not hasattr(args["input"], "op") or args["rounding_mode"] is not None:
+            raise CaptureError(f"{describe(node)}: divides by a tensor or rounds; only the division of a "
+                               "tensor by a constant is a layer")
+        divisor = self._constant(node, args)
+        if divisor == 0:
+            raise CaptureError(f"{describe(node)}: divides by zero")
+        return [{"type": "affine", "scale": 1.0 / float(divisor)}]
+
+    def _op_neg(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"type": "affine", "scale": -1.0}]
+
+    def _op_add(self, node: Any, args: dict[str, Any], sign: float = 1.0) -> list[dict[str, Any]]:
+        constant = self._constant(node, args)
+        alpha = args.get("alpha", 1)
+        if not _scalar(alpha):
+            raise CaptureError(f"{describe(node)}: alpha must be a constant number, got {alpha!r}")
+        if hasattr(args["input"], "op"):  # x + c, x - c
+            return [{"type": "affine", "shift": sign * float(alpha) * float(constant)}]
+        return [{"type": "affine", "scale": sign * float(alpha), "shift": float(constant)}]  # c + x, c - x
+
+    def _op_sub(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._op_add(node, args, -1.0)
+
+    def _op_getitem(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        raise CaptureError(f"{describe(node)}: indexes a tensor ({args['index']!r}); no layer selects part "
+                           "of a sample")
+
+    def _constant(self, node: Any, args: dict[str, Any]) -> Any:
+        """The constant operand of a binary operation with one tensor."""
+        operand = args["other"] if hasattr(args["input"], "op") else args["input"]
+        if not _scalar(operand):
+            raise CaptureError(f"{describe(node)}: combines a tensor with {operand!r}; only a constant "
+                               "number (a scaling or a shift) is a layer")
+        return operand
+
+    def _number(self, node: Any, args: dict[str, Any], key: str) -> float:
+        if not _scalar(args[key]):
+            raise CaptureError(f"{describe(node)}: {key} must be a constant number, got {args[key]!r}")
+        return float(args[key])
+
+    # --- names and weights -----------------------------------------------------------------------
+    def _allocate(self, base: str) -> str:
+        """A layer name not used yet and no module's path: ``base``, else ``base_1``, ``base_2``, ..."""
+        candidate, k = base, 0
+        while candidate in self.used or candidate in self.reserved:
+            k += 1
+            candidate = f"{base}_{k}"
+        self.used.add(candidate)
+        return candidate
+
+    def _name(self, item: Any) -> list[dict[str, Any]]:
+        """``item``'s named spec entries; a module's layer takes its path (a later call of a
+        parameter-free module ``<path>_<k>``) and its weights."""
+        if isinstance(item, _Block):
+            inner = [entry for sub in item.inner for entry in self._name(sub)]
+            shortcut = [entry for sub in item.shortcut for entry in self._name(sub)]
+            block: dict[str, Any] = {"name": self._block_name(item), "type": "residual", "scoped": False,
+                                     "layers": inner}
+            if shortcut:
+                block["shortcut"] = shortcut
+            return [block]
+        out = []
+        for index, entry in enumerate(item.entries):
+            if item.module is None:  # a function's layers: its node's name (then "<name>_<type>")
+                name = self._allocate(item.node.name if index == 0 else f"{item.node.name}_{entry['type']}")
+            elif item.module not in self.used:  # a module's first call: its path
+                name = item.module
+                self.used.add(name)
+            else:  # a parameter-free module's later call
+                name = self._allocate(item.module)
+            if item.module is not None:
+                self._take_weights(name, item.module)
+            out.append({"name": name, **entry})
+        return out
+
+    def _block_name(self, block: _Block) -> str:
+        """The longest module path every module of the block lies under, where that is no layer's name
+        (torchvision's ``layer1.0``), else the sum's node name."""
+        paths = [item.module.split(".") for item in _members(block) if item.module is not None]
+        prefix: list[str] = []
+        if paths:
+            for parts in zip(*paths, strict=False):
+                if len(set(parts)) != 1:
+                    break
+                prefix.append(parts[0])
+        candidate = ".".join(prefix)
+        if candidate and candidate not in self.used and all(
+                len(parts) > len(prefix) for parts in paths) and candidate not in self._module_paths():
+            self.used.add(candidate)
+            return candidate
+        return self._allocate(block.node.name)
+
+    def _module_paths(self) -> set[str]:
+        return {node.target for node in self.live if node.op == "call_module"}
+
+    def _take_weights(self, name: str, path: str) -> None:
+        """Layer ``name``'s weights: module ``path``'s parameters and buffers (a pruned layer's effective
+        ``weight`` for its ``weight_orig`` and ``weight_mask``), the module's own tensors."""
+        module = self.original.get_submodule(path)
+        for key, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if key.rpartition(".")[2] in DROPPED_BUFFERS:
+                continue
+            if key.endswith("_mask") and hasattr(module, key[:-5] + "_orig"):
+                continue
+            source = key
+            if key.endswith("_orig") and hasattr(module, key[:-5]):
+                key = key[:-5]
+                tensor = getattr(module, key)
+            self.weights[f"{name}.{key}"] = tensor
+            if any(source == k for k, _ in module.named_parameters()):
+                self.parameters[f"{name}.{key}"] = f"{path}.{source}"
+
+    # --- a recurrent classifier ------------------------------------------------------------------
+    def recurrent(self, node: Any) -> tuple[list[dict[str, Any]], list[tuple[int, Any]]]:
+        """A recurrent layer reading the input, a head selection of its outputs, one Linear."""
+        traced = self.traced
+        module = traced.module(node)
+        kind = type(module).__name__
+        rule = (f"a recurrent model is an {kind} reading the forward's input, its head's selection "
+                "(out[:, -1] or out[-1], h_n[-1], out.mean over time), optionally dropout in eval mode, "
+                "then one Linear")
+        placeholder, output = traced.placeholder(), traced.output()
+        source = node.args[0] if node.args else None
+        swapped = hasattr(source, "op") and swaps_time_and_batch(source) and source.args[0] is placeholder
+        if source is not placeholder and not swapped:
+            raise CaptureError(f"{describe(node)}: {kind} must read the forward's input (or its time and "
+                               f"batch axes swapped); {rule}")
+        if any(a is not None for a in (*node.args[1:], *node.kwargs.values())):
+            raise CaptureError(f"{describe(node)}: {kind} is given an initial state; {rule}")
+        result = output.args[0]
+        if not hasattr(result, "op") or not traced.is_tensor(result):
+            raise CaptureError(f"{describe(output)}: the forward returns {self._returned(result)}; {rule}")
+        self._check_nodes([n for n in self.live if n is not node and n is not source])
+        if result.op != "call_module" or type(traced.module(result)).__name__ != "Linear":
+            raise CaptureError(f"{describe(result)}: {rule}")
+        path = [result]
+        current = traced.tensor_inputs(result)[0]
+        while self._eval_identity(current):
+            path.append(current)
+            current = traced.tensor_inputs(current)[0]
+        reduction, used = self._selection(current, node, module, rule)
+        path += used
+        selected = current
+        if swapped:
+            path.append(source)  # x.transpose(0, 1): the module's own layout swapped
+        if module.training and module.dropout > 0 and module.num_layers > 1:
+            raise CaptureError(f"{describe(node)}: the {kind}'s dropout between layers is active (training "
+                               "mode): a spec's recurrent layer runs without it; call module.eval() first")
+        covered = set(path) | {node, placeholder, output}
+        for other in self.live:
+            if other not in covered and (traced.is_tensor(other) or other.op == "call_module"):
+                raise CaptureError(f"{describe(other)}: {rule}")
+        name = node.target
+        self.used.add(name)
+        entry = {"name": name, **self._module_entry(node, module)}
+        self._take_weights(name, name)
+        head = result.target
+        if head in self.used:
+            raise CaptureError(f"{describe(result)}: {rule}")
+        self.used.add(head)
+        head_entry = {"name": head, **self._module_entry(result, traced.module(result))}
+        if reduction != "last":
+            head_entry["reduction"] = reduction
+        self._take_weights(head, head)
+        return [entry, head_entry], [(0, selected), (1, result)]
+
+    def _eval_identity(self, node: Any) -> bool:
+        """Dropout in eval mode (or p = 0) and identities between the head's selection and its Linear."""
+        traced = self.traced
+        if node.op == "call_module":
+            module = traced.module(node)
+            kind = type(module).__name__
+            return kind == "Identity" or (kind == "Dropout" and (not module.training or module.p == 0))
+        op = traced.op(node)
+        if op.name == "dropout":
+            arguments = traced.arguments(node, op)
+            return arguments["training"] is False or arguments["p"] == 0
+        return op.name == "contiguous"
+
+    def _selection(self, node: Any, recurrent: Any, module: Any, rule: str) -> tuple[str, list[Any]]:
+        """What the head reads of the recurrent layer's outputs: ``"last"`` or ``"mean"``, and the nodes
+        of that selection."""
+        traced = self.traced
+        steps = int(traced.inputs[0].shape[0 if traced.time_major else 1])
+        time_major = not module.batch_first  # the layout of the recurrent layer's outputs
+        finals = module.num_layers * (2 if module.bidirectional else 1)
+        op = traced.op(node)
+        tensors = traced.tensor_inputs(node)
+        source = tensors[0] if len(tensors) == 1 else node.args[0] if node.args else None
+        outputs = self._item_of(source, recurrent, 0)
+        states = self._state_of(source, recurrent, module)
+        if op.name == "getitem" and outputs is not None:
+            index = _index(node.args[1])
+            want = ((-1,), (steps - 1,)) if time_major else ((_ALL, -1), (_ALL, steps - 1))
+            if index in want:
+                return "last", [node, source]
+        if op.name == "mean" and outputs is not None:
+            arguments = traced.arguments(node, op)
+            axis = 0 if time_major else 1
+            if arguments["dim"] in (axis, axis - 3, (axis,), [axis]) and not arguments["keepdim"] \
+                    and arguments["dtype"] is None:
+                return "mean", [node, source]
+        if states is not None:
+            chain = [node, source] + states
+            if op.name == "getitem" and _index(node.args[1]) in ((-1,), (finals - 1,)):
+                if finals == module.num_layers:
+                    return "last", chain
+                raise CaptureError(f"{describe(node)}: h_n[-1] of a bidirectional {type(module).__name__} is "
+                                   "the reverse direction's final state, not the last output the head reads "
+                                   "(out[:, -1]); use out[:, -1] or out[-1]")
+            if finals == 1 and node.op == "call_method" and node.target == "squeeze" and (
+                    tuple(node.args[1:]) == (0,) or dict(node.kwargs) == {"dim": 0}):
+                return "last", chain
+            if finals == 1 and op.name == "getitem" and _index(node.args[1]) == (0,):
+                return "last", chain
+        raise CaptureError(f"{describe(node)}: {rule}")
+
+    def _item_of(self, node: Any, parent: Any, index: int) -> Any:
+        """``node`` if it is ``parent[index]``, else None."""
+        if node is None or node.op != "call_function" or self.traced.op(node).name != "getitem":
+            return None
+        return node if node.args[0] is parent and node.args[1] == index else None
+
+    def _state_of(self, node: Any, recurrent: Any, module: Any) -> list[Any] | None:
+        """The nodes reading ``h_n`` off the recurrent module's result, ending at ``node``, or None."""
+        if type(module).__name__ == "LSTM":
+            if node is None or self.traced.op(node).name != "getitem" or node.args[1] != 0:
+                return None
+            pair = self._item_of(node.args[0], recurrent, 1)
+            return None if pair is None else [pair]
+        return [] if self._item_of(node, recurrent, 1) is not None else None
+
+
+_ALL = slice(None, None, None)
+
+
+def _index(index: Any) -> tuple[Any, ...]:
+    """A subscript as a tuple, trailing full slices dropped (``out[:, -1, :]`` is ``out[:, -1]``)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    while items and items[-1] == _ALL:
+        items.pop()
+    return tuple(items)
+
+
+def _members(block: _Block) -> list[_Layer]:
+    out = []
+    for item in block.inner + block.shortcut:
+        out += _members(item) if isinstance(item, _Block) else [item]
+    return out
+
+
+def _merged_axes(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(start, end)`` such that merging axes ``start..end`` of ``before`` gives ``after``, or None."""
+    for start in range(len(before)):
+        for end in range(start + 1, len(before)):
+            merged = before[:start] + (int(np.prod(before[start:end + 1])),) + before[end + 1:]
+            if merged == after:
+                return start, end
+    return None
+
+
+def _constructor(cls: type) -> Any:
+    """The signature of ``cls.__init__``, or for a recurrent module its base's (``nn.LSTM.__init__``
+    takes ``*args, **kwargs`` and passes them to ``RNNBase.__init__``)."""
+    if cls.__name__ not in RECURRENT:
+        return inspect.signature(cls.__init__)
+    for klass in cls.__mro__:
+        signature = inspect.signature(klass.__init__)
+        if not any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+            return signature
+    raise CaptureError(f"{cls.__name__}: no constructor with named arguments")
+
+
+# --- the check -------------------------------------------------------------------------------------
+def _check(traced: Traced, spec: dict[str, Any], weights: dict[str, Any],
+           mapped: list[tuple[int, Any]]) -> None:
+    """The spec's model, float64, against the module's forward on a probe batch (dropout off in both):
+    refused where they differ, naming the first layer that does."""
+    import torch  # noqa: PLC0415
+
+    arrays = {key: tensor.detach().to("cpu", torch.float64).numpy() for key, tensor in weights.items()}
+    try:
+        model = model_from_spec(spec, arrays, dtype=np.float64, source="the captured spec")
+    except SpecError as error:
+        raise CaptureError(f"the captured model does not build: {error}") from None
+    for layer in every_layer(model):
+        if type(layer).__name__ == "Dropout":
+            layer.training = False
+    x_module = traced.inputs[-1]
+    with torch.no_grad(), no_dropout():
+        expected = traced.reference(x_module).numpy()
+    x = x_module.numpy()
+    if traced.time_major:
+        x = np.ascontiguousarray(x.transpose(1, 0, 2))
+    values = traced.values[-1]
+    try:
+        outputs = _layer_outputs(model, x)
+    except ValueError as error:
+        raise CaptureError(f"the captured model fails on the probe batch: {error}") from None
+    for index, node in mapped:
+        reference = values[node].numpy()
+        if reference.shape != outputs[index].shape or not _close(outputs[index], reference):
+            name = spec["layers"][index]["name"]
+            raise CaptureError(f"{describe(node)}: the captured layer {name!r} gives outputs that differ "
+                               f"from the module's ({_difference(outputs[index], reference)}); nothing "
+                               "exported")
+    if not _close(outputs[-1], expected):
+        raise CaptureError(f"the module's forward gives outputs that differ from its traced graph's "
+                           f"({_difference(outputs[-1], expected)}): its forward changes with each call "
+                           "(state, randomness other than dropout, in-place changes torch.fx does not see)")
+
+
+def _layer_outputs(model: Any, x: np.ndarray) -> list[np.ndarray]:
+    """Every top-level layer's output on ``x`` (a recurrent classifier: its pooled output, the logits)."""
+    if hasattr(model, "recurrent"):
+        logits = model.forward(x)
+        return [np.asarray(model._pooled), logits]  # noqa: SLF001 - the head's input, what the module computes
+    outputs = []
+    for layer in model.layers:
+        x = layer.forward(x)
+        outputs.append(x)
+    return outputs
+
+
+def _close(ours: np.ndarray, reference: np.ndarray) -> bool:
+    scale = float(np.max(np.abs(reference))) if reference.size else 0.0
+    return ours.shape == reference.shape and bool(
+        np.all(np.abs(ours - reference) <= FORWARD_TOLERANCE * scale + 1e-12))
+
+
+def _difference(ours: np.ndarray, reference: np.ndarray) -> str:
+    if ours.shape != reference.shape:
+        return f"shape {list(ours.shape)} against {list(reference.shape)}"
+    return f"by up to {float(np.max(np.abs(ours - reference))):.3g} on values up to " \
+           f"{float(np.max(np.abs(reference))):.3g}"
