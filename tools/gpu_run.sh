@@ -44,12 +44,17 @@
 #              97%-pruned VGG-11 backward vs PyTorch autograd on CUDA; the LSTM backward vs cuDNN.
 #              Files (8): env.txt parts.txt gpu-tests.log rnn-<gpu>.jsonl spgemm-<gpu>.jsonl
 #              scan-<gpu>.jsonl lstm-<gpu>.jsonl bench.log
+#              Limits (s): env 20, probe 15, install 25, tests 160, rnn-1000 25, rnn-30000 60, spgemm 30,
+#              scan 40, lstm 25 = 400.
 #   sanitizer  env, probe, install, the compute-sanitizer probe; memcheck over the kernel-launching gpu
 #              tests at small sizes (CuPy's memory pool off: SPARSE_SCAN_NO_MEMPOOL=1); racecheck over
 #              the kernels with barriers (the dense scan's tiled and chain kernels).
 #              Files (5): env.txt parts.txt sanitizer-probe.log memcheck.log racecheck.log
+#              Limits (s): env 20, probe 15, install 25, sanitizer-probe 20, memcheck 110, racecheck 50
+#              = 240.
 #
-# STEP...: run only these steps of the part (env, probe and install always run), for a short rerun.
+# STEP...: run only these steps of the part (env, probe and install always run), for a short rerun;
+# their files in $OUT are appended to (a rows file then holds both runs, each with its first line).
 # --dry-run prints the steps, their limits and the files without running anything
 # (tests/test_gpu_run.py checks the sums and the file counts through it).
 #
@@ -194,17 +199,21 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 GPU=unknown-gpu
 export OUT WORK GPU PYTHON INSTALL SANITIZER part
-for pattern in $files; do  # a rerun into the same folder starts clean (the rows files append)
-    rm -f -- "$OUT"/${pattern//\$GPU/*}
+# env.txt and parts.txt start afresh; a whole part's other files too (the rows files append), while a
+# rerun of named steps appends to what an earlier run left in the same folder.
+for pattern in $files; do
+    if [[ $pattern == env.txt || $pattern == parts.txt ]] || ((${#only[@]} == 0)); then
+        rm -f -- "$OUT"/${pattern//\$GPU/*}
+    fi
 done
 
 collect_env() {
     echo "== tools/gpu_run.sh $part, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null \
 || echo unknown), kernel $(uname -r)"
     if command -v nvidia-smi > /dev/null; then
-        timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
+        timeout 5 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
             | sed 's/^/gpu: /'
-        timeout 10 nvidia-smi | grep -m 1 "Driver Version"  # the driver's and its CUDA's versions
+        timeout 5 nvidia-smi | grep -m 1 "Driver Version"  # the driver's and its CUDA's versions
     else
         echo "nvidia-smi: not on PATH"
     fi
