@@ -289,7 +289,7 @@ def test_inline_sums_are_captured_as_residual_blocks(tmp_path, module, method):
 
 
 @pytest.mark.parametrize("module, fragment", [
-    (Concat(), "node 'cat' (cat at test_export.py:"),
+    (Concat(), "node 'cat' (torch.cat at test_export.py:"),
     (SharedWeights(), "node 'block_conv_1' (module 'block.conv' at test_export.py:"),
 ])
 def test_other_module_patterns_are_refused_with_the_node_named(tmp_path, module, fragment):

@@ -291,7 +291,8 @@ def describe(node: Any) -> str:
         target = node.target
         module = getattr(target, "__module__", None) or ""
         name = getattr(target, "__name__", str(target))
-        what = f"{'F.' if module == 'torch.nn.functional' else ''}{name}"
+        what = f"F.{name}" if module == "torch.nn.functional" else f"torch.{name}" if module == "torch" \
+            else name
         if module in ("_operator", "operator"):
             what = {"add": "+", "iadd": "+=", "sub": "-", "isub": "-=", "mul": "*", "imul": "*=",
                     "truediv": "/", "itruediv": "/=", "neg": "unary -", "getitem": "[]"}.get(name, name)
