@@ -893,6 +893,57 @@ class FlattenBatch(nn.Module):
         return torch.flatten(F.relu(self.conv(x)))
 
 
+class NoGradRegion(nn.Module):
+    """A layer run under torch.no_grad(): PyTorch gives it (and what feeds it) no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 6)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            features = self.fc1(torch.flatten(x, 1))
+        return self.fc2(features)
+
+
+class Detached(NoGradRegion):
+    """``.detach()``: no gradient through it."""
+
+    def forward(self, x):
+        return self.fc2(self.fc1(torch.flatten(x, 1)).detach())
+
+
+class AliasedInPlace(NoGradRegion):
+    """``z = y; z += 1`` changes ``y`` in place, which torch.fx records as an out-of-place sum."""
+
+    def forward(self, x):
+        y = self.fc1(torch.flatten(x, 1))
+        z = y
+        z += 1.0
+        return self.fc2(y)
+
+
+class Stateful(NoGradRegion):
+    """The forward counts its calls and scales by the count: another function every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1)))) * self.calls
+
+
+class DoubledBranch(NoGradRegion):
+    """``y + y``: twice the branch, an affine layer."""
+
+    def forward(self, x):
+        y = self.fc1(torch.flatten(x, 1))
+        return self.fc2(y + y)
+
+
 class TupleOutput(nn.Module):
     """forward returns the logits and the features."""
 
@@ -961,6 +1012,7 @@ CORPUS: list[Case] = [
     Case("in_place", InPlace, (1, 12, 12), "F.relu(x, inplace=True), x.relu_(), nn.ReLU(inplace=True)"),
     Case("constant_scalings", ConstantScalings, (3, 2, 2), "x * 2.0, 2.0 * x, x / 4, -x"),
     Case("constant_shifts", ConstantShifts, (3, 2, 2), "x + 1, 1 + x, x - 0.5, 1 - x"),
+    Case("doubled_branch", DoubledBranch, (3, 2, 2), "y + y of one branch: an affine layer"),
     Case("scaled_head", ScaledHead, (3, 8, 8), "self.fc(x) * 2.0 as the last operation"),
     Case("functional_dropout", FunctionalDropout, (3, 2, 2),
          "F.dropout(x, 0.5, training=self.training) and nn.Dropout, eval mode"),
@@ -1035,5 +1087,13 @@ CORPUS: list[Case] = [
          node="output"),
     Case("two_inputs", TwoInputs, (3, 2, 2), "forward takes two inputs", node="y", keyword="input",
          inputs=2),
+    Case("no_grad_region", NoGradRegion, (3, 2, 2), "a layer under torch.no_grad() passes no gradient",
+         node="flatten", keyword="no_grad"),
+    Case("detached", Detached, (3, 2, 2), ".detach() passes no gradient", node="detach"),
+    Case("aliased_in_place", AliasedInPlace, (3, 2, 2),
+         "z = y; z += 1 changes y in place, unseen by torch.fx: the float64 check sees it",
+         keyword="differ from its traced graph"),
+    Case("stateful_forward", Stateful, (3, 2, 2), "a forward that changes with each call",
+         keyword="differ from its traced graph"),
 ]
 """Every model, accepted first."""

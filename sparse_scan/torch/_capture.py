@@ -251,6 +251,9 @@ class _Builder:
         for node in nodes:
             if node.op in ("placeholder", "output"):
                 continue
+            if node.meta.get("no_grad") and traced.is_tensor(node):
+                raise CaptureError(f"{describe(node)}: runs with gradients off (torch.no_grad()): PyTorch "
+                                   "passes no gradient through it, a scan would")
             if node.op == "get_attr":
                 if traced.is_tensor(node):
                     raise CaptureError(f"{describe(node)}: the forward uses the tensor attribute "

@@ -336,10 +336,21 @@ def trace(module: Any) -> tuple[Any, Any]:
     if not parameters or parameters[0].kind in (inspect.Parameter.VAR_KEYWORD,):
         raise CaptureError("forward takes no input; a model takes one tensor")
     concrete = {p.name: p.default for p in parameters[1:] if p.default is not inspect.Parameter.empty}
-    tracer = torch.fx.Tracer()
+
+    class Tracer(torch.fx.Tracer):
+        """Marks the nodes the forward makes with gradients off (``torch.no_grad()``): PyTorch gives
+        them no gradient, a scan would."""
+
+        def create_node(self, *args: Any, **kwargs: Any) -> Any:
+            node = super().create_node(*args, **kwargs)
+            node.meta["no_grad"] = not torch.is_grad_enabled()
+            return node
+
+    tracer = Tracer()
     tracer.record_stack_traces = True
     try:
-        graph = tracer.trace(reference, concrete_args=concrete or None)
+        with torch.enable_grad():  # whatever the caller's mode: the forward's own no_grad shows
+            graph = tracer.trace(reference, concrete_args=concrete or None)
     except Exception as error:  # noqa: BLE001 - data-dependent control flow and the like
         message = " ".join(str(error).strip().splitlines()[0].split()) if str(error).strip() else ""
         raise CaptureError(f"torch.fx cannot trace the forward{_traceback_line(error)}: "
