@@ -26,6 +26,7 @@ from typing import Callable, Hashable, Sequence
 
 from . import backend as _backend
 from . import weights as _weights
+from ._layerwise import layerwise_backward
 from ._types import Array
 from .csr import BatchedCSR, Pattern
 from .engine.plan import (
@@ -42,7 +43,7 @@ from .engine.plan import (
 )
 from .engine.products import ProductPlan
 from .engine.run import run_plan, through_inputs, through_weights
-from .engine.schedule import Element, checked_levels, depth
+from .engine.schedule import SCHEDULES, Element, checked_levels, depth
 from .layers import Layer
 from .layers._base import scoped_name
 
@@ -56,9 +57,11 @@ slowest). An explicit method or depth plans whatever it costs."""
 
 AUTO_ESTIMATE_SLACK = 2.0
 """``method="auto"`` builds no depth whose estimated critical path exceeds the best built one's by this
-factor, and deepens no further past an estimated product this much costlier than that critical path
-(estimates of products of layer pairs are within a few percent on the bundled models; deeper ones
-are over-estimates)."""
+factor, and deepens no further past an estimated product this much costlier than that critical path;
+an explicit schedule with an estimated product this much over ``max_step_flops`` is refused before
+anything is built (estimates of products of layer pairs are within a few percent on the bundled
+models, ResNet-20-pruned's costliest 7.12e9 FLOPs against 7.65e9 counted; deeper ones are
+over-estimates)."""
 
 Shape = tuple[int, ...]
 
@@ -99,6 +102,17 @@ def _auto_verdict(estimate: ScanPlan, best: ScanPlan, limit: int, max_step_flops
     if estimate.critical_flops > AUTO_ESTIMATE_SLACK * best.critical_flops:
         return f"not built: its critical path is over {AUTO_ESTIMATE_SLACK:g}x the best so far", False
     return None, False
+
+
+def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_step_flops: int) -> None:
+    """:class:`ScanCostError` for a schedule with a product whose estimate (:func:`estimate_plan`,
+    the JTs' shapes and ``nnz`` alone) is over :data:`AUTO_ESTIMATE_SLACK` times ``max_step_flops``;
+    :func:`build_plan` still counts every product exactly before building it."""
+    for step in estimate_plan(chain, method, levels).steps:
+        if step.kind == "mm" and not step.scaling and step.flops > AUTO_ESTIMATE_SLACK * max_step_flops:
+            raise ScanCostError(f"{chain.describe_step(step)}, needs ~{step.flops:.3g} FLOPs (estimated from "
+                                "the JTs' sizes, before building anything), over the limit of "
+                                f"{max_step_flops}")
 
 
 class Sequential:
@@ -224,11 +238,16 @@ class Sequential:
         ``choice`` (:class:`~sparse_scan.scan.ScheduleChoice`) says why.
 
         ``max_step_flops`` makes planning give up with :class:`~sparse_scan.scan.ScanCostError`
-        before building a costlier product (a cached plan is returned whatever its cost; ``auto``
-        sets such schedules aside instead). ``progress(phase, done, total)`` is called while a plan
-        is built (:func:`~sparse_scan.scan.build_plan`).
+        before building a costlier product: at once, before any pattern or product is built, where
+        the estimate of a product is over :data:`AUTO_ESTIMATE_SLACK` times the limit, else when the
+        product's exact count is over the limit (a cached plan is returned whatever its cost;
+        ``auto`` sets such schedules aside instead). ``progress(phase, done, total)`` is called
+        while a plan is built: ``"sizes"`` and ``"patterns"`` (:meth:`chain_info`), ``"steps"`` and
+        ``"product rows"`` (:func:`~sparse_scan.scan.build_plan`).
         """
         shape = tuple(int(s) for s in in_shape)
+        if method not in SCHEDULES:
+            raise ValueError(f"method must be one of {', '.join(SCHEDULES)}; got {method!r}")
         if method == "hybrid" and levels is None:
             levels = "auto"
         auto = method == "auto" or (method == "hybrid" and levels == "auto")
@@ -315,16 +334,20 @@ class Sequential:
             :func:`~sparse_scan.engine.plan.operands_needing_patterns` of a schedule); none for an
             estimate.
         progress : callable, optional
-            ``progress("patterns", done, total)`` after each pattern built.
+            ``progress("sizes", done, n)`` after each JT's ``nnz`` (a residual block's needs its
+            pattern: seconds each), ``progress("patterns", done, total)`` after each pattern built.
         """
         n = len(self.layers)
         shapes = self.shapes(in_shape)
         # (layer, its input shape, its output shape) of scan element j at [j - 1]
         elements = [(self.layers[n - j], shapes[n - j], shapes[n - j + 1]) for j in range(1, n + 1)]
-        infos = tuple(ElementInfo((math.prod(layer_in), math.prod(layer_out)), layer.pattern_nnz(layer_in),
-                                  layer.jacobian_kind, layer.sample_independent,
-                                  layer.jacobian_fill_flops(layer_in))
-                      for layer, layer_in, layer_out in elements)
+        infos = []
+        for done, (layer, layer_in, layer_out) in enumerate(elements, start=1):
+            infos.append(ElementInfo((math.prod(layer_in), math.prod(layer_out)), layer.pattern_nnz(layer_in),
+                                     layer.jacobian_kind, layer.sample_independent,
+                                     layer.jacobian_fill_flops(layer_in)))
+            if progress is not None:
+                progress("sizes", done, n)
         patterns: dict[int, Pattern] = {}
         for done, j in enumerate(patterns_of, start=1):
             layer, layer_in, _ = elements[j - 1]
@@ -333,7 +356,7 @@ class Sequential:
                 progress("patterns", done, len(patterns_of))
         inputs = shapes[::-1]  # vector j is the gradient w.r.t. x_{n - j}
         return ChainInfo(
-            elements=infos,
+            elements=tuple(infos),
             vector_sizes=tuple(math.prod(shape) for shape in inputs),
             vector_channels=tuple(int(shape[0]) if shape else 1 for shape in inputs),  # a scalar: one
             names=tuple(str(layer.name) for layer, _, _ in elements),
@@ -345,6 +368,8 @@ class Sequential:
         structure = tuple(layer._structure_key() for layer in self.layers)
         products = self._products.setdefault((shape, structure, self.memory_budget), {})
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
+        if max_step_flops is not None:  # refused at once, from the JTs' sizes, rather than after hours
+            _refuse_by_estimate(self.chain_info(shape, progress=progress), method, levels, max_step_flops)
         self.plan_builds += 1
         chain = self.chain_info(shape, operands_needing_patterns(len(self.layers), method, levels), progress)
         return build_plan(chain, method, levels, products, budget, max_step_flops, progress)
@@ -387,6 +412,14 @@ class Sequential:
         return out
 
     # --- backward ------------------------------------------------------------------------------
+    def reference_backward(self, grad_out: Array) -> list[Array]:
+        """:meth:`backward`'s gradients computed outside the scan engine, to check a scan against
+        (``sparse-scan run --check``): back-propagation layer by layer, each layer's JT values at the
+        last :meth:`forward` applied by SciPy on the host (:mod:`sparse_scan._layerwise`). Host
+        arrays, shaped like the activations."""
+        flat = layerwise_backward(self, grad_out)
+        return [g.reshape(x.shape) for g, x in zip(flat, self._require_forward(), strict=True)]
+
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
                  device: str | None = None, timings: dict[str, float] | None = None) -> list[Array]:
         """Gradients w.r.t. every activation, by a scan over the layers' transposed Jacobians.

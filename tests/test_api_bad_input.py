@@ -33,6 +33,17 @@ def test_scan_levels_are_ints_of_hybrid_only(method, levels, message):
         model.backward(np.ones_like(out), method=method, levels=levels)
 
 
+@pytest.mark.parametrize("call", ["backward", "plan"])
+def test_an_unknown_method_is_refused_naming_every_schedule_auto_first(call):
+    model, out = small()
+    message = r"^method must be one of auto, linear, blelloch, hybrid; got 'scan'$"
+    with pytest.raises(ValueError, match=message):
+        if call == "backward":
+            model.backward(np.ones_like(out), method="scan")
+        else:
+            model.plan((1, 6, 6), "scan")
+
+
 def test_recurrent_levels_count_time_steps_and_apply_to_hybrid_only():
     rnn = RNN(1, 3)
     rnn.forward(np.zeros((2, 5, 1)))

@@ -77,3 +77,27 @@ def test_flops_with_default_options_succeeds_within_the_symbolic_bound(spec, sym
     report = json.loads(result.output)
     assert report["schedule"]["critical_flops"] == report["totals"]["critical_flops"]
     assert report["totals"]["critical_flops"] <= report["totals"]["bp_flops"]
+
+
+@pytest.mark.parametrize("command", ["run", "flops"])
+def test_a_schedule_that_would_plan_for_hours_is_refused_from_the_estimate(monkeypatch, command,
+                                                                         symbolic_work):
+    """The Blelloch scan of ResNet-20-pruned needs a 1.1e12-FLOP product (a dense 16384x8192 by
+    8192x4096 one): refused from the JTs' sizes, before any product is planned (about 8 s on a quiet
+    2-core machine, its blocks' patterns; it used to plan for hours), naming the figure and the option
+    to raise it."""
+    from sparse_scan import _model
+
+    def build_plan(*args, **kwargs):
+        raise AssertionError("a product was planned before the refusal")
+
+    monkeypatch.setattr(_model, "build_plan", build_plan)
+    extra = ["--random", "2", "--check"] if command == "run" else []
+    result = invoke(command, DATA / "resnet20-pruned.yaml", "--method", "blelloch", *extra)
+    assert result.exit_code == 2, result.output
+    *progress, error = result.output.splitlines()  # progress: a line every 10 s, on a busy machine
+    assert error.startswith("sparse-scan: error: ") and "error" not in "".join(progress), result.output
+    assert ("the product of layers 'layer2.0'..'layer2.1.relu_out' and layers "
+            "'layer2.2'..'layer3.0.relu_out', needs ~1.1e+12 FLOPs (estimated from the JTs' sizes, before "
+            "building anything), over the limit of 10000000000 (raise --max-step-flops") in error
+    assert symbolic_work[0] <= SYMBOLIC_BOUND

@@ -254,20 +254,46 @@ def test_products_write_into_the_arrays_of_the_last_run_and_never_into_a_result(
     assert shapes and all(len(shape) == 1 or shape[0] == 2 for shape in shapes)
 
 
-def test_plan_build_reports_progress_once_per_pattern_and_step():
+def test_plan_build_reports_progress_once_per_size_pattern_and_step():
     model, in_shape = random_chain(8, seed=2, dtype=np.float32)
     calls = []
     plan = model.plan(in_shape, "blelloch", progress=lambda *call: calls.append(call))
     patterns = [c for c in calls if c[0] == "patterns"]
     steps = [c for c in calls if c[0] == "steps"]
+    assert [c for c in calls if c[0] == "sizes"] == [("sizes", j, 8) for j in range(1, 9)]
     # only the layers that are operands of a product need their pattern
     operands = {e.lo for s in plan.steps if s.kind == "mm" for e in (s.left, s.right) if e.lo == e.hi}
     assert 0 < len(operands) < 8
     assert patterns == [("patterns", j, len(operands)) for j in range(1, len(operands) + 1)]
-    assert steps == [("steps", k, len(plan.steps)) for k in range(1, len(plan.steps) + 1)]
+    assert steps == [("steps", k, len(plan.steps)) for k in range(len(plan.steps) + 1)]
     calls.clear()
     model.plan(in_shape, "blelloch", progress=lambda *call: calls.append(call))
     assert calls == []  # cached: nothing to build
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_reference_backward_runs_no_scan_and_agrees_with_every_schedule(seed, monkeypatch):
+    """``Sequential.reference_backward`` (what ``run --check`` compares the linear scan with):
+    back-propagation through each layer's JT values by SciPy, a residual block's included, equal to
+    every schedule's gradients, and computed without the engine's plans or executors."""
+    from sparse_scan import _model
+    from sparse_scan.layers import Residual
+
+    model, in_shape = random_chain(8, seed=seed, dtype=np.float64)
+    channels = model.shapes(in_shape)[1][0]
+    block = Residual(Conv2d(channels, channels, 3, padding=1, dtype=np.float64, rng=seed), ReLU(),
+                     Conv2d(channels, channels, 3, padding=1, dtype=np.float64, rng=seed + 1))
+    model = Sequential(model.layers[0], block, *model.layers[1:])
+    rng = np.random.default_rng(seed)
+    out = model.forward(rng.standard_normal((3,) + in_shape))
+    grad = rng.standard_normal(out.shape)
+    schedules = [model.backward(grad, method) for method in ("linear", "blelloch")]
+    monkeypatch.setattr(_model, "run_plan", None)  # the reference runs no scan
+    reference = model.reference_backward(grad)
+    assert [r.shape for r in reference] == [g.shape for g in schedules[0]]
+    for gradients in schedules:
+        for got, want in zip(gradients, reference, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_max_step_flops_gives_up_before_building_a_costlier_product():
@@ -367,6 +393,34 @@ def test_lean_and_chunked_products_equal_the_stored_plan(seed, per_sample):
     for plan in (chunked, lean):
         assert plan.out.same_as(stored.out)
         np.testing.assert_allclose(host.multiply(plan, a_data, b_data), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_a_scalar_product_reports_its_rows_as_it_expands_them(budget):
+    """A product of minutes shows that it moves: ``progress(rows_done, rows)`` after every chunk, for
+    the stored and the lean (row-wise) plan alike, which equal the plan built without it."""
+    a = sp.random(40, 30, density=0.2, format="csr", random_state=3)
+    b = sp.random(30, 50, density=0.2, format="csr", random_state=4)
+    pa, pb = Pattern(a.indptr, a.indices, a.shape), Pattern(b.indptr, b.indices, b.shape)
+    budget_bytes = None if budget is None else plan_product(pa, pb, "general", "general").multiply_adds * 11
+    calls = []
+    plan = plan_product(pa, pb, "general", "general", budget_bytes=budget_bytes, chunk_products=20,
+                        progress=lambda done, rows: calls.append((done, rows)))
+    assert plan.method == ("general" if budget is None else "rowwise")
+    done = [d for d, _ in calls]
+    assert len(calls) > 5 and done == sorted(done) and calls[-1] == (40, 40) and {r for _, r in calls} == {40}
+    assert plan.out.same_as(plan_product(pa, pb, "general", "general", budget_bytes=budget_bytes).out)
+
+
+def test_the_symbolic_products_order_is_the_stable_sorts():
+    """Packing keys with their positions into one sort gives the stable order (the order in which a
+    C entry's multiply-adds are summed), and large keys fall back to the stable argsort."""
+    rng = np.random.default_rng(0)
+    for keys in (np.zeros(0, np.int64), rng.integers(0, 7, 1000), rng.integers(0, 2**40, 5000),
+                 rng.integers(0, 2**62, 100)):
+        order, ordered = product_planning._stable_order(keys)
+        np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+        np.testing.assert_array_equal(ordered, np.sort(keys))
 
 
 @pytest.mark.parametrize("per_sample", ["neither", "a", "both"])

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ..csr import Pattern
 from ._weights_path import WeightsPath
 from .schedule import Element
+
+if TYPE_CHECKING:
+    from .plan import Step
 
 __all__ = ["ChainInfo", "ElementInfo"]
 
@@ -112,3 +115,9 @@ class ChainInfo:
         """Names a segment of the scan's elements by its layers, in the model's order."""
         first, last = self.names[segment.hi - 1], self.names[segment.lo - 1]
         return f"layer {first!r}" if segment.lo == segment.hi else f"layers {first!r}..{last!r}"
+
+    def describe_step(self, step: Step) -> str:
+        """Names a product step of a plan (:class:`~sparse_scan.engine.plan.Step`, built or estimated)
+        by its level, phase and operands."""
+        return (f"scan step at level {step.level} ({step.phase} phase), the product of "
+                f"{self.describe(step.right)} and {self.describe(step.left)}")

@@ -371,8 +371,11 @@ def build_plan(
         Give up with :class:`ScanCostError` before planning a product of more FLOPs (over the
         pattern) than this: deep levels of large networks can need billions of multiply-adds.
     progress : callable, optional
-        ``progress("steps", done, total)`` after each step is planned: long plan builds can show
-        progress.
+        ``progress("steps", done, total)`` before the first step and after each step is planned, and
+        ``progress("product rows",
+        done, rows)`` after each chunk of rows of a scalar symbolic product
+        (:func:`~sparse_scan.engine.products.plan_product`'s ``progress``): long plan builds can show
+        progress, one product of minutes included.
 
     Products of dense channel blocks run as batched GEMMs (``chain.vector_channels``,
     :mod:`sparse_scan.engine._blocks`); an mv by a JT whose layer's weights make it a cheaper GEMM
@@ -393,6 +396,11 @@ def build_plan(
     element_bytes = _element_bytes(chain)
     reads: dict[str, set[int]] = {"gemm": set(), "mv": set(), "products": set()}
     steps = []
+
+    def rows_done(done: int, rows: int) -> None:
+        report("product rows", done, rows)
+
+    report("steps", 0, len(kept))
     for lvl, phase, left, right in kept:
         out = Element(left.lo, right.hi)
         right_info = info[right]
@@ -413,7 +421,7 @@ def build_plan(
                 reads["gemm" if step.dense else "mv"].add(right.lo)
         else:
             step.product = _planned_product(chain, step, patterns, info, product_cache, budget_bytes,
-                                            max_step_flops)
+                                            max_step_flops, rows_done)
             product = step.product
             step.shape = (m, k, patterns[left].shape[1])
             step.flops = product.flops
@@ -442,7 +450,8 @@ def _fill_flops(chain: ChainInfo, method: str, levels: int | None) -> tuple[int,
 def _planned_product(chain: ChainInfo, step: Step, patterns: dict[Element, Pattern],
                      info: dict[Element, ElementInfo],
                      product_cache: dict[tuple[Element, Element], ProductPlan], budget_bytes: int | None,
-                     max_step_flops: int | None) -> ProductPlan:
+                     max_step_flops: int | None,
+                     progress: Callable[[int, int], None]) -> ProductPlan:
     """The symbolic product of an mm step (from the cache shared by the chain's plans, or planned)."""
     left, right = step.left, step.right
     key = (left, right)
@@ -451,8 +460,7 @@ def _planned_product(chain: ChainInfo, step: Step, patterns: dict[Element, Patte
         return product
     right_pattern, left_pattern = patterns[right], patterns[left]
     right_kind, left_kind = info[right].kind, info[left].kind
-    where = (f"scan step at level {step.level} ({step.phase} phase), the product of "
-             f"{chain.describe(right)} and {chain.describe(left)}")
+    where = chain.describe_step(step)
     if max_step_flops is not None and "diagonal" not in (right_kind, left_kind):
         flops = 2 * count_multiply_adds(right_pattern, left_pattern)
         if flops > max_step_flops:
@@ -461,7 +469,7 @@ def _planned_product(chain: ChainInfo, step: Step, patterns: dict[Element, Patte
                 chain.vector_channels[left.lo - 1])
     try:
         product = plan_product(right_pattern, left_pattern, right_kind, left_kind,
-                               budget_bytes=budget_bytes, channels=channels)
+                               budget_bytes=budget_bytes, channels=channels, progress=progress)
     except PlanBudgetError as error:
         raise ScanMemoryError(
             f"{where}: its result alone needs more than {error.needed} bytes, over the memory budget of "

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -204,6 +204,19 @@ def _sorted_unique(keys: np.ndarray) -> np.ndarray:
     return keys[np.concatenate(([True], keys[1:] != keys[:-1]))] if len(keys) else keys
 
 
+def _stable_order(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.argsort(keys, kind="stable")`` and the sorted keys, for non-negative int64 keys: one
+    ``np.sort`` of every key packed with its position into an int64 where both fit (the order is the
+    stable one; about 3x faster than NumPy's stable argsort on 4M keys), else the stable argsort."""
+    count = len(keys)
+    bits = max(count - 1, 1).bit_length()
+    if count and int(keys.max()).bit_length() + bits <= 62:
+        packed = np.sort((keys << bits) | np.arange(count, dtype=np.int64))
+        return packed & ((1 << bits) - 1), packed >> bits
+    order = np.argsort(keys, kind="stable")
+    return order, keys[order]
+
+
 def _pattern_from_keys(keys: list[np.ndarray], rows: int, cols: int, dtype: np.dtype) -> Pattern:
     out_keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
     out_rows, out_cols = np.divmod(out_keys, cols)
@@ -212,15 +225,24 @@ def _pattern_from_keys(keys: list[np.ndarray], rows: int, cols: int, dtype: np.d
     return Pattern(indptr, out_cols.astype(dtype), (rows, cols))
 
 
-def _general_plan(a: Pattern, b: Pattern, total: int, chunk_products: int,
-                  index_dtype: Any) -> ProductPlan:
+def _reported(bounds: np.ndarray, progress: Callable[[int, int], None] | None) -> Iterator[tuple[int, int]]:
+    """The chunks ``(row_start, row_stop)`` of ``bounds``, reporting each one's end to ``progress`` once
+    it is done (so that a product of minutes shows that it moves)."""
+    rows = int(bounds[-1])
+    for row_start, row_stop in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        yield row_start, row_stop
+        if progress is not None:
+            progress(row_stop, rows)
+
+
+def _general_plan(a: Pattern, b: Pattern, total: int, chunk_products: int, index_dtype: Any,
+                  progress: Callable[[int, int], None] | None = None) -> ProductPlan:
     dtype = choose_index_dtype(max(total, a.nnz, b.nnz), b.shape[1], index_dtype)
     bounds = _row_chunks(_products_per_row(a, b), chunk_products)
     a_parts, b_parts, start_parts, key_parts, done = [], [], [], [], 0
-    for row_start, row_stop in zip(bounds[:-1], bounds[1:], strict=True):
-        a_pos, b_pos, keys = _expand(a, b, int(row_start), int(row_stop))
-        order = np.argsort(keys, kind="stable")
-        keys = keys[order]
+    for row_start, row_stop in _reported(bounds, progress):
+        a_pos, b_pos, keys = _expand(a, b, row_start, row_stop)
+        order, keys = _stable_order(keys)
         first = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) else keys
         a_parts.append(a_pos[order].astype(dtype))
         b_parts.append(b_pos[order].astype(dtype))
@@ -235,13 +257,13 @@ def _general_plan(a: Pattern, b: Pattern, total: int, chunk_products: int,
                        None if single else starts, total, operands=(a, b))
 
 
-def _rowwise_plan(a: Pattern, b: Pattern, total: int, chunk_products: int, budget: int,
-                  index_dtype: Any) -> ProductPlan:
+def _rowwise_plan(a: Pattern, b: Pattern, total: int, chunk_products: int, budget: int, index_dtype: Any,
+                  progress: Callable[[int, int], None] | None = None) -> ProductPlan:
     dtype = choose_index_dtype(max(total, a.nnz, b.nnz), b.shape[1], index_dtype)
     bounds = _row_chunks(_products_per_row(a, b), chunk_products)
     key_parts, stored = [], 0
-    for row_start, row_stop in zip(bounds[:-1], bounds[1:], strict=True):
-        keys = _sorted_unique(_expand(a, b, int(row_start), int(row_stop))[2])
+    for row_start, row_stop in _reported(bounds, progress):
+        keys = _sorted_unique(_expand(a, b, row_start, row_stop)[2])
         stored += keys.size * (dtype.itemsize + 4)  # indices + one float32 value per entry
         if stored > budget:
             raise PlanBudgetError(stored, budget)
@@ -268,7 +290,8 @@ def _block_plan(a: Pattern, b: Pattern, channels: tuple[int, int, int], total: i
 def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: Any = None,
                  budget_bytes: int | None = None,
                  chunk_products: int = 2**22,
-                 channels: tuple[int, int, int] | None = None) -> ProductPlan:
+                 channels: tuple[int, int, int] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> ProductPlan:
     """Symbolic phase of ``A @ B`` (host arrays).
 
     Parameters
@@ -290,6 +313,9 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: 
         (flattened channel-major). When both operands are dense ``c1×c2`` and ``c2×c3`` blocks on
         pixel pairs, and the blocks are large enough (``BLOCK_MIN_INNER``, ``BLOCK_MIN_OUTER``), the
         product is planned as batched GEMMs (``block``); otherwise as a scalar product.
+    progress : callable, optional
+        ``progress(rows_done, rows)`` after each chunk of ``A``'s rows a scalar product expands
+        (the product of two residual blocks' JTs can take minutes).
 
     Returns
     -------
@@ -309,8 +335,8 @@ def plan_product(a: Pattern, b: Pattern, a_kind: str, b_kind: str, index_dtype: 
     if budget_bytes is not None:
         chunk_products = max(1, min(chunk_products, budget_bytes // PRODUCT_BUILD_BYTES))
         if total * PRODUCT_PLAN_BYTES > budget_bytes:
-            return _rowwise_plan(a, b, total, chunk_products, budget_bytes, index_dtype)
-    plan = _general_plan(a, b, total, chunk_products, index_dtype)
+            return _rowwise_plan(a, b, total, chunk_products, budget_bytes, index_dtype, progress)
+    plan = _general_plan(a, b, total, chunk_products, index_dtype, progress)
     if "selection" not in (a_kind, b_kind):
         return plan
     operand = "a" if a_kind == "selection" else "b"
