@@ -11,13 +11,19 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import sys
+import tempfile
 from typing import IO, Any, Callable, Iterator, NoReturn, Sequence
 
 import click
 
-__all__ = ["backend_or_fail", "check_outputs", "echo_error", "fail", "load_dataset_for", "load_npy",
-           "load_weights", "model_errors", "parse_levels", "plan_progress", "pyplot", "schedule_label",
-           "schedule_lines", "size_text", "write_gradients", "write_or_fail"]
+from ._progress import end_line
+
+__all__ = ["CHECKS", "INTERRUPTED", "backend_or_fail", "check_line", "check_outputs", "echo_error", "fail",
+           "load_dataset_for", "load_npy", "load_weights", "model_errors", "parse_levels", "plural", "pyplot",
+           "schedule_label", "schedule_lines", "size_text", "write_gradients", "write_or_fail"]
+
+INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as shells report it)."""
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 """File types ``--plot`` writes (matplotlib would append ``.png`` to a name without a suffix, past the
@@ -29,7 +35,9 @@ another name a user would not know what it holds)."""
 
 
 def echo_error(message: str, file: IO[str] | None = None) -> None:
-    """Print ``sparse-scan: error: message`` on ``file`` (default: stderr)."""
+    """Print ``sparse-scan: error: message`` on ``file`` (default: stderr), on a line of its own (a
+    progress line on the terminal is wiped first: :func:`._progress.end_line`)."""
+    end_line()
     click.echo(f"sparse-scan: error: {message}", file=file, err=file is None)
 
 
@@ -54,8 +62,10 @@ def parse_levels(levels: str | None) -> int | str | None:
 
 def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
     """Refuse, before any work, output paths that exist (without ``force``), lie in no folder, name
-    one file twice, or do not end in their option's suffix (:data:`OUTPUT_SUFFIXES`). Keys are option
-    names (``out``, ``log``, ``plot``)."""
+    one file twice, do not end in their option's suffix (:data:`OUTPUT_SUFFIXES`), or cannot be
+    written (a file is created and removed beside each: a read-only or full filesystem, a name too
+    long, no permission); ``plot`` also needs matplotlib (:func:`pyplot`). Keys are option names
+    (``out``, ``log``, ``plot``)."""
     seen: dict[pathlib.Path, str] = {}
     for key, path in paths.items():
         if path is None:
@@ -72,6 +82,13 @@ def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
         if resolved in seen:
             fail(f"{option} {path}: the same file as {seen[resolved]}")
         seen[resolved] = option
+        try:  # the name an atomic write uses (sparse_scan.weights.write_npz_atomically), then gone
+            with tempfile.NamedTemporaryFile(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent):
+                pass
+        except OSError as error:
+            fail(f"{option} {path}: cannot write there: {error.strerror or error}")
+        if key == "plot":
+            pyplot()
 
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -220,15 +237,25 @@ def write_gradients(path: Any, layers: Sequence[Any], grads: Sequence[Any], para
     write_npz_atomically(path, arrays)
 
 
-def plan_progress(quiet: bool) -> Callable[[str, int, int], None] | None:
-    """A plan-build progress line on stderr when it is a terminal (None when quiet or redirected)."""
-    if quiet or not sys.stderr.isatty():
-        return None
+CHECKS = {"linear": "the linear scan (back-propagation)",
+          "layerwise": "back-propagation layer by layer, each layer's JT applied by SciPy, no scan",
+          "blelloch": "the blelloch scan",
+          "one process": "the linear scan in one process"}
+"""What ``run --check`` compares the gradients with (the report's ``check["reference"]``): never the
+computation that made them."""
 
-    def show(phase: str, done: int, total: int) -> None:
-        click.echo(f"\r  planning: {phase} {done}/{total}", err=True, nl=done == total)
 
-    return show
+def check_line(check: dict[str, Any]) -> str:
+    """The line of ``run --check``: the error, against what, and what was checked."""
+    reference = check["reference"]
+    short = "layer-by-layer back-propagation" if reference == "layerwise" else CHECKS[reference][4:]
+    return (f"  max relative error vs {short}: {check['max_rel_error']:.3g} ({check['computed']} checked "
+            f"against {CHECKS[reference]})")
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``: a count and its noun (an ``s`` added but for one)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def schedule_label(method: str, levels: int | str | None) -> str:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import click
 
-from ._common import echo_error, fail, schedule_label, write_gradients, write_or_fail
+from ._common import check_line, echo_error, fail, plural, schedule_label, write_gradients, write_or_fail
 
 if TYPE_CHECKING:
     import numpy as np
@@ -104,9 +104,11 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
         report["loss"] = losses[0]
     if check:
         reference = network.backward(upstream(network.forward(x))[0], "linear")
-        report["max_rel_error_vs_linear"] = max(
-            float(abs(g - r).max()) / max(float(abs(r).max()), 1e-30)
-            for g, r in zip(result.grads, reference, strict=True))
+        report["check"] = {
+            "computed": f"{schedule_label(method, levels)} on {plural(size, 'MPI rank')}",
+            "reference": "one process", "max_rel_error": max(
+                float(abs(g - r).max()) / max(float(abs(r).max()), 1e-30)
+                for g, r in zip(result.grads, reference, strict=True))}
     if out is not None:
         write_or_fail("--out", out,
                       lambda: write_gradients(out, network.layers, result.grads, result.parameters))
@@ -114,7 +116,7 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"{model_path}: {schedule_label(method, levels)} on {size} MPI ranks ({combine}), "
+    click.echo(f"{model_path}: {schedule_label(method, levels)} on {plural(size, 'MPI rank')} ({combine}), "
                f"batch {x.shape[0]}, {dtype}")
     for stats in result.stats["ranks"]:
         times = stats["timings"]
@@ -125,6 +127,6 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
     if "loss" in report:
         click.echo(f"  loss {report['loss']:.6g}")
     if check:
-        click.echo(f"  max relative error vs linear scan: {report['max_rel_error_vs_linear']:.3g}")
+        click.echo(check_line(report["check"]))
     if out is not None:
         click.echo(f"  gradients written to {out}")

@@ -8,7 +8,9 @@ first time the command is asked for (to run it, or for its line of ``--help``) a
 ``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy. Nothing here imports a
 subcommand at import time, and no subcommand imports this module.
 
-Errors are one line on stderr and exit code 2 (:func:`._common.fail`), never a traceback.
+Errors are one line on stderr and exit code 2 (:func:`._common.fail`), never a traceback; Ctrl-C, at
+any point, is ``sparse-scan: interrupted`` and exit code 130 (:data:`._common.INTERRUPTED`; ``train``
+saves its weights and plot first).
 
 Examples
 --------
@@ -30,7 +32,8 @@ import click
 
 from sparse_scan import __version__
 
-from ._common import fail
+from ._common import INTERRUPTED, fail
+from ._progress import end_line
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -67,9 +70,10 @@ class _LazyGroup(click.Group):
             sys.exit(error.exit_code)
         except click.ClickException as error:
             fail(error.format_message().replace("\n", " "))
-        except click.Abort:
-            click.echo("Aborted!", err=True)
-            sys.exit(1)
+        except (click.Abort, KeyboardInterrupt):  # Ctrl-C: click turns it into Abort while it runs a command
+            end_line()
+            click.echo("sparse-scan: interrupted", err=True)
+            sys.exit(INTERRUPTED)
         sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -21,8 +21,10 @@ from ._options import (
     file_option,
     json_option,
     model_argument,
+    quiet_option,
     threads_option,
 )
+from ._progress import Progress
 
 
 @click.command(name="eval")
@@ -34,23 +36,27 @@ from ._options import (
 @device_option(default="cpu")
 @threads_option
 @json_option()
+@quiet_option(help="no progress on stderr")
 def eval_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | None, batch_size: int,
-                 device: str, as_json: bool) -> None:
+                 device: str, as_json: bool, quiet: bool) -> None:
     """Loss (mean softmax cross-entropy) and accuracy of MODEL on the training and test split."""
     from sparse_scan import load_model  # noqa: PLC0415 - not at import: --help and --threads come first
     from sparse_scan.train import evaluate  # noqa: PLC0415
 
     backend_or_fail(device)
-    with model_errors(model):
+    with Progress(quiet) as progress, model_errors(model):
+        progress.show(f"loading {model}")
         network = load_model(model)
         if weights_path is not None:
             load_weights(network, weights_path)
+        progress.show(f"loading --data {data}")
         dataset = load_dataset_for(network, model, data, "eval")
         report: dict[str, Any] = {"model": str(model), "data": data,
                                   "weights": None if weights_path is None else str(weights_path)}
         for split in ("train", "test"):
-            report[split] = evaluate(network, getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}"),
-                                     batch_size, device)
+            x, y = getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}")
+            progress.show(f"evaluating the {split} split ({len(x)} samples)")
+            report[split] = evaluate(network, x, y, batch_size, device)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

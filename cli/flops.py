@@ -21,7 +21,6 @@ from ._common import (
     load_npy,
     model_errors,
     parse_levels,
-    plan_progress,
     pyplot,
     schedule_label,
     schedule_lines,
@@ -39,6 +38,7 @@ from ._options import (
     quiet_option,
     seed_option,
 )
+from ._progress import Progress, plan_status
 
 CONVENTIONS = ("ours", "paper")
 """``--convention`` choices: :data:`sparse_scan.flops.CONVENTIONS` (repeated here, where NumPy is not
@@ -158,14 +158,14 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 @file_option("--plot", help="write the paper's Fig. 10 (needs matplotlib; the live figures with --input or "
              "--random)")
 @force_option(help="overwrite an existing --plot file")
-@quiet_option()
+@quiet_option(help="no progress on stderr")
 @file_option("--input", "input_path",
              help="also count the live FLOPs of these inputs (N, *input_shape) as .npy")
 @click.option("--random", type=click.IntRange(min=1),
               help="also count the live FLOPs of N seeded standard normal inputs")
 @seed_option(help="seed of --random")
 @click.option("--convention", type=click.Choice(CONVENTIONS), default=None,
-              help="FLOPs of the live figures: ours (ARCHITECTURE.md, the static figures' own; default) or "
+              help="FLOPs of the live figures: ours (docs/design.md, the static figures' own; default) or "
               "paper (the paper's artifact: scalings 2 per entry, no dL/dx0 step, unused up-sweep products "
               "counted, its BP formula)")
 def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtype: str,
@@ -182,15 +182,17 @@ def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtyp
     if convention is not None and input_path is None and random is None:
         fail("--convention applies to the live figures: give --input X.npy or --random N")
     check_outputs(force, plot=plot)
-    with model_errors(model):
+    with Progress(quiet) as progress, model_errors(model):
+        progress.show(f"loading {model}")
         network = load_model(model, dtype=dtype)
         report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops),
-                         progress=plan_progress(quiet))
+                         progress=plan_status(progress))
         if input_path is not None or random is not None:
             x = _live_inputs(network.input_shape, input_path, random, seed, dtype)
             report["live"] = live(network, x, method, parse_levels(levels), convention or "ours",
-                                  int(max_step_flops), progress=plan_progress(quiet))
-    if plot is not None:
-        write_or_fail("--plot", plot, lambda: _plot(report, plot))
+                                  int(max_step_flops), progress=plan_status(progress, "live FLOPs"))
+        if plot is not None:
+            progress.show(f"drawing {plot}")
+            write_or_fail("--plot", plot, lambda: _plot(report, plot))
     text = _table(report) + ("" if "live" not in report else "\n" + _live_table(report["live"]))
     click.echo(json.dumps(report, indent=2) if as_json else text)

@@ -17,14 +17,15 @@ import click
 
 from . import _distributed
 from ._common import (
+    CHECKS,
     backend_or_fail,
+    check_line,
     check_outputs,
     fail,
     load_npy,
     load_weights,
     model_errors,
     parse_levels,
-    plan_progress,
     schedule_label,
     schedule_lines,
     write_gradients,
@@ -45,6 +46,7 @@ from ._options import (
     seed_option,
     threads_option,
 )
+from ._progress import Progress, plan_status
 
 COMBINES = ("chain", "exscan", "relay")
 """``--combine`` choices: :data:`sparse_scan.distributed.COMBINES` (repeated here, where NumPy is not
@@ -125,11 +127,14 @@ def _upstream(output: Any, grad_path: pathlib.Path | None,
 @device_option(default="auto")
 @dtype_option
 @threads_option
-@click.option("--check", is_flag=True, help="compare with the linear scan (back-propagation)")
+@click.option("--check", is_flag=True,
+              help="compare with a different computation: the linear scan (back-propagation), or where "
+              "the linear scan ran, back-propagation layer by layer through SciPy (a recurrent model: "
+              "the blelloch scan)")
 @file_option("--out", help="write the gradients (.npz)")
 @force_option(help="overwrite an existing --out file")
 @json_option()
-@quiet_option()
+@quiet_option(help="no progress on stderr")
 @click.option("--distributed", is_flag=True,
               help="split the layers over MPI ranks: mpirun -n P sparse-scan run ... --distributed")
 @click.option("--split", help="--distributed: layers per rank, e.g. 3,4,5 (default: balanced by FLOPs)")
@@ -166,33 +171,37 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     levels_value = parse_levels(levels)
     split_counts = _distributed.parse_split(split)
     be = backend_or_fail("cpu" if comm is not None else device)
-    with model_errors(model):
-        network = load_model(model, dtype=dtype)
-    recurrent = isinstance(network, RecurrentClassifier)
-    if recurrent and comm is not None:
-        fail(f"{model}: --distributed splits the layers of a sequential model; a recurrent one runs in one "
-             "process")
-    if weights_path is not None:
-        load_weights(network, weights_path)
-    try:
-        x = _inputs(network, input_path, random, seed, np.dtype(dtype))
-    except MemoryError as error:
-        fail(f"--random {random}: out of memory for these inputs: {error}")
-    if comm is not None:
-        _distributed.run_distributed(comm, model, network, x,
-                                     lambda output: _upstream(output, grad_path, labels_path), method,
-                                     levels_value, dtype, split_counts, combine, timeout, check, out, as_json)
-        return
-    if recurrent:
-        report, grads, parameters = _recurrent(model, network, be, x, grad_path, labels_path, method,
-                                               levels_value, dtype, check)
-    else:
-        report, grads, parameters = _sequential(model, network, be, x, grad_path, labels_path, method,
-                                                levels_value, max_step_flops, dtype, check, quiet)
-    if out is not None:
-        write_or_fail("--out", out,
-                      lambda: write_gradients(out, network.layers, grads, parameters, be.to_host))
-        report["out"] = str(out)
+    with Progress(quiet or comm is not None) as progress:
+        progress.show(f"loading {model}")
+        with model_errors(model):
+            network = load_model(model, dtype=dtype)
+        recurrent = isinstance(network, RecurrentClassifier)
+        if recurrent and comm is not None:
+            fail(f"{model}: --distributed splits the layers of a sequential model; a recurrent one runs in "
+                 "one process")
+        if weights_path is not None:
+            load_weights(network, weights_path)
+        try:
+            x = _inputs(network, input_path, random, seed, np.dtype(dtype))
+        except MemoryError as error:
+            fail(f"--random {random}: out of memory for these inputs: {error}")
+        if comm is not None:
+            _distributed.run_distributed(comm, model, network, x,
+                                         lambda output: _upstream(output, grad_path, labels_path), method,
+                                         levels_value, dtype, split_counts, combine, timeout, check, out,
+                                         as_json)
+            return
+        if recurrent:
+            report, grads, parameters = _recurrent(model, network, be, x, grad_path, labels_path, method,
+                                                   levels_value, dtype, check, progress)
+        else:
+            report, grads, parameters = _sequential(model, network, be, x, grad_path, labels_path, method,
+                                                    levels_value, max_step_flops, dtype, check, progress)
+        if out is not None:
+            progress.show(f"writing {out}")
+            write_or_fail("--out", out,
+                          lambda: write_gradients(out, network.layers, grads, parameters, be.to_host))
+            report["out"] = str(out)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -207,16 +216,19 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
             click.echo(f"  {label:22} {report['timings'][name] * 1e3:10.2f} ms")
     if "loss" in report:
         click.echo(f"  loss {report['loss']:.6g}")
-    if "max_rel_error_vs_linear" in report:
-        click.echo(f"  max relative error vs linear scan: {report['max_rel_error_vs_linear']:.3g}")
+    if "check" in report:
+        click.echo(check_line(report["check"]))
     if out is not None:
         click.echo(f"  gradients written to {out}")
 
 
 def _max_relative_error(be: Any, pairs: Any) -> float:
-    """The largest ``max|g - r| / max|r|`` over pairs of gradients."""
-    return max(float(be.to_host(abs(g - r).max())) / max(float(be.to_host(abs(r).max())), 1e-30)
-               for g, r in pairs)
+    """The largest ``max|g - r| / max|r|`` over pairs of gradients (on the host)."""
+    worst = 0.0
+    for g, r in pairs:
+        g, r = be.to_host(g), be.to_host(r)
+        worst = max(worst, float(abs(g - r).max()) / max(float(abs(r).max()), 1e-30))
+    return worst
 
 
 def _forward(model: pathlib.Path, network: Any, be: Any, x: Any, dtype: str, grad_path: pathlib.Path | None,
@@ -240,28 +252,37 @@ def _forward(model: pathlib.Path, network: Any, be: Any, x: Any, dtype: str, gra
 def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
                 labels_path: pathlib.Path | None, method: str, levels: int | str | None,
                 max_step_flops: float, dtype: str, check: bool,
-                quiet: bool) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+                progress: Progress) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
     """Forward, planned scan and parameter gradients of a sequential model: the report, the
-    gradients w.r.t. every activation and the parameters'."""
+    gradients w.r.t. every activation and the parameters'. ``check`` compares them with the linear
+    scan, or where the linear scan ran, with back-propagation layer by layer outside the engine
+    (:meth:`sparse_scan.Sequential.reference_backward`)."""
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
     from sparse_scan import cpu_threads  # noqa: PLC0415
 
     timings: dict[str, float] = {}
     with model_errors(model):
-        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
-        builds = network.plan_builds
+        builds = network.plan_builds  # planned first: a schedule refused costs no forward pass
         start = time.perf_counter()
         plan = network.plan(network.input_shape, method, levels, max_step_flops=int(max_step_flops),
-                            progress=plan_progress(quiet))
+                            progress=plan_status(progress))
         planned = time.perf_counter() - start
+        progress.show("forward")
+        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
+        progress.show(f"backward ({schedule_label(plan.method, plan.levels)}): JT values and scan")
         grads = network.backward(be.asarray(grad), plan.method, plan.levels, timings=timings)
         timings["plan_s"] = planned  # the build above; backward's own lookup was a cache hit
+        progress.show("parameter gradients")
         start = time.perf_counter()
         parameters = network.parameter_gradients(grads)
         be.synchronize()
         timings["parameter_grads_s"] = time.perf_counter() - start
-        reference = network.backward(be.asarray(grad), "linear") if check else None
+        if check:
+            against = "layerwise" if plan.method == "linear" else "linear"
+            progress.show(f"check: {CHECKS[against]}")
+            reference = (network.reference_backward(be.asarray(grad)) if against == "layerwise"
+                         else network.backward(be.asarray(grad), "linear"))
     schedule = plan.explain(int(x.shape[0]), np.dtype(dtype).itemsize, be.name)
     report: dict[str, Any] = {"model": str(model), "method": plan.method, "levels": plan.levels,
                               "device": be.name, "threads": cpu_threads(), "dtype": dtype,
@@ -270,17 +291,19 @@ def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: p
                               "schedule": schedule}
     if loss is not None:
         report["loss"] = loss
-    if reference is not None:
-        report["max_rel_error_vs_linear"] = _max_relative_error(be, zip(grads, reference, strict=True))
+    if check:
+        report["check"] = {"computed": schedule_label(plan.method, plan.levels), "reference": against,
+                           "max_rel_error": _max_relative_error(be, zip(grads, reference, strict=True))}
     return report, grads, parameters
 
 
 def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
                labels_path: pathlib.Path | None, method: str, levels: int | str | None, dtype: str,
-               check: bool) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+               check: bool, progress: Progress) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
     """Forward and backward (a scan per layer and direction) of a recurrent classifier: the report,
     the gradients w.r.t. the input, the recurrent layer's outputs and the logits, and the
-    parameters'."""
+    parameters'. ``check`` compares every gradient with the linear scan (back-propagation), or
+    where the linear scan ran, with the blelloch scan."""
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
     from sparse_scan import cpu_threads  # noqa: PLC0415
@@ -288,17 +311,22 @@ def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pa
     timings: dict[str, float] = {}
     batch = int(x.shape[0])
     with model_errors(model):
+        progress.show("forward")
         grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
+        progress.show("planning")
         start = time.perf_counter()
         plan = network.plan(network.input_shape, method, levels, batch=batch, device=be.name)
         timings["plan_s"] = time.perf_counter() - start
+        progress.show(f"backward ({schedule_label(plan.method, plan.levels)})")
         start = time.perf_counter()
         grads = network.backward(be.asarray(grad), plan.method, plan.levels)
         parameters = network.parameter_gradients(grads)
         be.synchronize()
         timings["backward_s"] = time.perf_counter() - start
         if check:
-            reference = network.backward(be.asarray(grad), "linear")
+            against = "blelloch" if plan.method == "linear" else "linear"
+            progress.show(f"check: {CHECKS[against]}")
+            reference = network.backward(be.asarray(grad), against)
             reference_parameters = network.parameter_gradients(reference)
             pairs = list(zip(grads, reference, strict=True)) + [
                 (value, reference_parameters[key]) for key, value in parameters.items()]
@@ -309,5 +337,6 @@ def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pa
     if loss is not None:
         report["loss"] = loss
     if check:
-        report["max_rel_error_vs_linear"] = _max_relative_error(be, pairs)
+        report["check"] = {"computed": schedule_label(plan.method, plan.levels), "reference": against,
+                           "max_rel_error": _max_relative_error(be, pairs)}
     return report, grads, parameters

@@ -19,6 +19,7 @@ from typing import IO, Any
 import click
 
 from ._common import (
+    INTERRUPTED,
     backend_or_fail,
     check_outputs,
     fail,
@@ -26,6 +27,7 @@ from ._common import (
     load_weights,
     model_errors,
     parse_levels,
+    plural,
     pyplot,
     schedule_label,
     schedule_lines,
@@ -47,6 +49,7 @@ from ._options import (
     seed_option,
     threads_option,
 )
+from ._progress import Progress, plan_status
 
 DEFAULT_LR = 0.003
 """``--lr`` default: Adam's (the default optimizer) rate that trains the bundled LeNet-5 on digits to
@@ -140,7 +143,7 @@ class _Log:
 @file_option("--plot", help="plot the losses per iteration (PNG, needs matplotlib)")
 @force_option(help="overwrite existing --out/--log/--plot files")
 @json_option(help="print a JSON summary only (epoch lines on stderr)")
-@quiet_option(help="no schedule or epoch lines, only the summary")
+@quiet_option(help="no schedule, epoch or progress lines, only the summary")
 def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | None, method: str,
                   levels: str | None, max_step_flops: float, epochs: int, batch_size: int,
                   optimizer_name: str, lr: float, momentum: float, seed: int, device: str,
@@ -159,71 +162,90 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         fail("--momentum applies to --optimizer sgd only")
     levels_value = parse_levels(levels)
     be = backend_or_fail(device)
-    with model_errors(model):
-        network = load_model(model)
-        recurrent = isinstance(network, RecurrentClassifier)
-        if recurrent and network.recurrent.dropout and network.recurrent.num_layers > 1:
-            fail(f"{model}: layer {network.recurrent.name!r}: dropout {network.recurrent.dropout:g}: "
-                 "sparse-scan train applies no dropout (its test figures would drop too); set dropout: 0, "
-                 "or train from Python (sparse_scan.recurrent.train_recurrent)")
-        baseline = load_model(model) if compare_bp else None
-        for net in (network, baseline):
-            if net is not None and weights_path is not None:
-                load_weights(net, weights_path)
-        dataset = load_dataset_for(network, model, data, "training")
-        if recurrent:
-            plan = network.plan(network.input_shape, method, levels_value, batch=batch_size, device=be.name)
-            explained = plan.explain(batch_size, 4)
-        else:
-            plan = network.plan(network.input_shape, method, levels_value, max_step_flops=int(max_step_flops))
-            explained = plan.explain(batch_size, 4, device)
-    schedule = schedule_label(plan.method, plan.levels)
-    lines: IO[str] | None = None if quiet else (sys.stderr if as_json else sys.stdout)
-    per_epoch = -(-len(dataset.x_train) // batch_size)
+    with Progress(quiet) as progress:
+        progress.show(f"loading {model}")
+        with model_errors(model):
+            network = load_model(model)
+            recurrent = isinstance(network, RecurrentClassifier)
+            if recurrent and network.recurrent.dropout and network.recurrent.num_layers > 1:
+                fail(f"{model}: layer {network.recurrent.name!r}: dropout {network.recurrent.dropout:g}: "
+                     "sparse-scan train applies no dropout (its test figures would drop too); set dropout: "
+                     "0, or train from Python (sparse_scan.recurrent.train_recurrent)")
+            baseline = load_model(model) if compare_bp else None
+            for net in (network, baseline):
+                if net is not None and weights_path is not None:
+                    load_weights(net, weights_path)
+            progress.show(f"loading --data {data}")
+            dataset = load_dataset_for(network, model, data, "training")
+            progress.show("planning")
+            if recurrent:
+                plan = network.plan(network.input_shape, method, levels_value, batch=batch_size,
+                                    device=be.name)
+                explained = plan.explain(batch_size, 4)
+            else:
+                plan = network.plan(network.input_shape, method, levels_value,
+                                    max_step_flops=int(max_step_flops), progress=plan_status(progress))
+                explained = plan.explain(batch_size, 4, device)
+        schedule = schedule_label(plan.method, plan.levels)
+        lines: IO[str] | None = None if quiet else (sys.stderr if as_json else sys.stdout)
+        per_epoch = -(-len(dataset.x_train) // batch_size)
 
-    def say(text: str) -> None:
-        if lines is not None:
-            click.echo(text, file=lines)
+        def say(text: str) -> None:
+            if lines is not None:
+                progress.echo(text, lines)
 
-    say(f"{model}: {len(dataset.x_train)} training and {len(dataset.x_test)} test samples ({data}), "
-        f"{epochs} epochs of {per_epoch} batches of {batch_size}, {optimizer_name} lr={lr:g}")
-    for line in schedule_lines(explained):
-        say(line)
-    optimizer = _optimizer(optimizer_name, network, lr, momentum)
-    pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
-    fields = list(training.RECORD_KEYS) + ([f"bp_{k}" for k in ("train_loss", "train_accuracy", "test_loss",
-                                                         "test_accuracy")] if compare_bp else [])
-    log = _Log(log_path, fields)
-    epoch_records: list[dict[str, Any]] = []
-    summaries: list[dict[str, Any]] = []
+        say(f"{model}: {len(dataset.x_train)} training and {len(dataset.x_test)} test samples ({data}), "
+            f"{plural(epochs, 'epoch')} of {plural(per_epoch, 'batch')} of {batch_size}, {optimizer_name} "
+            f"lr={lr:g}")
+        for line in schedule_lines(explained):
+            say(line)
+        optimizer = _optimizer(optimizer_name, network, lr, momentum)
+        pair = None if baseline is None else (baseline, _optimizer(optimizer_name, baseline, lr, momentum))
+        figures = ("train_loss", "train_accuracy", "test_loss", "test_accuracy")
+        fields = list(training.RECORD_KEYS) + ([f"bp_{k}" for k in figures] if compare_bp else [])
+        log = _Log(log_path, fields)
+        records: list[dict[str, Any]] = []
+        summaries: list[dict[str, Any]] = []
 
-    def save_weights() -> None:
-        write_or_fail("--out", out, lambda: write_npz_atomically(out, network.state_dict()))
+        def save_weights() -> None:
+            write_or_fail("--out", out, lambda: write_npz_atomically(out, network.state_dict()))
 
-    def on_iteration(record: dict[str, Any]) -> None:
-        log.write(record)
-        epoch_records.append(record)
-        if (record["iteration"] + 1) % per_epoch == 0:  # the epoch's last batch
-            summaries.append(training.epoch_summary(epoch_records))
-            epoch_records.clear()
-            say(_epoch_line(summaries[-1], epochs))
+        def on_iteration(record: dict[str, Any]) -> None:
+            log.write(record)
+            records.append(record)
+            batch = record["iteration"] % per_epoch + 1
+            if batch == per_epoch:  # the epoch's last batch
+                summaries.append(training.epoch_summary(records[-per_epoch:]))
+                say(_epoch_line(summaries[-1], epochs))
+                if out is not None:
+                    save_weights()  # a checkpoint per epoch
+            show_batches(record["iteration"] + 1)
+
+        def show_batches(iterations: int) -> None:
+            if iterations < epochs * per_epoch:
+                progress.show(f"epoch {iterations // per_epoch + 1}/{epochs}: "
+                              f"{iterations % per_epoch}/{per_epoch} batches done")
+
+        show_batches(0)
+        try:
+            training.train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels, seed,
+                           pair, device, on_iteration)
+        except KeyboardInterrupt:
+            progress.wipe()
             if out is not None:
-                save_weights()  # a checkpoint per epoch
-
-    records: list[dict[str, Any]] = []
-    try:
-        records = training.train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels,
-                                 seed, pair, device, on_iteration)
-    except KeyboardInterrupt:
-        if out is not None:
-            save_weights()
-        click.echo(f"interrupted; weights so far {'in ' + str(out) if out else 'not saved (no --out)'}"
-                   f"{'' if log_path is None else f', log in {log_path}'}", err=True)
-        sys.exit(130)
-    finally:
-        log.close()
-    if plot is not None:
-        write_or_fail("--plot", plot, lambda: _plot(records, plot, schedule))
+                save_weights()
+            if plot is not None and records:
+                write_or_fail("--plot", plot, lambda: _plot(records, plot, schedule))
+            saved = [f"weights so far in {out}" if out else "weights not saved (no --out)"]
+            saved += [f"log in {log_path}"] if log_path is not None else []
+            saved += [f"plot of {plural(len(records), 'iteration')} in {plot}"] if plot and records else []
+            click.echo(f"sparse-scan: interrupted; {', '.join(saved)}", err=True)
+            sys.exit(INTERRUPTED)
+        finally:
+            log.close()
+        if plot is not None:
+            progress.show(f"drawing {plot}")
+            write_or_fail("--plot", plot, lambda: _plot(records, plot, schedule))
     final = summaries[-1]
     report: dict[str, Any] = {
         "model": str(model), "data": data, "schedule": explained,
@@ -240,8 +262,8 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"{model}: test accuracy {100 * final['test_accuracy']:.1f} % (loss {final['test_loss']:.4f}) "
-               f"after {epochs} epochs, {len(records)} iterations in {final['elapsed_s']:.1f} s; {schedule}, "
-               f"{optimizer_name} lr={lr:g}")
+               f"after {plural(epochs, 'epoch')}, {plural(len(records), 'iteration')} in "
+               f"{final['elapsed_s']:.1f} s; {schedule}, {optimizer_name} lr={lr:g}")
     if compare_bp:
         click.echo(f"  BP (linear scan) on the same batches: test accuracy "
                    f"{100 * final['bp_test_accuracy']:.1f} %, max loss difference "

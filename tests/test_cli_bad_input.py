@@ -4,6 +4,7 @@ nothing the user gave overwritten, and no work started that a bad option would w
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -149,4 +150,55 @@ def test_out_must_name_an_npz(tmp_path, command, name):
     extra = ["--data", digits_like(tmp_path)] if command == "train" else ["--random", "2"]
     before = sorted(tmp_path.iterdir())
     one_line_error(invoke(command, TINY, *extra, "--out", tmp_path / name), "--out", "ending in .npz")
+    assert sorted(tmp_path.iterdir()) == before
+
+
+OUTPUTS = [("run", "--out", "g.npz"), ("flops", "--plot", "f.png"), ("train", "--out", "w.npz"),
+           ("train", "--log", "loss.csv"), ("train", "--plot", "loss.png")]
+"""Every output option of every command (``eval`` writes nothing)."""
+
+
+def no_work(monkeypatch):
+    """Make loading a model fail the test: what runs before it is the command's checks alone."""
+    import sparse_scan
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the command started its work before refusing an output")
+
+    monkeypatch.setattr(sparse_scan, "load_model", load_model)
+
+
+def command_args(tmp_path, command):
+    return {"run": ["--random", "2"], "flops": [], "train": ["--data", digits_like(tmp_path)]}[command]
+
+
+@pytest.mark.parametrize("command, option, name", OUTPUTS)
+@pytest.mark.parametrize("place, fragment", [
+    ("under a file", "no such directory"),
+    ("a name too long to create", "cannot write there: File name too long"),
+])
+def test_every_output_is_checked_writable_before_any_work(tmp_path, monkeypatch, command, option, name, place,
+                                                          fragment):
+    """A path that cannot be written is refused before the work, not after it (as root, a path under
+    a regular file or a name over the filesystem's limit is what cannot be written)."""
+    extra = command_args(tmp_path, command)
+    (tmp_path / "file").write_text("a regular file")
+    target = (tmp_path / "file" / name if place == "under a file"
+              else tmp_path / ("x" * 250 + pathlib.Path(name).suffix))
+    before = sorted(tmp_path.iterdir())
+    no_work(monkeypatch)
+    one_line_error(invoke(command, TINY, *extra, option, target), option, fragment)
+    assert sorted(tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["flops", "train"])
+def test_plot_without_matplotlib_is_refused_before_any_work(tmp_path, monkeypatch, command):
+    extra = command_args(tmp_path, command)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    no_work(monkeypatch)
+    before = sorted(tmp_path.iterdir())
+    one_line_error(invoke(command, TINY, *extra, "--plot", tmp_path / "f.png", "--log" if command == "train"
+                          else "--quiet", *([tmp_path / "loss.csv"] if command == "train" else [])),
+                   "--plot needs matplotlib", "pip install 'sparse-scan[plot]'")
     assert sorted(tmp_path.iterdir()) == before

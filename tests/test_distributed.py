@@ -231,7 +231,9 @@ def test_cli_outputs_equal_one_process(tmp_path, ranks):
                     "--distributed", "--check", "--out", str(tmp_path / "many.npz"))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # printed once, by rank 0
-    assert report["distributed"]["ranks"] == ranks and report["max_rel_error_vs_linear"] < 1e-10
+    assert report["distributed"]["ranks"] == ranks and report["check"]["max_rel_error"] < 1e-10
+    assert report["check"]["computed"] == f"{report['method']} on {ranks} MPI ranks"
+    assert report["check"]["reference"] == "one process"
     assert report["loss"] == pytest.approx(json.loads(single.output)["loss"], rel=1e-12)
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "many.npz") as many:
         assert list(one) == list(many)

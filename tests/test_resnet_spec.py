@@ -232,7 +232,7 @@ def invoke(*args):
 def test_command_line_runs_and_checks_resnet20():
     result = invoke("run", DATA / "resnet20.yaml", "--random", "2", "--check")
     assert result.exit_code == 0, result.output
-    assert "max relative error vs linear scan" in result.output
+    assert "max relative error vs layer-by-layer back-propagation: " in result.output  # auto: linear
     result = invoke("flops", DATA / "resnet20.yaml")
     assert result.exit_code == 0, result.output
     assert "BP FLOPs" in result.output
