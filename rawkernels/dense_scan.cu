@@ -1,4 +1,4 @@
-// Numeric phase of a scan over dense H×H blocks (sparse_scan._dense_scan_gpu): every step of one scan
+// Numeric phase of a scan over dense H×H blocks (sparse_scan/engine/_dense_gpu.py): every step of one
 // level, over every sample, in one launch.
 //
 // The steps of a level are independent. Each is a descriptor row of a small device table, and one

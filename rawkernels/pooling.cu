@@ -1,4 +1,4 @@
-// Transposed-Jacobian pattern and values of 2-D max / average pooling (sparse_scan.layers.pooling).
+// Transposed-Jacobian pattern and values of 2-D max / average pooling (sparse_scan/layers/_pooling.py).
 //
 // JT has one row per input element (c, ih, iw) and one column per output element (c, oh, ow), both
 // C-order; an entry (row, column) exists where the input lies in the output's window. Every kernel is

@@ -1,4 +1,4 @@
-// Numeric phase of a planned scan (sparse_scan._scan_gpu): every step of one scan level in one launch.
+// Numeric phase of a planned scan (sparse_scan/engine/_gpu.py): every step of one scan level in one launch.
 //
 // A level's steps are independent, so they are described by a small device table of step descriptors
 // and run by one grid-stride launch over the work items of all of them: a thread finds its step by a

@@ -24,7 +24,7 @@ so this costs far less than filtering the plan's stored multiply-adds (2.3 s for
 Conventions (:data:`CONVENTIONS`):
 
 ``ours``
-    ARCHITECTURE.md's, as the plan counts its static ``flops``: an mv costs 2 per multiply-add (the
+    docs/design.md's, as the plan counts its static ``flops``: an mv costs 2 per multiply-add (the
     vector's live entries only), an mm 2 per multiply-add, except a product with a diagonal operand
     (a scaling), 1 per entry. Every step of the plan. BP: back-propagation's mv chain on the live
     entries, 2 per multiply-add (statically ``2·nnz`` per layer).

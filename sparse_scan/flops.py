@@ -1,8 +1,8 @@
 """FLOP analysis of a model's backward pass: static (patterns and the scan plan, no values) and live.
 
 The symbolic half of the engine reports itself: per layer the JT's figures (paper Table 1,
-:func:`layer_stats`), per scan step its level, phase, kind, ``m·n·k`` and FLOPs (ARCHITECTURE.md
-convention) and whether it is on the critical path (the costliest step of its level), and in total
+:func:`layer_stats`), per scan step its level, phase, kind, ``m·n·k`` and FLOPs (docs/design.md's
+FLOP counting) and whether it is on the critical path (the costliest step of its level), and in total
 back-propagation's FLOPs (one SpMV per layer), BPPSA's critical-path FLOPs and work, and peak memory.
 The scan's figures are the plan's own (the plan protocol,
 :class:`~sparse_scan.engine.figures.ScanPlanLike`); the layers' come from each layer's count of its
@@ -226,7 +226,7 @@ def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | s
     method, levels
         The schedule (as in :meth:`Sequential.backward`; ``auto`` chooses one from static figures).
     convention : {"ours", "paper"}
-        ``ours``: ARCHITECTURE.md's, as the plan's static ``flops`` (an mv and an mm 2 per
+        ``ours``: docs/design.md's, as the plan's static ``flops`` (an mv and an mm 2 per
         multiply-add, a scaling by a diagonal 1 per entry; back-propagation is the mv chain on the
         live entries). ``paper``: the paper's artifact's (2 per multiply-add, scalings too; no step
         for ``dL/dx_0``; the up-sweep products nothing reads counted; BP by its baseline's formula,

@@ -269,7 +269,7 @@ class SizedDenseScanPlan:
     """A :class:`DenseScanPlan` for blocks of one size: its figures under the plan protocol
     (:class:`~sparse_scan.engine.figures.ScanPlanLike`), in the units of a sparse plan.
 
-    FLOPs are per sample (ARCHITECTURE.md convention on dense ``H×H`` blocks: a block product is
+    FLOPs are per sample (docs/design.md's FLOP counting on dense ``H×H`` blocks: a block product is
     ``2H³``, plus ``2H²`` for its vector part when ``affine``; a matrix-vector product ``2H²``; the
     additions of direct gradients, ``H`` per step as in BP, are not counted); bytes are for a batch.
     Built by :meth:`DenseScanPlan.sized`.

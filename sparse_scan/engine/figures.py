@@ -22,7 +22,7 @@ JTs, and :class:`~sparse_scan.engine.dense_plan.SizedDenseScanPlan` over dense b
                         plan_bytes``) and ``totals`` (:data:`TOTALS`, by :func:`totals`)
 ======================  =====================================================================
 
-Units are the same for both: FLOPs for one sample, counted as in ARCHITECTURE.md (a multiply-add is
+Units are the same for both: FLOPs for one sample, counted as in docs/design.md (a multiply-add is
 two; a dense ``size×size`` block counts every entry); bytes for the whole batch. This module is pure
 bookkeeping: it imports no part of the engine, and plan modules import it.
 

@@ -64,7 +64,7 @@ class Step:
     shape : tuple of int
         ``(m, k, n)`` of ``right (m×k) · left (k×n)``; ``n`` is 1 for a vector.
     flops : int
-        Over the pattern (ARCHITECTURE.md convention).
+        Over the pattern (docs/design.md's FLOP counting).
     flops_live : int
         Over the live entries only (selections count one entry per output, scalings one multiply).
     out_nnz : int

@@ -12,7 +12,7 @@ Diagonal operands (ReLU, tanh, sigmoid, LeakyReLU, Flatten) are scalings, never 
 operand's. Selection operands (max-pool) make gathers over their live entries only
 (:mod:`sparse_scan.engine._selection`).
 
-FLOPs follow ARCHITECTURE.md: a multiply-add counts 2, so ``A @ B`` costs
+FLOPs follow docs/design.md (FLOP counting): a multiply-add counts 2, so ``A @ B`` costs
 ``2 * sum_k nnzcol_A(k) * nnzrow_B(k)`` and ``A @ v`` costs ``2 * nnz(A)``. A scaling costs one
 multiply per stored entry of the result.
 
