@@ -66,7 +66,7 @@ PUBLIC = {
                               "RNNCell", "RecurrentClassifier", "RecurrentPlan", "chain_through_factors",
                               "train_recurrent"],
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
-    "sparse_scan.torch": ["Capture", "CaptureError", "capture", "export_torch"],
+    "sparse_scan.torch": ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
                           "train"],
     "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict",

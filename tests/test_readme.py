@@ -40,8 +40,9 @@ def test_readme_has_python_examples():
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_python_example_runs(index, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    if re.search(r"^import .*\btorch\b", blocks("python")[index], re.MULTILINE):
-        pytest.importorskip("torch")  # the PyTorch examples run where PyTorch is installed (CI)
+    for optional in ("torch", "sklearn"):  # the PyTorch examples run where PyTorch is installed (CI)
+        if re.search(rf"^(import|from) .*\b{optional}\b", blocks("python")[index], re.MULTILINE):
+            pytest.importorskip(optional)
     code = compile(blocks("python")[index], f"README.md python block {index}", "exec")
     exec(code, {"__name__": "__readme__"})
     assert capsys.readouterr().err == ""

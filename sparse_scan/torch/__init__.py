@@ -5,7 +5,9 @@ into a layer, an inline residual block or a recurrent classifier's head, checked
 float64 (:class:`Capture`: the spec, the module's own weight tensors, their names); anything it cannot
 represent exactly is refused with a :class:`CaptureError` naming the graph node and the line of the
 forward. :func:`export_torch` writes a capture as a model spec and its weights
-(:func:`sparse_scan.load_model` reads them back).
+(:func:`sparse_scan.load_model` reads them back). :func:`bppsa` wraps a module so that autograd's
+backward through it is the scan (:class:`BPPSA`, an ``nn.Module`` over the same parameters): BPPSA
+inside your own training loop (docs/torch.md).
 
 PyTorch is imported by these functions when they run, never by ``import sparse_scan``: the engine does
 not need it.
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 from .._lazy import lazy_attributes
 
-__all__ = ["Capture", "CaptureError", "capture", "export_torch"]
+__all__ = ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"]
 
-_NAMES = {"Capture": "_capture", "CaptureError": "_graph", "capture": "_capture", "export_torch": "_export"}
+_NAMES = {"BPPSA": "_bridge", "Capture": "_capture", "CaptureError": "_graph", "Source": "_capture",
+          "bppsa": "_bridge", "capture": "_capture", "export_torch": "_export"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _NAMES, ())

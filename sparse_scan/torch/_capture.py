@@ -46,10 +46,11 @@ from ._graph import (
     no_dropout,
     probe,
     swaps_time_and_batch,
+    time_major,
     trace,
 )
 
-__all__ = ["Capture", "CaptureError", "capture"]
+__all__ = ["Capture", "CaptureError", "Source", "capture"]
 
 WRITTEN, IGNORED = "written", "ignored"
 
@@ -115,6 +116,38 @@ FORWARD_TOLERANCE = 1e-9
 output's largest magnitude (different summation orders), not more."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a spec weight comes from in the module.
+
+    Attributes
+    ----------
+    module : str
+        The path of the module holding it.
+    attribute : str
+        Its name there (``"weight"``, ``"running_mean"``, ``"weight_ih_l0"``).
+    parameter : str or None
+        The module's parameter (``named_parameters`` name) it is, or for a layer pruned with
+        ``torch.nn.utils.prune`` the one it is computed from (``"conv.weight_orig"``); None for a
+        buffer.
+    mask : str or None
+        The pruning mask (a buffer's name, ``"conv.weight_mask"``): the weight is
+        ``parameter * mask``, and the parameter's gradient the weight's times the mask.
+    """
+
+    module: str
+    attribute: str
+    parameter: str | None
+    mask: str | None = None
+
+    def read(self, root: Any) -> Any:
+        """The weight's current value in ``root`` (the module itself where it is one; a pruned weight:
+        ``parameter * mask`` of now)."""
+        if self.mask is not None:
+            return (root.get_parameter(self.parameter) * root.get_buffer(self.mask)).detach()
+        return getattr(root.get_submodule(self.module), self.attribute)
+
+
 @dataclasses.dataclass
 class Capture:
     """A module's forward as a model spec, checked.
@@ -124,10 +157,10 @@ class Capture:
     spec : dict
         ``input_shape`` and ``layers`` (what :func:`~sparse_scan.spec.model_from_spec` takes).
     weights : dict
-        ``"<layer>.<parameter>"`` -> the module's own tensor (not a copy): its parameters and buffers
-        (a pruned layer's effective ``weight``, ``weight_orig * weight_mask``).
-    parameters : dict
-        The spec's parameter names -> the module's (``named_parameters``) they come from.
+        ``"<layer>.<parameter>"`` -> the module's own tensor at the capture (not a copy): its
+        parameters and buffers (a pruned layer's effective ``weight``, ``weight_orig * weight_mask``).
+    sources : dict
+        The same keys -> :class:`Source`: where each weight lives in the module, to read it again.
     time_major : bool
         Whether the module takes its input time-major ``(T, B, F)``; the spec's model takes batch-first
         ``(B, T, F)``.
@@ -135,7 +168,7 @@ class Capture:
 
     spec: dict[str, Any]
     weights: dict[str, Any]
-    parameters: dict[str, str]
+    sources: dict[str, Source]
     time_major: bool
 
 
@@ -158,7 +191,7 @@ class _Block:
     shortcut: list[Any]
 
 
-def capture(module: Any, input_shape: Any) -> Capture:
+def capture(module: Any, input_shape: Any = None, *, batch_shape: Any = None) -> Capture:
     """Capture ``module``'s forward as a spec, checked against the module in float64.
 
     Parameters
@@ -167,6 +200,9 @@ def capture(module: Any, input_shape: Any) -> Capture:
         Any module whose forward the capture accepts (module docstring).
     input_shape : sequence of int
         One sample's shape, no batch axis (``(T, input_size)`` for a recurrent model).
+    batch_shape : sequence of int, optional
+        Instead of ``input_shape``: the shape of a batch as the module takes it (``(T, B, F)`` for a
+        time-major recurrent module), one sample's shape read off it.
 
     Returns
     -------
@@ -178,8 +214,13 @@ def capture(module: Any, input_shape: Any) -> Capture:
         The forward cannot be captured exactly, or the captured model's forward differs from the
         module's (the node, or the first layer that differs, named).
     """
-    shape = _input_shape(input_shape)
     reference, graph = trace(module)
+    if (input_shape is None) == (batch_shape is None):
+        raise CaptureError("give one of input_shape (one sample's) and batch_shape (a batch's)")
+    if batch_shape is not None:
+        batch = tuple(batch_shape)
+        input_shape = (batch[:1] + batch[2:]) if time_major(reference, graph) else batch[1:]
+    shape = _input_shape(input_shape)
     _check_module_types(reference, live_nodes(graph))
     traced = probe(reference, graph, shape)
     live = traced.live()
@@ -192,7 +233,7 @@ def capture(module: Any, input_shape: Any) -> Capture:
         layers, mapped = builder.sequential()
     spec = {"input_shape": list(shape), "layers": layers}
     _check(traced, spec, builder.weights, mapped)
-    return Capture(spec, builder.weights, builder.parameters, traced.time_major)
+    return Capture(spec, builder.weights, builder.sources, traced.time_major)
 
 
 def _check_module_types(reference: Any, live: list[Any]) -> None:
@@ -238,7 +279,7 @@ class _Builder:
         self.traced = traced
         self.live = live
         self.weights: dict[str, Any] = {}
-        self.parameters: dict[str, str] = {}
+        self.sources: dict[str, Source] = {}
         self.used: set[str] = set()
         self.reserved = {path for path, _ in traced.reference.named_modules() if path}
         self.module_layers: set[str] = set()
@@ -709,18 +750,20 @@ class _Builder:
         """Layer ``name``'s weights: module ``path``'s parameters and buffers (a pruned layer's effective
         ``weight`` for its ``weight_orig`` and ``weight_mask``), the module's own tensors."""
         module = self.original.get_submodule(path)
+        parameters = {key for key, _ in module.named_parameters()}
         for key, tensor in (*module.named_parameters(), *module.named_buffers()):
             if key.rpartition(".")[2] in DROPPED_BUFFERS:
                 continue
             if key.endswith("_mask") and hasattr(module, key[:-5] + "_orig"):
                 continue
-            source = key
-            if key.endswith("_orig") and hasattr(module, key[:-5]):
-                key = key[:-5]
-                tensor = getattr(module, key)
-            self.weights[f"{name}.{key}"] = tensor
-            if any(source == k for k, _ in module.named_parameters()):
-                self.parameters[f"{name}.{key}"] = f"{path}.{source}"
+            if key.endswith("_orig") and hasattr(module, key[:-5] + "_mask"):  # torch.nn.utils.prune
+                attribute = key[:-5]
+                source = Source(path, attribute, f"{path}.{key}", f"{path}.{attribute}_mask")
+            else:
+                attribute = key
+                source = Source(path, key, f"{path}.{key}" if key in parameters else None)
+            self.weights[f"{name}.{attribute}"] = source.read(self.original) if source.mask else tensor
+            self.sources[f"{name}.{attribute}"] = source
 
     # --- a recurrent classifier ------------------------------------------------------------------
     def recurrent(self, node: Any) -> tuple[list[dict[str, Any]], list[tuple[int, Any]]]:

@@ -16,7 +16,7 @@ import traceback
 from typing import Any, Callable
 
 __all__ = ["CaptureError", "Op", "Traced", "describe", "live_nodes", "no_dropout", "probe", "run_graph",
-           "swaps_time_and_batch", "trace"]
+           "swaps_time_and_batch", "time_major", "trace"]
 
 PROBE_BATCHES = (2, 3)
 """The batch sizes of the two probe runs: a value that differs between them depends on the batch size
@@ -327,8 +327,12 @@ def trace(module: Any) -> tuple[Any, Any]:
 
     if not isinstance(module, torch.nn.Module):
         raise CaptureError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    # tensors a hook computed (torch.nn.utils.prune's weight = weight_orig * weight_mask) are no graph
+    # leaves, which deepcopy refuses: copy them detached (the hook computes them anew at each forward)
+    memo = {id(value): value.detach().clone() for submodule in module.modules()
+            for value in vars(submodule).values() if isinstance(value, torch.Tensor) and not value.is_leaf}
     try:
-        reference = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+        reference = copy.deepcopy(module, memo).to(device="cpu", dtype=torch.float64)
     except Exception as error:  # noqa: BLE001 - any failure to copy: the reason goes to the user
         raise CaptureError(f"cannot copy the module to check the capture in float64: "
                            f"{type(error).__name__}: {error}") from None
@@ -373,16 +377,16 @@ def probe(reference: Any, graph: Any, input_shape: tuple[int, ...]) -> Traced:
     """
     import torch  # noqa: PLC0415
 
-    time_major = _time_major(reference, graph)
+    layout = time_major(reference, graph)
     generator = torch.Generator().manual_seed(0)
     inputs, values = [], []
     for batch in PROBE_BATCHES:
         x = torch.randn((batch,) + tuple(input_shape), dtype=torch.float64, generator=generator)
-        if time_major:
+        if layout:
             x = x.transpose(0, 1).contiguous()
         inputs.append(x)
         values.append(run_graph(reference, graph, x, tuple(input_shape)))
-    return Traced(reference, graph, values, inputs, time_major, _functions())
+    return Traced(reference, graph, values, inputs, layout, _functions())
 
 
 def swaps_time_and_batch(node: Any) -> bool:
@@ -399,7 +403,7 @@ def swaps_time_and_batch(node: Any) -> bool:
         name == "permute" and rest == (1, 0, 2) and not node.kwargs)
 
 
-def _time_major(reference: Any, graph: Any) -> bool:
+def time_major(reference: Any, graph: Any) -> bool:
     """Whether the module takes its input time-major: a recurrent layer without ``batch_first`` reads
     the input as it comes, or one with ``batch_first`` reads it with time and batch swapped."""
     placeholder = next(node for node in graph.nodes if node.op == "placeholder")

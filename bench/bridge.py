@@ -1,0 +1,164 @@
+"""The PyTorch bridge's cost (issue 36): ``sparse_scan.torch.bppsa`` against the engine's own backward
+on the same model and batch, and a whole training iteration through the bridge against plain PyTorch.
+
+Two workloads, float32, on the CPU:
+
+- ``vgg11-pruned``: VGG-11's convolutional stack on 3x32x32 (the paper's micro-benchmark, as
+  ``data/vgg11-pruned.yaml``), every convolution pruned to 3 % of its weights with
+  ``torch.nn.utils.prune.l1_unstructured`` (the bridge then leaves the pruned weights out of the
+  Jacobians' patterns), batch 16, the loss the sum of the outputs weighted by a fixed gradient;
+- ``lstm``: the paper's RNN classifier with an LSTM cell (T = 1000, B = 16, H = 20, input 1, 10
+  classes, ``fc(out[:, -1])``), cross-entropy loss.
+
+Per workload, medians over ``--repeats`` rounds, the contenders timed in turn within each round after a
+warm-up round:
+
+- ``bridge_backward_s``: ``loss.backward()`` through ``bppsa(net)`` after its forward (autograd's
+  call of the scan, the conversions, the gradients handed to ``.grad``);
+- ``engine_backward_s``: the same engine model's ``backward`` plus ``parameter_gradients`` called
+  directly on the same batch (what the bridge runs, without the bridge);
+- ``bridge_iteration_s`` and ``torch_iteration_s``: ``zero_grad``, forward, loss, backward and
+  ``torch.optim.Adam``'s step, through the bridge and through plain PyTorch autograd.
+
+The ratios ``bridge_backward_s / engine_backward_s`` (the issue's bar: at most 1.1) and
+``torch_iteration_s / bridge_iteration_s`` (above 1: the bridge's iteration is faster) are printed with
+them. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.prune as prune
+from common import cpu_pressure, machine
+from torch import nn
+
+from sparse_scan import backend
+from sparse_scan.torch import bppsa
+
+VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+
+
+def vgg11_pruned(amount: float = 0.97) -> nn.Module:
+    """VGG-11's conv stack (configuration A), each conv magnitude-pruned by ``torch.nn.utils.prune``."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    channels = 3
+    for item in VGG11:
+        if item == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+        else:
+            conv = nn.Conv2d(channels, item, 3, padding=1)
+            prune.l1_unstructured(conv, "weight", amount=amount)
+            layers += [conv, nn.ReLU()]
+            channels = item
+    return nn.Sequential(*layers)
+
+
+class LSTMClassifier(nn.Module):
+    """The paper's RNN classifier with an LSTM cell: the last output, a linear head."""
+
+    def __init__(self, hidden: int = 20, classes: int = 10) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(1, hidden, batch_first=True)
+        self.fc = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.fc(out[:, -1])
+
+
+def workload(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The model, a batch and the loss of its output."""
+    generator = torch.Generator().manual_seed(1)
+    if name == "vgg11-pruned":
+        x = torch.randn(batch, 3, 32, 32, generator=generator)
+        weights = torch.randn(batch, 512, 1, 1, generator=generator)
+        return vgg11_pruned(), x, lambda out: (out * weights).sum()
+    torch.manual_seed(0)
+    x = torch.randint(0, 2, (batch, 1000, 1), generator=generator).float()
+    labels = torch.randint(0, 10, (batch,), generator=generator)
+    return LSTMClassifier(), x, lambda out: F.cross_entropy(out, labels)
+
+
+def interleaved(contenders: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Median seconds of each contender (each returns the seconds of the part it times), taken in turn
+    within each round, after a warm-up round."""
+    for timed in contenders.values():
+        timed()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, timed in contenders.items():
+            times[name].append(timed())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure(name: str, batch: int, method: str, repeats: int) -> dict[str, Any]:
+    net, x, loss_of = workload(name, batch)
+    bnet = bppsa(net, method)
+    reference = type(net)() if name == "lstm" else vgg11_pruned()
+    reference.load_state_dict(net.state_dict())
+    optimizers = {"bridge": torch.optim.Adam(net.parameters(), lr=1e-3),
+                  "torch": torch.optim.Adam(reference.parameters(), lr=1e-3)}
+
+    def bridge_backward() -> float:
+        loss = loss_of(bnet(x))
+        start = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - start
+
+    def engine_backward() -> float:
+        out = bnet(x)  # binds the weights and runs the engine's forward
+        (engine,) = [e for engines in bnet._engines.values() for e in engines]  # noqa: SLF001 - its model
+        g = _loss_gradient(loss_of, out)
+        start = time.perf_counter()
+        grads = engine.model.backward(g, method=method)
+        engine.model.parameter_gradients(grads)
+        return time.perf_counter() - start
+
+    def iteration(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], float]:
+        def run() -> float:
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss_of(model(x)).backward()
+            optimizer.step()
+            return time.perf_counter() - start
+        return run
+
+    timings = interleaved({"bridge_backward_s": bridge_backward, "engine_backward_s": engine_backward,
+                           "bridge_iteration_s": iteration(bnet, optimizers["bridge"]),
+                           "torch_iteration_s": iteration(reference, optimizers["torch"])}, repeats)
+    return {"workload": name, "batch": batch, "method": method, **timings,
+            "bridge_over_engine_backward": timings["bridge_backward_s"] / timings["engine_backward_s"],
+            "torch_over_bridge_iteration": timings["torch_iteration_s"] / timings["bridge_iteration_s"]}
+
+
+def _loss_gradient(loss_of: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> np.ndarray:
+    """d loss / d out, as the bridge's backward receives it."""
+    leaf = out.detach().requires_grad_(True)
+    loss_of(leaf).backward()
+    return leaf.grad.numpy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="vgg11-pruned,lstm")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--method", default="auto")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    rows = [measure(name, args.batch, args.method, args.repeats) for name in args.workloads.split(",")]
+    print(json.dumps({"benchmark": "bridge: bppsa backward vs the engine's, iteration vs PyTorch",
+                      "machine": machine(backend.get("cpu")), "cpu_pressure": cpu_pressure(),
+                      "torch_threads": torch.get_num_threads(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""BPPSA as the backward of a PyTorch training loop: :func:`bppsa` wraps a module so that autograd's
+backward through it is sparse-scan's scan.
+
+``bnet = bppsa(net)`` is an ``nn.Module`` holding ``net`` (the same parameters: ``bnet.parameters()``
+are ``net``'s objects, ``bnet.train()`` sets ``net``'s mode). Its forward runs the engine's model of
+``net``'s forward (:func:`~sparse_scan.torch.capture`, once per mode and input shape) through a
+``torch.autograd.Function`` whose inputs are the input and every parameter, so autograd accumulates the
+scan's ``dL/dx`` and parameter gradients where it would its own: ``.grad``, hooks, clipping, optimizers
+and PyTorch layers before and after ``bnet`` work unchanged.
+
+The engine reads the parameters where PyTorch keeps them: its layers hold NumPy views of the
+parameters' and buffers' storage (no copy; a non-contiguous one is copied at each forward), checked
+against the module at every forward, so a weight PyTorch changes in place (``opt.step()``,
+``p.data.mul_()``, ``load_state_dict``) is read as it is, and one replaced (``p.data = w``, a new
+``nn.Parameter``) is bound anew. A weight changed between a forward and its backward is refused by
+autograd's own check of the tensors the forward saved. A layer pruned with ``torch.nn.utils.prune`` is
+read as ``weight_orig * weight_mask`` at each forward, and ``weight_orig``'s gradient is the weight's
+times the mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engine.schedule import SCHEDULES
+from ..spec import SpecError, model_from_spec
+from ..weights import named_layers
+from ._capture import Capture, capture
+
+__all__ = ["BPPSA", "bppsa"]
+
+
+def bppsa(module: torch.nn.Module, method: str = "auto", levels: int | str | None = None,
+          prune_pattern: bool | None = None) -> "BPPSA":
+    """``module`` with sparse-scan's scan as its backward.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Any module :func:`~sparse_scan.torch.capture` accepts (its refusal is raised at the first
+        forward, with its message).
+    method : {"auto", "linear", "blelloch", "hybrid"}
+        The scan's schedule (``linear`` is back-propagation run by the engine).
+    levels : int or "auto", optional
+        Up-sweep levels of ``hybrid``.
+    prune_pattern : bool, optional
+        Which Conv2d and Linear layers leave their exactly-zero weights out of the Jacobians' patterns
+        (the paper's pruned networks): None, those pruned with ``torch.nn.utils.prune`` (their masks
+        fix the zeros); True, every one (a change of the zeros re-plans); False, none. Such a layer's
+        weights are copied into the engine at each forward (a pruned pattern needs weights no one
+        changes unseen).
+
+    Returns
+    -------
+    BPPSA
+        An ``nn.Module`` over the same parameters.
+
+    Examples
+    --------
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    >>> bnet = bppsa(net, method="blelloch")
+    >>> loss = bnet(torch.randn(5, 4)).square().sum()
+    >>> loss.backward()                       # the scan computes every gradient
+    >>> [tuple(p.grad.shape) for p in net.parameters()]
+    [(8, 4), (8,), (3, 8), (3,)]
+    """
+    return BPPSA(module, method, levels, prune_pattern)
+
+
+class BPPSA(torch.nn.Module):
+    """A module whose backward is sparse-scan's scan (:func:`bppsa` builds one).
+
+    Attributes
+    ----------
+    module : torch.nn.Module
+        The wrapped module (its parameters are this one's).
+    method, levels
+        The scan's schedule.
+    """
+
+    def __init__(self, module: torch.nn.Module, method: str = "auto", levels: int | str | None = None,
+                 prune_pattern: bool | None = None) -> None:
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"bppsa: expected a torch.nn.Module, got {type(module).__name__}")
+        if method not in SCHEDULES:
+            raise ValueError(f"bppsa: method must be one of {', '.join(SCHEDULES)}; got {method!r}")
+        if prune_pattern not in (None, True, False):
+            raise ValueError(f"bppsa: prune_pattern must be None, True or False; got {prune_pattern!r}")
+        self.module = module
+        self.method, self.levels, self.prune_pattern = method, levels, prune_pattern
+        self._engines: dict[tuple[Any, ...], list[_Engine]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` computed by the engine; its backward runs the scan."""
+        self._check_input(x)
+        engine = self._engine(x)
+        parameters, masks = engine.bind(self.module)
+        return _Scan.apply(engine, masks, x, *parameters)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method!r}, levels={self.levels!r}, prune_pattern={self.prune_pattern!r}"
+
+    def _check_input(self, x: Any) -> None:
+        """Refuse what the engine would compute differently from PyTorch, or not at all."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"bppsa: expected a tensor input, got {type(x).__name__}")
+        if _autocast(x.device.type):
+            raise RuntimeError("bppsa: autocast is on: sparse-scan computes in the parameters' float32 or "
+                               "float64, never in half precision; run the wrapped module outside autocast")
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        floating = {t.dtype for t in tensors if t.is_floating_point()}
+        if floating - {torch.float32, torch.float64}:
+            raise TypeError(f"bppsa: the module's parameters are {sorted(map(str, floating))}; sparse-scan "
+                            "computes in float32 or float64 (half precision is not supported)")
+        if x.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"bppsa: the input is {x.dtype}; sparse-scan computes in float32 or float64 "
+                            "(half precision is not supported)")
+        if floating and floating != {x.dtype}:
+            raise TypeError(f"bppsa: the input is {x.dtype} and the parameters {sorted(map(str, floating))}; "
+                            "convert one of them")
+        devices = {t.device for t in tensors} | {x.device}
+        if len(devices) > 1:
+            raise RuntimeError(f"bppsa: the input and the parameters are on different devices "
+                               f"({', '.join(sorted(map(str, devices)))})")
+        if x.device.type != "cpu":
+            raise RuntimeError(f"bppsa: tensors on {x.device}: the PyTorch bridge runs the engine on the "
+                               "CPU for CPU tensors only so far (CUDA tensors: not yet)")
+
+    def _engine(self, x: torch.Tensor) -> "_Engine":
+        """The engine of the module's forward in its current modes, for samples of ``x``'s shape
+        (captured at the first forward of each)."""
+        modes = tuple(m.training for m in self.module.modules())
+        for engine in self._engines.get((modes, x.dtype), []):
+            if engine.takes(tuple(x.shape)):
+                return engine
+        engine = _Engine(capture(self.module, batch_shape=tuple(x.shape)), x.dtype, self.method, self.levels,
+                         self.prune_pattern)
+        self._engines.setdefault((modes, x.dtype), []).append(engine)
+        return engine
+
+
+class _Engine:
+    """One capture's model, its weights bound to the module's tensors, and its last forward."""
+
+    def __init__(self, captured: Capture, dtype: torch.dtype, method: str, levels: Any,
+                 prune_pattern: bool | None) -> None:
+        self.capture = captured
+        self.method, self.levels = method, levels
+        numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
+        arrays = {key: tensor.detach().cpu().numpy() for key, tensor in captured.weights.items()}
+        try:
+            self.model = model_from_spec(captured.spec, arrays, dtype=numpy_dtype,
+                                         source="the captured module")
+        except SpecError as error:  # the capture checked it in float64: a dtype problem at most
+            raise RuntimeError(f"bppsa: {error}") from None
+        layers = named_layers(self.model)
+        self.targets = {key: (layers[key.rpartition(".")[0]], key.rpartition(".")[2])
+                        for key in captured.sources}
+        for key, source in captured.sources.items():
+            layer, attribute = self.targets[key]
+            if attribute == "weight" and hasattr(layer, "prune_pattern"):
+                layer.prune_pattern = source.mask is not None if prune_pattern is None else prune_pattern
+        self.gradients = [key for key, source in captured.sources.items() if source.parameter is not None]
+        self.forwards = 0
+        self.dropout = any(getattr(layer, "training", False) and type(layer).__name__ == "Dropout"
+                           for layer in layers.values())
+
+    def takes(self, batch_shape: tuple[int, ...]) -> bool:
+        """Whether a batch of ``batch_shape`` (the module's layout) holds samples of this capture's."""
+        sample = batch_shape[:1] + batch_shape[2:] if self.capture.time_major else batch_shape[1:]
+        return list(sample) == list(self.capture.spec["input_shape"])
+
+    def bind(self, root: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Point every layer weight at the module's tensor of now (a view: no copy where the tensor is
+        contiguous; a pruned weight is computed); return the parameters the gradients go to, in
+        :attr:`gradients`' order, and their pruning masks (None where unpruned)."""
+        for key, source in self.capture.sources.items():
+            array = source.read(root).detach().numpy()
+            layer, attribute = self.targets[key]
+            if not _same_memory(getattr(layer, attribute), array):
+                setattr(layer, attribute, array)
+        sources = [self.capture.sources[key] for key in self.gradients]
+        return ([root.get_parameter(source.parameter) for source in sources],
+                [None if source.mask is None else root.get_buffer(source.mask) for source in sources])
+
+    def forward(self, x: torch.Tensor) -> np.ndarray:
+        self.forwards += 1
+        batch = x.detach().numpy()
+        if self.capture.time_major:
+            batch = np.ascontiguousarray(batch.transpose(1, 0, 2))
+        return self.model.forward(batch)
+
+    def backward(self, grad: torch.Tensor,
+                 masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The scan's ``dL/dx`` and every parameter's gradient for the last forward."""
+        grads = self.model.backward(grad.detach().contiguous().numpy(), method=self.method,
+                                    levels=self.levels)
+        parameters = self.model.parameter_gradients(grads)
+        dx = grads[0]
+        if self.capture.time_major:
+            dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
+        out = []
+        for key, mask in zip(self.gradients, masks, strict=True):
+            value = np.asarray(parameters[key])
+            if mask is not None:  # weight_orig's gradient: the weight's, masked (in place: the engine's)
+                value = np.multiply(value, mask.detach().numpy(), out=value, casting="unsafe")
+            out.append(torch.from_numpy(value))
+        return torch.from_numpy(np.asarray(dx)), out
+
+
+class _Scan(torch.autograd.Function):
+    """Forward: the engine's forward. Backward: the engine's scan, every gradient at once."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: _Engine, masks: list[Any], x: torch.Tensor,
+                *parameters: torch.Tensor) -> torch.Tensor:
+        out = torch.from_numpy(np.array(engine.forward(x)))  # a copy: the engine keeps its activations
+        ctx.engine, ctx.masks, ctx.forward_number = engine, masks, engine.forwards
+        ctx.save_for_backward(x, *parameters)  # autograd refuses a backward after they changed in place
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError("bppsa: create_graph=True (a graph of the backward, for double backward) is "
+                               "not supported: the scan's gradients are not themselves differentiable")
+        engine: _Engine = ctx.engine
+        x, *_ = ctx.saved_tensors
+        if ctx.forward_number != engine.forwards:  # another forward since: the engine kept that one's
+            if engine.dropout:
+                raise RuntimeError("bppsa: a backward through an earlier forward of a model with dropout "
+                                   "in training mode: the engine keeps the last forward's masks; run the "
+                                   "backward of each forward before the next forward")
+            engine.forward(x)
+        dx, parameters = engine.backward(grad, ctx.masks)
+        return (None, None, dx, *parameters)
+
+
+def _same_memory(held: Any, array: np.ndarray) -> bool:
+    """Whether the layer's array ``held`` is ``array``'s memory (same address, shape, strides, dtype)."""
+    return (isinstance(held, np.ndarray) and held.dtype == array.dtype and held.shape == array.shape
+            and held.strides == array.strides
+            and held.__array_interface__["data"][0] == array.__array_interface__["data"][0])
+
+
+def _autocast(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # an older PyTorch: no device argument
+        return bool(torch.is_autocast_enabled())
