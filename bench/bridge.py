@@ -1,7 +1,9 @@
 """The PyTorch bridge's cost (issue 36): ``sparse_scan.torch.bppsa`` against the engine's own backward
 on the same model and batch, and a whole training iteration through the bridge against plain PyTorch.
 
-Two workloads, float32, on the CPU:
+Two workloads, float32, on the CPU (``--device gpu``: the LSTM alone on CUDA tensors, the bridge's
+engine on CuPy views of them against cuDNN's LSTM under autograd, TF32 off, each timed with a CUDA
+synchronisation after it):
 
 - ``vgg11-pruned``: VGG-11's convolutional stack on 3x32x32 (the paper's micro-benchmark, as
   ``data/vgg11-pruned.yaml``), every convolution pruned to 3 % of its weights with
@@ -13,8 +15,10 @@ Two workloads, float32, on the CPU:
 Per workload, medians over ``--repeats`` rounds, the contenders timed in turn within each round after a
 warm-up round:
 
-- ``bridge_backward_s``: ``loss.backward()`` through ``bppsa(net)`` after its forward (autograd's
-  call of the scan, the conversions, the gradients handed to ``.grad``);
+- ``bridge_backward_s``: ``loss.backward()`` through ``bppsa(net)`` after ``zero_grad()`` and its
+  forward (autograd's call of the scan, the conversions, the gradients handed to ``.grad``; a pruned
+  layer's ``weight_orig`` gradient masked, as autograd's own backward of ``weight_orig * weight_mask``
+  masks it);
 - ``engine_backward_s``: the same engine model's ``backward`` plus ``parameter_gradients`` called
   directly on the same batch (what the bridge runs, without the bridge);
 - ``bridge_iteration_s`` and ``torch_iteration_s``: ``zero_grad``, forward, loss, backward and
@@ -29,15 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune as prune
-from common import cpu_pressure, machine
+from common import Rows, cpu_pressure, machine
 from torch import nn
 
 from sparse_scan import backend
@@ -75,17 +79,18 @@ class LSTMClassifier(nn.Module):
         return self.fc(out[:, -1])
 
 
-def workload(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The model, a batch and the loss of its output."""
+def workload(name: str, batch: int,
+             device: torch.device) -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The model, a batch and the loss of its output, on ``device``."""
     generator = torch.Generator().manual_seed(1)
     if name == "vgg11-pruned":
-        x = torch.randn(batch, 3, 32, 32, generator=generator)
-        weights = torch.randn(batch, 512, 1, 1, generator=generator)
-        return vgg11_pruned(), x, lambda out: (out * weights).sum()
+        x = torch.randn(batch, 3, 32, 32, generator=generator).to(device)
+        weights = torch.randn(batch, 512, 1, 1, generator=generator).to(device)
+        return vgg11_pruned().to(device), x, lambda out: (out * weights).sum()
     torch.manual_seed(0)
-    x = torch.randint(0, 2, (batch, 1000, 1), generator=generator).float()
-    labels = torch.randint(0, 10, (batch,), generator=generator)
-    return LSTMClassifier(), x, lambda out: F.cross_entropy(out, labels)
+    x = torch.randint(0, 2, (batch, 1000, 1), generator=generator).float().to(device)
+    labels = torch.randint(0, 10, (batch,), generator=generator).to(device)
+    return LSTMClassifier().to(device), x, lambda out: F.cross_entropy(out, labels)
 
 
 def interleaved(contenders: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
@@ -100,35 +105,44 @@ def interleaved(contenders: dict[str, Callable[[], float]], repeats: int) -> dic
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def measure(name: str, batch: int, method: str, repeats: int) -> dict[str, Any]:
-    net, x, loss_of = workload(name, batch)
+def measure(name: str, batch: int, method: str, repeats: int, device: torch.device) -> dict[str, Any]:
+    net, x, loss_of = workload(name, batch, device)
     bnet = bppsa(net, method)
-    reference = type(net)() if name == "lstm" else vgg11_pruned()
+    reference = (type(net)() if name == "lstm" else vgg11_pruned()).to(device)
     reference.load_state_dict(net.state_dict())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     optimizers = {"bridge": torch.optim.Adam(net.parameters(), lr=1e-3),
                   "torch": torch.optim.Adam(reference.parameters(), lr=1e-3)}
 
     def bridge_backward() -> float:
+        net.zero_grad()  # as a training loop does (set_to_none): autograd hands over the scan's arrays
         loss = loss_of(bnet(x))
+        sync()
         start = time.perf_counter()
         loss.backward()
+        sync()
         return time.perf_counter() - start
 
     def engine_backward() -> float:
         out = bnet(x)  # binds the weights and runs the engine's forward
         (engine,) = [e for engines in bnet._engines.values() for e in engines]  # noqa: SLF001 - its model
-        g = _loss_gradient(loss_of, out)
-        start = time.perf_counter()
-        grads = engine.model.backward(g, method=method)
-        engine.model.parameter_gradients(grads)
+        g = engine.array(_loss_gradient(loss_of, out))
+        with engine.on_stream(x):
+            sync()
+            start = time.perf_counter()
+            grads = engine.model.backward(g, method=method)
+            engine.model.parameter_gradients(grads)
+            sync()
         return time.perf_counter() - start
 
     def iteration(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], float]:
         def run() -> float:
+            sync()
             start = time.perf_counter()
             optimizer.zero_grad()
             loss_of(model(x)).backward()
             optimizer.step()
+            sync()
             return time.perf_counter() - start
         return run
 
@@ -140,11 +154,11 @@ def measure(name: str, batch: int, method: str, repeats: int) -> dict[str, Any]:
             "torch_over_bridge_iteration": timings["torch_iteration_s"] / timings["bridge_iteration_s"]}
 
 
-def _loss_gradient(loss_of: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> np.ndarray:
+def _loss_gradient(loss_of: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """d loss / d out, as the bridge's backward receives it."""
     leaf = out.detach().requires_grad_(True)
     loss_of(leaf).backward()
-    return leaf.grad.numpy()
+    return leaf.grad
 
 
 def main() -> None:
@@ -153,10 +167,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--method", default="auto")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--rows", type=pathlib.Path, help="also append each row to this JSON-lines file")
     args = parser.parse_args()
-    rows = [measure(name, args.batch, args.method, args.repeats) for name in args.workloads.split(",")]
-    print(json.dumps({"benchmark": "bridge: bppsa backward vs the engine's, iteration vs PyTorch",
-                      "machine": machine(backend.get("cpu")), "cpu_pressure": cpu_pressure(),
+    device = torch.device("cuda" if args.device == "gpu" else "cpu")
+    workloads = args.workloads.split(",") if args.device == "cpu" else ["lstm"]
+    if args.device == "gpu":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    name = "bridge: bppsa backward vs the engine's, iteration vs PyTorch"
+    info = machine(backend.get(args.device))
+    rows_file = Rows(args.rows, name, info, torch_threads=torch.get_num_threads())
+    rows = []
+    for workload_name in workloads:
+        rows.append(measure(workload_name, args.batch, args.method, args.repeats, device))
+        rows_file.add(rows[-1])
+    rows_file.finish()
+    print(json.dumps({"benchmark": name, "machine": info, "cpu_pressure": cpu_pressure(),
                       "torch_threads": torch.get_num_threads(), "rows": rows}, indent=1))
 
 

@@ -32,6 +32,7 @@ from resnet_blocks import BasicBlock  # noqa: E402 - imports torch
 
 from sparse_scan.layers import Conv2d  # noqa: E402
 from sparse_scan.torch import BPPSA, CaptureError, bppsa  # noqa: E402
+from sparse_scan.weights import named_layers  # noqa: E402
 
 
 class LeNet(nn.Module):
@@ -346,3 +347,133 @@ def test_bppsa_is_a_module_with_a_useful_repr():
     bnet = bppsa(build("lenet"), "hybrid", 2)
     assert isinstance(bnet, BPPSA) and isinstance(bnet, nn.Module)
     assert "method='hybrid', levels=2" in repr(bnet) and "(module): LeNet(" in repr(bnet)
+
+
+# --- the GPU path (CUDA tensors; through the CuPy stand-in on host tensors where no GPU is) ------------
+@pytest.fixture
+def on_the_gpu(monkeypatch):
+    """The engine on the GPU for every tensor: with a GPU, the tests' tensors are CUDA tensors; through
+    the CuPy stand-in they stay host tensors whose memory the stand-in's device arrays share (the glue's
+    DLPack views, the engine's GPU path and its kernels run; CUDA streams do not)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    monkeypatch.setattr(BPPSA, "_device_of", staticmethod(lambda x: "gpu"))
+    return torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_on_the_gpu_the_same_gradients_as_autograd(on_the_gpu, kind, method):
+    net = build(kind).eval().to(on_the_gpu)
+    bnet = bppsa(net, method)
+    x = batches(kind, 1)[0][0].to(on_the_gpu)
+    g = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(on_the_gpu)
+    leaf = x.clone().requires_grad_(True)
+    out = bnet(leaf)
+    out.backward(g)
+    ours = {name: p.grad.clone() for name, p in net.named_parameters()}
+    reference = x.clone().requires_grad_(True)
+    net.zero_grad()
+    expected = net(reference)
+    expected.backward(g)
+    np.testing.assert_allclose(out.detach().cpu().numpy(), expected.detach().cpu().numpy(), rtol=1e-12,
+                               atol=1e-13)
+    np.testing.assert_allclose(leaf.grad.cpu().numpy(), reference.grad.cpu().numpy(), rtol=1e-10, atol=1e-13)
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(ours[name].cpu().numpy(), p.grad.cpu().numpy(), rtol=1e-10, atol=1e-13,
+                                   err_msg=name)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_engine_holds_views_of_the_parameters(on_the_gpu):
+    import cupy
+
+    net = build("resnet").eval().to(on_the_gpu)
+    bnet = bppsa(net)
+    bnet(batches("resnet", 1)[0][0].to(on_the_gpu)).sum().backward()
+    (engine,) = next(iter(bnet._engines.values()))
+    layers = named_layers(engine.model)
+    for key, source in engine.capture.sources.items():
+        held = getattr(layers[key.rpartition(".")[0]], key.rpartition(".")[2])
+        tensor = source.read(net)
+        assert isinstance(held, cupy.ndarray), key
+        assert held.__cuda_array_interface__["data"][0] == tensor.data_ptr(), key  # the same memory
+    with torch.no_grad():
+        net.fc.weight.mul_(2)
+    x = batches("resnet", 1)[0][0].to(on_the_gpu)
+    np.testing.assert_allclose(bnet(x).detach().cpu().numpy(), net(x).detach().cpu().numpy(), rtol=1e-12)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_pruned_layers_are_refused(on_the_gpu):
+    net = build("lenet").eval().to(on_the_gpu)
+    with pytest.raises(RuntimeError, match="pruned layers run on CPU tensors only"):
+        bppsa(net, prune_pattern=True)(batches("lenet", 1)[0][0].to(on_the_gpu))
+
+
+def test_cuda_tensors_without_a_usable_gpu_are_refused(monkeypatch):
+    monkeypatch.setattr(BPPSA, "_device_of", staticmethod(lambda x: "gpu"))
+    monkeypatch.setattr("sparse_scan.backend.gpu_usable", lambda: False)
+    with pytest.raises(RuntimeError, match="need CuPy with a usable GPU"):
+        bppsa(build("lenet"))(batches("lenet", 1)[0][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lstm", "lenet"])
+def test_on_the_gpu_a_warm_iteration_uploads_nothing_and_waits_only_where_documented(on_the_gpu, device_stats,
+                                                                                     kind):
+    """After the first iteration, a forward and backward through the bridge wait for the GPU only where
+    docs/gpu.md says: no upload from pageable memory (the weights are the tensors' memory), the
+    max-pools' NaN flag, the recurrent layer's check of its input."""
+    net = build(kind).eval().to(on_the_gpu)
+    bnet = bppsa(net, "blelloch")
+    x = batches(kind, 1)[0][0].to(on_the_gpu)
+    bnet(x).sum().backward()
+    device_stats.clear()
+    bnet(x).sum().backward()
+    documented = ("_max_selection_gpu", "recurrent/_module.py:295 in _sequence")
+    unexpected = [s for s in device_stats.syncs if not any(where in s for where in documented)]
+    assert unexpected == [], unexpected
+
+
+def test_a_pruning_mask_changed_during_training_re_plans():
+    """Pruned further (a new mask): the next forward's pattern is the new mask's, exact."""
+    import torch.nn.utils.prune as prune
+
+    net = build("lenet").eval()
+    prune.l1_unstructured(net.conv2, "weight", amount=0.5)
+    bnet = bppsa(net, "blelloch")
+    x = batches("lenet", 1)[0][0]
+    bnet(x).sum().backward()
+    (engine,) = next(iter(bnet._engines.values()))
+    before = engine.model.layers[3].pattern((4, 6, 6)).nnz
+    prune.l1_unstructured(net.conv2, "weight", amount=0.5)  # half of what is left: a new mask
+    net.zero_grad()
+    out = bnet(x)
+    out.sum().backward()
+    assert engine.model.layers[3].pattern((4, 6, 6)).nnz < before
+    ours = {name: p.grad.clone() for name, p in net.named_parameters()}
+    net.zero_grad()
+    expected = net(x)
+    expected.sum().backward()
+    np.testing.assert_allclose(out.detach().numpy(), expected.detach().numpy(), rtol=1e-12)
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(ours[name].numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_a_pattern_mask_refuses_weights_outside_it():
+    layer = Conv2d(1, 2, 3, dtype=np.float64, rng=0)
+    layer.prune_pattern = True
+    mask = np.ones_like(layer.weight)
+    mask[0, 0, 0, 0] = 0
+    with pytest.raises(ValueError, match="non-zero outside the pattern mask"):
+        layer.pattern_mask = mask
+    layer.weight = layer.weight * mask
+    layer.pattern_mask = mask
+    assert layer.pattern((1, 5, 5)).nnz == 17 * 9
+    weight = layer.weight * 2
+    layer.weight = weight
+    assert layer.weight is weight  # with a mask: held as it is, no copy
+    with pytest.raises(ValueError, match="non-zero outside the pattern mask"):
+        layer.weight = np.ones_like(weight)

@@ -54,7 +54,7 @@ def test_transposed_convolution_is_jt_times_g(geometry, dtype, batch, threads):
         g = conv.geometry(x.shape[1:])
         grad = rng.standard_normal((batch, conv.forward(x)[0].size)).astype(dtype)
         weights, positions = _conv._transposed_weights_csr(
-            conv.weight.reshape(conv.groups, conv.out_channels // conv.groups, -1))
+            conv.weight.reshape(conv.groups, conv.out_channels // conv.groups, -1), conv.weight.dtype)
         weights.data[:] = conv.weight.ravel()[positions]
         got = _conv._pruned_transposed_convolution(g, weights, grad)
         jt = conv.transposed_jacobian(x)

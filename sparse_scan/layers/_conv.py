@@ -300,12 +300,13 @@ class Conv2d(WeightedLayer):
             return None
         key = (key, self._weight.dtype)  # the kept matrices hold values of that dtype
         if self._sparse_structure is None or self._sparse_structure[0] != key:
-            groups = self._weight.reshape(self.groups, self.out_channels // self.groups, -1)
+            groups = self._support().reshape(self.groups, self.out_channels // self.groups, -1)
             layout = None
             if self._csr_pays():
-                layout = ([], [_transposed_weights_csr(groups)])
+                dtype = self._weight.dtype
+                layout = ([], [_transposed_weights_csr(groups, dtype)])
                 for index, group in enumerate(groups):
-                    layout[0].append(_weights_as_csr(group, index * group.size, group.shape[1], 1))
+                    layout[0].append(_weights_as_csr(group, index * group.size, group.shape[1], 1, dtype))
             self._sparse_structure = (key, layout, [None, None])
         return self._sparse_structure[1]
 
@@ -313,7 +314,7 @@ class Conv2d(WeightedLayer):
         """Whether the weights are pruned to at most :data:`SPARSE_FORWARD_MAX_DENSITY` non-zeros,
         so that they multiply as CSR on the host."""
         return (self.prune_pattern
-                and np.count_nonzero(self._weight) <= SPARSE_FORWARD_MAX_DENSITY * self._weight.size)
+                and np.count_nonzero(self._support()) <= SPARSE_FORWARD_MAX_DENSITY * self._weight.size)
 
     def _columns(self, x: Array, g: ConvGeometry) -> Array:
         """``(groups, taps, B * out pixels)``: the input element each kernel tap of each output reads
@@ -330,7 +331,7 @@ class Conv2d(WeightedLayer):
         inside = np.outer(rows, cols)
         if self.prune_pattern:
             self._structure_key()  # a non-finite weight cannot define a pruned pattern
-            weights = np.count_nonzero(self.weight, axis=(0, 1))
+            weights = np.count_nonzero(self._support(), axis=(0, 1))
         else:
             weights = np.full(g.kernel, g.out_channels * g.cin_per_group)
         return int((weights * inside).sum())
@@ -343,7 +344,7 @@ class Conv2d(WeightedLayer):
         g = self.geometry(in_shape)
         plane = g.out_height * g.out_width
         multiply_adds = g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1] * plane
-        csr = bool(self._csr_pays() and (np.count_nonzero(self._weight) * plane
+        csr = bool(self._csr_pays() and (np.count_nonzero(self._support()) * plane
                                          <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape)))
         return WeightsPath(multiply_adds, csr=csr)
 
@@ -725,24 +726,25 @@ _fill_values = _backend.twin(cpu=_fill_values_cpu, gpu=_fill_values_gpu)
 _fill_plan = _backend.twin(cpu=_fill_plan_cpu, gpu=lambda be, g, indptr: None)
 
 
-def _weights_as_csr(weights: np.ndarray, offset: int, row_stride: int,
-                    column_stride: int) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
-    """A CSR matrix of the non-zeros of ``weights`` (a 2-D view of a layer's weights; the values are
-    refilled at every use) and the flat weight position of each stored value:
-    ``offset + row * row_stride + column * column_stride``."""
-    matrix = scipy.sparse.csr_matrix(weights != 0, dtype=weights.dtype)
+def _weights_as_csr(weights: np.ndarray, offset: int, row_stride: int, column_stride: int,
+                    dtype: Any) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
+    """A CSR matrix of ``dtype`` over the non-zeros of ``weights`` (a 2-D view of a layer's weights, or
+    of its pattern mask; the values are refilled at every use) and the flat weight position of each
+    stored value: ``offset + row * row_stride + column * column_stride``."""
+    matrix = scipy.sparse.csr_matrix(weights != 0, dtype=dtype)
     rows = np.repeat(np.arange(weights.shape[0]), np.diff(matrix.indptr))
     positions = (offset + rows * row_stride + matrix.indices * column_stride).astype(np.intp)
     return matrix, positions
 
 
-def _transposed_weights_csr(groups: np.ndarray) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
+def _transposed_weights_csr(groups: np.ndarray, dtype: Any) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
     """``W^T`` of every group as one CSR matrix, rows ``(ci, kh, kw)`` (global input channel), columns
     ``co`` (global output channel; block-diagonal over the groups), with the weights' flat position of
     each stored value (:func:`_weights_as_csr`). ``groups``: the weights as ``(groups, cout / groups,
     taps)``."""
     count, cout, taps = groups.shape
-    parts = [_weights_as_csr(group.T, index * group.size, 1, taps) for index, group in enumerate(groups)]
+    parts = [_weights_as_csr(group.T, index * group.size, 1, taps, dtype)
+             for index, group in enumerate(groups)]
     nnz = np.cumsum([0] + [matrix.nnz for matrix, _ in parts])
     indptr = np.concatenate([[0]] + [matrix.indptr[1:] + offset
                                      for (matrix, _), offset in zip(parts, nnz[:-1], strict=True)])

@@ -88,7 +88,7 @@ class Linear(WeightedLayer):
         self.check_in_shape(in_shape)
         if self.prune_pattern:
             self._structure_key()  # a non-finite weight cannot define a pruned pattern
-            return int(np.count_nonzero(self.weight))
+            return int(np.count_nonzero(self._support()))
         return self.in_features * self.out_features
 
     def weights_path(self, in_shape: Shape) -> WeightsPath:

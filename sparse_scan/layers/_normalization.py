@@ -34,7 +34,7 @@ from .._checks import flag, integer, number
 from .._types import Array
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape, diagonal_pattern
-from ._weighted import as_float_dtype
+from ._weighted import as_float_dtype, device_or_host
 
 __all__ = ["BatchNorm2d"]
 
@@ -185,12 +185,14 @@ class BatchNorm2d(Layer):
     @running_var.setter
     def running_var(self, value: Any) -> None:
         variance = self._checked_parameter("running_var", value)
-        if not np.all(variance >= 0):
+        if not bool(_backend.of(variance).xp.all(variance >= 0)):  # on the GPU: one read back per setting
             raise self._error("running_var", "must be non-negative (a variance)")
         self._running_var = variance
 
-    def _checked_parameter(self, field: str, value: Any) -> np.ndarray:
-        array = _backend.of(value).to_host(value)
+    def _checked_parameter(self, field: str, value: Any) -> Array:
+        """``value`` as a contiguous array where it lives (NumPy, or CuPy: the PyTorch bridge's views
+        of CUDA tensors), checked."""
+        array = device_or_host(value)
         if array.dtype not in FLOAT_DTYPES:
             raise self._error(field, f"dtype must be float32 or float64, got {array.dtype}")
         if array.dtype != self._dtype:
@@ -198,7 +200,7 @@ class BatchNorm2d(Layer):
                               "(convert the layer with layer.astype(...))")
         if tuple(array.shape) != (self.num_features,):
             raise self._error(field, f"expected shape ({self.num_features},), got {tuple(array.shape)}")
-        return np.ascontiguousarray(array)
+        return _backend.of(array).xp.ascontiguousarray(array)
 
     def astype(self, dtype: Any) -> "BatchNorm2d":
         """Convert the parameters and statistics to ``dtype`` (float32 or float64) in place; return
@@ -237,14 +239,16 @@ class BatchNorm2d(Layer):
                               "convert one of them (layer.astype(...))")
 
     def _scale_shift(self, be: _backend.Backend) -> Array:
-        """``[alpha, beta]`` of shape ``(2, C)`` on ``be``, in the parameters' dtype: computed on the
-        host in float64 from the parameters as they are now (an optimizer updates them in place)."""
-        invstd = 1.0 / np.sqrt(self._running_var.astype(np.float64) + self.eps)
+        """``[alpha, beta]`` of shape ``(2, C)`` on ``be``, in the parameters' dtype: computed where the
+        parameters live, in float64, from the parameters as they are now (an optimizer updates them in
+        place); host parameters then go to the GPU in one upload."""
+        xp = _backend.of(self._running_var).xp
+        invstd = 1.0 / xp.sqrt(self._running_var.astype(np.float64) + self.eps)
         alpha = invstd if self._weight is None else self._weight * invstd
         beta = -self._running_mean * alpha
         if self._bias is not None:
             beta = beta + self._bias
-        return be.asarray(np.stack([alpha, beta]).astype(self._dtype))  # one upload
+        return be.asarray(xp.stack([alpha, beta]).astype(self._dtype))
 
     def forward(self, x: Array) -> Array:
         x = self._checked(x)
@@ -270,8 +274,9 @@ class BatchNorm2d(Layer):
             return {}
         be = _backend.of(x)
         grad = be.asarray(grad_out).reshape(x.shape)
-        statistics = np.stack([self._running_mean.astype(np.float64),
-                               1.0 / np.sqrt(self._running_var.astype(np.float64) + self.eps)])
+        xp = _backend.of(self._running_var).xp
+        statistics = xp.stack([self._running_mean.astype(np.float64),
+                               1.0 / xp.sqrt(self._running_var.astype(np.float64) + self.eps)])
         mean, invstd = be.asarray(statistics.astype(self._dtype))[:, :, None, None]
         grads = {"weight": (grad * ((x - mean) * invstd)).sum(axis=(0, 2, 3))}
         if self._bias is not None:

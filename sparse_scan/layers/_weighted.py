@@ -24,6 +24,12 @@ def as_rng(rng: RngLike) -> np.random.Generator:
     return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
 
+def device_or_host(value: Any) -> Array:
+    """A parameter value as an array where it lives: a CuPy array as it is, anything else as NumPy."""
+    be = _backend.of(value)
+    return value if be.name == "gpu" else np.asarray(value)
+
+
 def as_float_dtype(dtype: Any, label: str) -> np.dtype:
     """Validate a parameter dtype (float32 default, float64 allowed)."""
     try:
@@ -67,6 +73,7 @@ class WeightedLayer(Layer):
         self._version = 0  # of the weights' values: counts every change
         self._zero_set_version = 0  # counts assignments and the changes of the zero set
         self._zero_set: tuple[int, Hashable] | None = None  # (zero-set version, structure key) last derived
+        self._pattern_mask: np.ndarray | None = None  # the kept entries, where the caller fixes them
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._prune_pattern = bool(prune_pattern)
@@ -104,8 +111,50 @@ class WeightedLayer(Layer):
         self._prune_pattern = bool(value)
         self._store_weight(self._weight)
 
-    def _store_weight(self, weight: np.ndarray) -> None:
-        """Hold ``weight`` (a pruned layer: a copy of it, handed out read-only) as a new version."""
+    @property
+    def pattern_mask(self) -> np.ndarray | None:
+        """With ``prune_pattern``: the weights the pruned pattern keeps (True, the weight's shape), fixed
+        by the caller instead of derived from the weights' zero set: ``torch.nn.utils.prune``'s
+        ``weight_mask`` (the PyTorch bridge sets it). The weights may then change freely, zeros
+        included, without a new pattern, but must be zero outside the mask (an assignment that is not
+        is refused). None (the default): the pattern keeps the non-zero weights."""
+        return self._pattern_mask
+
+    @pattern_mask.setter
+    def pattern_mask(self, mask: Any) -> None:
+        if mask is None:
+            self._pattern_mask = None
+        else:
+            kept = np.asarray(_backend.of(mask).to_host(mask)) != 0
+            if kept.shape != self._weight_shape:
+                raise self._error("pattern_mask", f"expected shape {self._weight_shape}, got {kept.shape}")
+            self._check_inside(self._weight, kept)
+            self._pattern_mask = kept
+        self._store_weight(self._weight)
+
+    def _check_inside(self, weight: Array, kept: np.ndarray | None) -> None:
+        """Refuse weights that are not zero outside the pattern mask ``kept`` (their gradient and their
+        products would be left out silently)."""
+        if kept is not None and bool(np.any(np.asarray(weight)[~kept])):
+            raise self._error("weight", "non-zero outside the pattern mask (pattern_mask keeps only the "
+                              "masked weights): zero them, or set a mask that keeps them")
+
+    def _support(self) -> np.ndarray:
+        """The array whose non-zeros the pruned pattern keeps: the pattern mask, or the weights."""
+        return self._weight if self._pattern_mask is None else self._pattern_mask
+
+    def _store_weight(self, weight: Array) -> None:
+        """Hold ``weight`` (a pruned layer: a copy of it, handed out read-only; with a pattern mask, as
+        it is: its pattern does not depend on it) as a new version."""
+        if self._prune_pattern and _backend.of(weight).name == "gpu":
+            raise self._error("weight", "a pruned layer (prune_pattern) keeps its weights on the host (its "
+                              "pattern is derived there); assign a NumPy array")
+        masked = self._prune_pattern and getattr(self, "_pattern_mask", None) is not None
+        if masked:
+            self._check_inside(weight, self._pattern_mask)
+            self._weight, self._weight_view, self._dtype = weight, weight, weight.dtype
+            self._version += 1
+            return
         if self._prune_pattern:
             weight = np.array(weight, copy=True)  # no one else holds a writable reference
             view = weight.view()
@@ -129,7 +178,8 @@ class WeightedLayer(Layer):
             Their new values, in ``weight``'s dtype.
         """
         flat = self._weight.reshape(-1)
-        changed = self._prune_pattern and bool(np.any((flat[positions] == 0) != (values == 0)))
+        changed = self._prune_pattern and self._pattern_mask is None and bool(
+            np.any((flat[positions] == 0) != (values == 0)))
         flat[positions] = values
         self._version += 1  # after the write: what is derived meanwhile is of the old version
         if changed:
@@ -151,13 +201,15 @@ class WeightedLayer(Layer):
                               "(convert both with layer.astype(...))")
         self._bias = bias
 
-    def _checked_parameter(self, field: str, value: Any, shape: Shape) -> np.ndarray:
-        array = _backend.of(value).to_host(value)
+    def _checked_parameter(self, field: str, value: Any, shape: Shape) -> Array:
+        """``value`` as a contiguous array where it lives: NumPy, or CuPy for parameters kept on the GPU
+        (the PyTorch bridge's views of CUDA tensors; the layer then runs on the GPU only)."""
+        array = device_or_host(value)
         if array.dtype not in FLOAT_DTYPES:
             raise self._error(field, f"dtype must be float32 or float64, got {array.dtype}")
         if tuple(array.shape) != tuple(shape):
             raise self._error(field, f"expected shape {tuple(shape)}, got {tuple(array.shape)}")
-        return np.ascontiguousarray(array)
+        return _backend.of(array).xp.ascontiguousarray(array)
 
     def astype(self, dtype: Any) -> "WeightedLayer":
         """Convert the parameters to ``dtype`` (float32 or float64) in place and return self."""
@@ -190,7 +242,11 @@ class WeightedLayer(Layer):
         return key
 
     def _zero_set_key(self) -> Hashable:
-        """A hash of the weights' zero set (non-finite weights define none: ``ValueError``)."""
+        """A hash of the weights' zero set (non-finite weights define none: ``ValueError``), or of the
+        pattern mask."""
+        if self._pattern_mask is not None:
+            mask = np.packbits(self._pattern_mask.ravel())
+            return ("masked", hashlib.blake2b(mask.tobytes(), digest_size=16).hexdigest())
         if not np.isfinite(self._weight).all():
             raise self._error("weight", "non-finite values cannot define a pruned pattern")
         mask = np.packbits(self._weight.ravel() != 0)
@@ -207,7 +263,7 @@ class WeightedLayer(Layer):
     ) -> tuple[Pattern, dict[str, Any]]:
         pattern, widx = self._structural_pattern(be, in_shape, index_dtype)
         if self.prune_pattern:
-            pattern, widx = _drop_zero_weights(be, pattern, widx, be.asarray(self._weight.ravel()))
+            pattern, widx = _drop_zero_weights(be, pattern, widx, be.asarray(self._support().ravel()))
         return pattern, {"widx": widx, "pruned": self.prune_pattern, "in_shape": in_shape}
 
     # --- values --------------------------------------------------------------------------------

@@ -20,11 +20,14 @@ times the mask.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.dlpack
 
+from .. import backend as _backend
 from ..engine.schedule import SCHEDULES
 from ..spec import SpecError, model_from_spec
 from ..weights import named_layers
@@ -97,16 +100,24 @@ class BPPSA(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` computed by the engine; its backward runs the scan."""
-        self._check_input(x)
-        engine = self._engine(x)
-        parameters, masks = engine.bind(self.module)
-        return _Scan.apply(engine, masks, x, *parameters)
+        device = self._check_input(x)
+        engine = self._engine(x, device)
+        with engine.on_stream(x):
+            parameters, masks = engine.bind(self.module)
+            return _Scan.apply(engine, masks, x, *parameters)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, levels={self.levels!r}, prune_pattern={self.prune_pattern!r}"
 
-    def _check_input(self, x: Any) -> None:
-        """Refuse what the engine would compute differently from PyTorch, or not at all."""
+    @staticmethod
+    def _device_of(x: torch.Tensor) -> str:
+        """Where the engine runs for ``x``: ``"gpu"`` for a CUDA tensor (CuPy views of the same memory),
+        else ``"cpu"`` (NumPy views)."""
+        return "gpu" if x.is_cuda else "cpu"
+
+    def _check_input(self, x: Any) -> str:
+        """Refuse what the engine would compute differently from PyTorch, or not at all; return the
+        engine's device."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"bppsa: expected a tensor input, got {type(x).__name__}")
         if _autocast(x.device.type):
@@ -127,29 +138,33 @@ class BPPSA(torch.nn.Module):
         if len(devices) > 1:
             raise RuntimeError(f"bppsa: the input and the parameters are on different devices "
                                f"({', '.join(sorted(map(str, devices)))})")
-        if x.device.type != "cpu":
-            raise RuntimeError(f"bppsa: tensors on {x.device}: the PyTorch bridge runs the engine on the "
-                               "CPU for CPU tensors only so far (CUDA tensors: not yet)")
+        if x.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"bppsa: tensors on {x.device}: the engine runs on the CPU and on CUDA GPUs")
+        device = self._device_of(x)
+        if device == "gpu" and not _backend.gpu_usable():
+            raise RuntimeError(f"bppsa: CUDA tensors ({x.device}) need CuPy with a usable GPU (pip install "
+                               "cupy-cuda12x, or the CuPy of your CUDA); none is usable here")
+        return device
 
-    def _engine(self, x: torch.Tensor) -> "_Engine":
-        """The engine of the module's forward in its current modes, for samples of ``x``'s shape
-        (captured at the first forward of each)."""
+    def _engine(self, x: torch.Tensor, device: str) -> "_Engine":
+        """The engine of the module's forward in its current modes, for samples of ``x``'s shape on
+        ``device`` (captured at the first forward of each)."""
         modes = tuple(m.training for m in self.module.modules())
-        for engine in self._engines.get((modes, x.dtype), []):
+        for engine in self._engines.get((modes, x.dtype, device), []):
             if engine.takes(tuple(x.shape)):
                 return engine
-        engine = _Engine(capture(self.module, batch_shape=tuple(x.shape)), x.dtype, self.method, self.levels,
-                         self.prune_pattern)
-        self._engines.setdefault((modes, x.dtype), []).append(engine)
+        engine = _Engine(capture(self.module, batch_shape=tuple(x.shape)), x.dtype, device, self.method,
+                         self.levels, self.prune_pattern)
+        self._engines.setdefault((modes, x.dtype, device), []).append(engine)
         return engine
 
 
 class _Engine:
-    """One capture's model, its weights bound to the module's tensors, and its last forward."""
+    """One capture's model on one device, its weights bound to the module's tensors, its last forward."""
 
-    def __init__(self, captured: Capture, dtype: torch.dtype, method: str, levels: Any,
+    def __init__(self, captured: Capture, dtype: torch.dtype, device: str, method: str, levels: Any,
                  prune_pattern: bool | None) -> None:
-        self.capture = captured
+        self.capture, self.device = captured, device
         self.method, self.levels = method, levels
         numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
         arrays = {key: tensor.detach().cpu().numpy() for key, tensor in captured.weights.items()}
@@ -164,8 +179,15 @@ class _Engine:
         for key, source in captured.sources.items():
             layer, attribute = self.targets[key]
             if attribute == "weight" and hasattr(layer, "prune_pattern"):
-                layer.prune_pattern = source.mask is not None if prune_pattern is None else prune_pattern
+                pruned = source.mask is not None if prune_pattern is None else prune_pattern
+                if pruned and device == "gpu":
+                    raise RuntimeError(f"bppsa: layer {key.rpartition('.')[0]!r} is pruned: a pruned "
+                                       "pattern is derived from weights on the host, so pruned layers run "
+                                       "on CPU tensors only (prune_pattern=False on CUDA treats the zeros "
+                                       "as weights)")
+                layer.prune_pattern = pruned
         self.gradients = [key for key, source in captured.sources.items() if source.parameter is not None]
+        self.masks: dict[int, tuple[int, int]] = {}  # layer id -> the (pointer, version) of its mask
         self.forwards = 0
         self.dropout = any(getattr(layer, "training", False) and type(layer).__name__ == "Dropout"
                            for layer in layers.values())
@@ -175,42 +197,99 @@ class _Engine:
         sample = batch_shape[:1] + batch_shape[2:] if self.capture.time_major else batch_shape[1:]
         return list(sample) == list(self.capture.spec["input_shape"])
 
+    # --- tensors and arrays: views of the same memory ------------------------------------------
+    def array(self, tensor: torch.Tensor) -> Any:
+        """``tensor``'s memory as the engine's array (NumPy on the CPU, CuPy on the GPU): no copy."""
+        tensor = tensor.detach()
+        if self.device == "cpu":
+            return tensor.numpy()
+        import cupy  # noqa: PLC0415 - the GPU only
+
+        return cupy.from_dlpack(tensor)
+
+    def tensor(self, array: Any) -> torch.Tensor:
+        """The engine's ``array`` as a tensor of the same memory."""
+        return torch.from_numpy(array) if self.device == "cpu" else torch.utils.dlpack.from_dlpack(array)
+
+    def on_stream(self, x: torch.Tensor) -> Any:
+        """A context running CuPy's work on PyTorch's current stream of ``x``'s device (nothing on the
+        CPU): no synchronisation added between the two libraries."""
+        if not x.is_cuda:
+            return contextlib.nullcontext()
+        import cupy  # noqa: PLC0415 - the GPU only
+
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream,
+                                          x.device.index or 0)
+        return _Both(cupy.cuda.Device(x.device.index or 0), stream)
+
     def bind(self, root: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Point every layer weight at the module's tensor of now (a view: no copy where the tensor is
         contiguous; a pruned weight is computed); return the parameters the gradients go to, in
         :attr:`gradients`' order, and their pruning masks (None where unpruned)."""
         for key, source in self.capture.sources.items():
-            array = source.read(root).detach().numpy()
             layer, attribute = self.targets[key]
-            if not _same_memory(getattr(layer, attribute), array):
+            array = self.array(source.read(root))
+            if source.mask is not None and getattr(layer, "prune_pattern", False):
+                self._bind_masked(layer, attribute, array, root.get_buffer(source.mask))
+            elif not _same_memory(getattr(layer, attribute), array):
                 setattr(layer, attribute, array)
         sources = [self.capture.sources[key] for key in self.gradients]
         return ([root.get_parameter(source.parameter) for source in sources],
                 [None if source.mask is None else root.get_buffer(source.mask) for source in sources])
 
-    def forward(self, x: torch.Tensor) -> np.ndarray:
+    def _bind_masked(self, layer: Any, attribute: str, array: Any, mask: torch.Tensor) -> None:
+        """A pruned layer's weight of now, its pattern the module's pruning mask (set again when the
+        mask changed: its memory or its version), so that a new weight each forward is neither copied
+        nor re-planned."""
+        seen = (mask.data_ptr(), mask._version)
+        if self.masks.get(id(layer)) != seen:
+            layer.pattern_mask = None  # the last forward's weights may lie outside the new mask
+            setattr(layer, attribute, array)
+            layer.pattern_mask = mask.detach().cpu().numpy()
+            self.masks[id(layer)] = seen
+        else:
+            setattr(layer, attribute, array)
+
+    # --- the passes --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The engine's forward of ``x``, as a new tensor (the engine keeps its own activations)."""
         self.forwards += 1
-        batch = x.detach().numpy()
+        batch = self.array(x)
+        xp = _backend.of(batch).xp
         if self.capture.time_major:
-            batch = np.ascontiguousarray(batch.transpose(1, 0, 2))
-        return self.model.forward(batch)
+            batch = xp.ascontiguousarray(batch.transpose(1, 0, 2))
+        return self.tensor(xp.array(self.model.forward(batch), copy=True))
 
     def backward(self, grad: torch.Tensor,
                  masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The scan's ``dL/dx`` and every parameter's gradient for the last forward."""
-        grads = self.model.backward(grad.detach().contiguous().numpy(), method=self.method,
-                                    levels=self.levels)
+        grads = self.model.backward(self.array(grad.contiguous()), method=self.method, levels=self.levels)
         parameters = self.model.parameter_gradients(grads)
         dx = grads[0]
         if self.capture.time_major:
-            dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
+            dx = dx.transpose(1, 0, 2)
         out = []
         for key, mask in zip(self.gradients, masks, strict=True):
-            value = np.asarray(parameters[key])
+            value = parameters[key]
             if mask is not None:  # weight_orig's gradient: the weight's, masked (in place: the engine's)
                 value = np.multiply(value, mask.detach().numpy(), out=value, casting="unsafe")
-            out.append(torch.from_numpy(value))
-        return torch.from_numpy(np.asarray(dx)), out
+            out.append(self.tensor(value))
+        return self.tensor(dx.copy() if self.capture.time_major else dx), out
+
+
+class _Both:
+    """Two contexts entered in order, left in reverse."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.contexts = (first, second)
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
 
 
 class _Scan(torch.autograd.Function):
@@ -219,7 +298,7 @@ class _Scan(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, engine: _Engine, masks: list[Any], x: torch.Tensor,
                 *parameters: torch.Tensor) -> torch.Tensor:
-        out = torch.from_numpy(np.array(engine.forward(x)))  # a copy: the engine keeps its activations
+        out = engine.forward(x)
         ctx.engine, ctx.masks, ctx.forward_number = engine, masks, engine.forwards
         ctx.save_for_backward(x, *parameters)  # autograd refuses a backward after they changed in place
         return out
@@ -231,21 +310,26 @@ class _Scan(torch.autograd.Function):
                                "not supported: the scan's gradients are not themselves differentiable")
         engine: _Engine = ctx.engine
         x, *_ = ctx.saved_tensors
-        if ctx.forward_number != engine.forwards:  # another forward since: the engine kept that one's
-            if engine.dropout:
-                raise RuntimeError("bppsa: a backward through an earlier forward of a model with dropout "
-                                   "in training mode: the engine keeps the last forward's masks; run the "
-                                   "backward of each forward before the next forward")
-            engine.forward(x)
-        dx, parameters = engine.backward(grad, ctx.masks)
+        with engine.on_stream(x):
+            if ctx.forward_number != engine.forwards:  # another forward since: the engine kept that one's
+                if engine.dropout:
+                    raise RuntimeError("bppsa: a backward through an earlier forward of a model with "
+                                       "dropout in training mode: the engine keeps the last forward's "
+                                       "masks; run the backward of each forward before the next forward")
+                engine.forward(x)
+            dx, parameters = engine.backward(grad, ctx.masks)
         return (None, None, dx, *parameters)
 
 
-def _same_memory(held: Any, array: np.ndarray) -> bool:
+def _same_memory(held: Any, array: Any) -> bool:
     """Whether the layer's array ``held`` is ``array``'s memory (same address, shape, strides, dtype)."""
-    return (isinstance(held, np.ndarray) and held.dtype == array.dtype and held.shape == array.shape
-            and held.strides == array.strides
-            and held.__array_interface__["data"][0] == array.__array_interface__["data"][0])
+    return (type(held) is type(array) and held.dtype == array.dtype and held.shape == array.shape
+            and held.strides == array.strides and _address(held) == _address(array))
+
+
+def _address(array: Any) -> int:
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return int(interface["data"][0])
 
 
 def _autocast(device_type: str) -> bool:

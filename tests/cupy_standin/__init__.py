@@ -72,6 +72,7 @@ def _cupy_module(cuda: types.ModuleType) -> types.ModuleType:
     cupy.get_default_memory_pool = lambda: _cuda.MemoryPool()
     cupy.get_default_pinned_memory_pool = lambda: _cuda.MemoryPool()
     cupy.ufunc = _array.ufunc
+    cupy.from_dlpack = _array.from_dlpack
 
     def missing(name: str) -> Any:
         entry = _array.reference().cupy.get(name)

@@ -323,6 +323,15 @@ class ndarray:
         interface["stream"] = 1
         return interface
 
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        """The memory shared with a consumer (PyTorch's ``from_dlpack``): the NumPy array's capsule, so
+        the consumer sees this very memory, as on a GPU it sees the device buffer."""
+        return self._array.__dlpack__()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()
+
     # --- CuPy's refusals -------------------------------------------------------------------------
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
@@ -480,6 +489,15 @@ class ndarray:
 
 ndarray.__module__ = "cupy"  # as type(cupy.ndarray(...)).__module__ is: code tells device arrays by it
 ufunc.__module__ = "cupy"
+
+
+def from_dlpack(array: Any, *, device: Any = None, copy: Any = None) -> ndarray:
+    """``cupy.from_dlpack``: a device array sharing the producer's memory (no copy, no upload). The
+    stand-in's device is the host, so it takes what NumPy's ``from_dlpack`` takes (a CPU tensor: the
+    PyTorch bridge's device path run on host tensors); a GPU takes CUDA memory only."""
+    if device is not None or copy:
+        raise NotImplementedError("the CuPy stand-in's from_dlpack shares memory only (no device, no copy)")
+    return ndarray._of(np.from_dlpack(array))
 
 
 def timer() -> float:

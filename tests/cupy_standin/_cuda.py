@@ -97,6 +97,14 @@ class Stream:
         return event
 
 
+class ExternalStream(Stream):
+    """``cupy.cuda.ExternalStream(ptr)``: a stream another library made (PyTorch's current stream)."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        super().__init__()
+        self.ptr = int(ptr)
+
+
 Stream.null = Stream(null=True)
 _CURRENT: dict[str, Stream] = {"stream": Stream.null}
 
@@ -194,7 +202,8 @@ def module() -> types.ModuleType:
     """The ``cupy.cuda`` module of the stand-in."""
     cuda = types.ModuleType("cupy.cuda")
     cuda.runtime = _runtime()
-    for value in (is_available, Device, Stream, Event, get_current_stream, get_elapsed_time, MemoryPool,
+    for value in (is_available, Device, Stream, ExternalStream, Event, get_current_stream, get_elapsed_time,
+                  MemoryPool,
                   set_allocator, set_pinned_memory_allocator, PinnedMemoryPointer, alloc_pinned_memory):
         setattr(cuda, value.__name__, value)
     cuda.CUDARuntimeError = CUDARuntimeError
