@@ -29,7 +29,7 @@ SCRIPT = ROOT / "tools" / "gpu_run.sh"
 BENCH = ROOT / "bench"
 MAX_FILES = 8
 BUDGET_S = {"one": 400, "sanitizer": 240}  # of command time, inside the 15 minutes (docs/gpu.md)
-PART_ONE = ["env", "probe", "install", "tests", "rnn-1000", "rnn-30000", "spgemm", "scan", "lstm"]
+PART_ONE = ["env", "probe", "install", "tests", "rnn-1000", "rnn-30000", "spgemm", "scan", "lstm", "bridge"]
 
 
 def dry_run(*args: str, env: dict[str, str] | None = None) -> str:
@@ -71,6 +71,7 @@ def test_part_one_runs_its_steps_in_the_order_of_their_value():
                          ("lstm", "lstm")]:
         assert f"bench/{script}.py --device gpu" in steps[name]
         assert f"--rows $OUT/{script}-$GPU.jsonl" in steps[name]  # flushed row by row
+    assert "bench/bridge.py --device gpu" in steps["bridge"] and "--rows $OUT/lstm-$GPU.jsonl" in steps["bridge"]
     assert steps["probe"].split()[3] == steps["install"].split()[3] == "always"  # the gates
 
 

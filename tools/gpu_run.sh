@@ -41,11 +41,13 @@
 #   one        env, probe, install; every test marked gpu (SPARSE_SCAN_REQUIRE_GPU=1: a missing GPU
 #              fails them); RNN backward vs cuDNN at T=1000 and at the paper's largest point T=30000
 #              (B=16, H=20); the planned SpGEMM vs cupyx (cuSPARSE), 97%-pruned VGG-11; the whole
-#              97%-pruned VGG-11 backward vs PyTorch autograd on CUDA; the LSTM backward vs cuDNN.
+#              97%-pruned VGG-11 backward vs PyTorch autograd on CUDA; the LSTM backward vs cuDNN; a
+#              training iteration of the paper's LSTM classifier through sparse_scan.torch.bppsa vs
+#              cuDNN autograd (bench/bridge.py; its rows go to the LSTM's file).
 #              Files (8): env.txt parts.txt gpu-tests.log rnn-<gpu>.jsonl spgemm-<gpu>.jsonl
 #              scan-<gpu>.jsonl lstm-<gpu>.jsonl bench.log
-#              Limits (s): env 20, probe 15, install 25, tests 160, rnn-1000 25, rnn-30000 60, spgemm 30,
-#              scan 40, lstm 25 = 400.
+#              Limits (s): env 20, probe 15, install 25, tests 160, rnn-1000 25, rnn-30000 45, spgemm 30,
+#              scan 40, lstm 25, bridge 15 = 400.
 #   sanitizer  env, probe, install, the compute-sanitizer probe; memcheck over the kernel-launching gpu
 #              tests at small sizes (CuPy's memory pool off: SPARSE_SCAN_NO_MEMPOOL=1); racecheck over
 #              the kernels with barriers (the dense scan's tiled and chain kernels).
@@ -128,7 +130,7 @@ case $part in
 >> \$OUT/gpu-tests.log 2>&1"
         step rnn-1000 25 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 1000 \
 --batches --gru --no-jax --rows \$OUT/rnn-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step rnn-30000 60 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 30000 \
+        step rnn-30000 45 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 30000 \
 --batches --gru --no-jax --rows \$OUT/rnn-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step spgemm 30 - "\$OUT/bench.log" "spgemm-\$GPU.jsonl bench.log" "$PYTHON bench/spgemm.py $bench --repeats 5 \
 --no-dense --rows \$OUT/spgemm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
@@ -136,6 +138,8 @@ case $part in
 --no-dense --rows \$OUT/scan-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step lstm 25 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/lstm.py --device gpu --steps 1000 \
 --batches --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
+        step bridge 15 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/bridge.py --device gpu \
+--repeats 5 --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         ;;
     sanitizer)
         TOTAL_S=${TOTAL_S:-240}
