@@ -56,6 +56,15 @@ class _OverFeatures(Layer):
     def _apply(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
+        batch, size = x.shape[0], x.shape[1]
+        block = self._block(self._softmax(x.reshape(batch, size)), be.xp.eye(size, dtype=x.dtype))
+        return block.reshape(batch, size * size)
+
+    def _block(self, s: Array, eye: Array) -> Array:
+        """Every sample's JT ``[b, j, i]`` from its softmax ``s`` ``(B, n)`` and the identity."""
+        raise NotImplementedError
+
     def _build_pattern(self, be: _backend.Backend, in_shape: Shape,
                        index_dtype: Any) -> tuple[Pattern, dict[str, Any]]:
         (size,) = in_shape
@@ -93,11 +102,8 @@ class LogSoftmax(_OverFeatures):
         shifted = x - x.max(axis=1, keepdims=True)
         return shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
 
-    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
-        batch, size = x.shape[0], x.shape[1]
-        s = self._softmax(x.reshape(batch, size))
-        eye = be.xp.eye(size, dtype=x.dtype)
-        return (eye[None] - s[:, :, None]).reshape(batch, size * size)
+    def _block(self, s: Array, eye: Array) -> Array:
+        return eye[None] - s[:, :, None]  # [b, j, i] = δ_ij - s_j
 
 
 class Softmax(_OverFeatures):
@@ -123,10 +129,6 @@ class Softmax(_OverFeatures):
     def _apply(self, x: Array) -> Array:
         return self._softmax(x)
 
-    def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
-        batch, size = x.shape[0], x.shape[1]
-        s = self._softmax(x.reshape(batch, size))
-        eye = be.xp.eye(size, dtype=x.dtype)
-        values = s[:, None, :] * (eye[None] - s[:, :, None])  # [b, j, i] = s_i (δ_ij - s_j)
-        return values.reshape(batch, size * size)
+    def _block(self, s: Array, eye: Array) -> Array:
+        return s[:, None, :] * (eye[None] - s[:, :, None])  # [b, j, i] = s_i (δ_ij - s_j)
 
