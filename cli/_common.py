@@ -237,25 +237,29 @@ def write_gradients(path: Any, layers: Sequence[Any], grads: Sequence[Any], para
     write_npz_atomically(path, arrays)
 
 
-CHECKS = {"linear": "the linear scan (back-propagation)",
-          "layerwise": "back-propagation layer by layer, each layer's JT applied by SciPy, no scan",
-          "blelloch": "the blelloch scan",
-          "one process": "the linear scan in one process"}
-"""What ``run --check`` compares the gradients with (the report's ``check["reference"]``): never the
-computation that made them."""
+CHECKS = {"linear": ("linear scan", "back-propagation by the engine's linear scan"),
+          "layerwise": ("layer-by-layer back-propagation", "each layer's JT applied by SciPy, no scan"),
+          "blelloch": ("blelloch scan", "the engine's blelloch scan"),
+          "one process": ("linear scan in one process", "the linear scan in one process")}
+"""What ``run --check`` compares the gradients with (the report's ``check["reference"]``), never the
+computation that made them: its name, and what it is."""
 
 
 def check_line(check: dict[str, Any]) -> str:
     """The line of ``run --check``: the error, against what, and what was checked."""
-    reference = check["reference"]
-    short = "layer-by-layer back-propagation" if reference == "layerwise" else CHECKS[reference][4:]
+    short, long = CHECKS[check["reference"]]
     return (f"  max relative error vs {short}: {check['max_rel_error']:.3g} ({check['computed']} checked "
-            f"against {CHECKS[reference]})")
+            f"against {long})")
 
 
-def plural(count: int, noun: str) -> str:
-    """``1 epoch``, ``2 epochs``: a count and its noun (an ``s`` added but for one)."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 epoch``, ``2 epochs``, ``23 batches``: a count and its noun, in the plural (``nouns``, by
+    default the noun and an ``s``) but for one.
+
+    >>> plural(1, "epoch"), plural(2, "MPI rank"), plural(23, "batch", "batches"), plural(0, "iteration")
+    ('1 epoch', '2 MPI ranks', '23 batches', '0 iterations')
+    """
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def schedule_label(method: str, levels: int | str | None) -> str:

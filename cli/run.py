@@ -280,7 +280,7 @@ def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: p
         timings["parameter_grads_s"] = time.perf_counter() - start
         if check:
             against = "layerwise" if plan.method == "linear" else "linear"
-            progress.show(f"check: {CHECKS[against]}")
+            progress.show(f"check: {CHECKS[against][1]}")
             reference = (network.reference_backward(be.asarray(grad)) if against == "layerwise"
                          else network.backward(be.asarray(grad), "linear"))
     schedule = plan.explain(int(x.shape[0]), np.dtype(dtype).itemsize, be.name)
@@ -325,7 +325,7 @@ def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pa
         timings["backward_s"] = time.perf_counter() - start
         if check:
             against = "blelloch" if plan.method == "linear" else "linear"
-            progress.show(f"check: {CHECKS[against]}")
+            progress.show(f"check: {CHECKS[against][1]}")
             reference = network.backward(be.asarray(grad), against)
             reference_parameters = network.parameter_gradients(reference)
             pairs = list(zip(grads, reference, strict=True)) + [

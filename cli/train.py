@@ -195,8 +195,8 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
                 progress.echo(text, lines)
 
         say(f"{model}: {len(dataset.x_train)} training and {len(dataset.x_test)} test samples ({data}), "
-            f"{plural(epochs, 'epoch')} of {plural(per_epoch, 'batch')} of {batch_size}, {optimizer_name} "
-            f"lr={lr:g}")
+            f"{plural(epochs, 'epoch')} of {plural(per_epoch, 'batch', 'batches')} of {batch_size}, "
+            f"{optimizer_name} lr={lr:g}")
         for line in schedule_lines(explained):
             say(line)
         optimizer = _optimizer(optimizer_name, network, lr, momentum)

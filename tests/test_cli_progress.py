@@ -105,7 +105,7 @@ def test_plan_status_names_the_phase_and_the_product_rows():
 @pytest.mark.parametrize("args, statuses", [
     (["run", DATA / "lenet5.yaml", "--random", "2", "--check"],
      ["loading", "planning: JT sizes 12/12", "planning: steps 12/12", "forward", "backward (linear)",
-      "parameter gradients", "check: back-propagation layer by layer"]),
+      "parameter gradients", "check: each layer's JT applied by SciPy"]),
     (["flops", DATA / "lenet5.yaml", "--random", "3"],
      ["planning: steps", "live FLOPs: samples 1/3", "live FLOPs: samples 3/3"]),
     (["train", TINY, "--data", "bitstream", "--epochs", "2"], None),

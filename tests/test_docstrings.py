@@ -15,7 +15,8 @@ DEPRECATED = {"sparse_scan.scan", "sparse_scan.spgemm", "sparse_scan.dense_scan"
 
 # cli/ is mapped into the namespace by setup.cfg, so it is not under sparse_scan.__path__ here
 MODULES = sorted({info.name for info in pkgutil.walk_packages(sparse_scan.__path__, "sparse_scan.")}
-                 - DEPRECATED | {"sparse_scan.cli.app", "sparse_scan.cli._progress"})
+                 - DEPRECATED | {"sparse_scan.cli.app", "sparse_scan.cli._progress",
+                                  "sparse_scan.cli._common"})
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -102,7 +102,7 @@ def test_the_readme_train_command_reaches_the_stated_accuracy(tmp_path):
     for option in ("--out", "--log", "--plot"):
         if option in args:
             index = args.index(option) + 1
-            args[index] = str(tmp_path / args[index])
+            args[index] = str(tmp_path / pathlib.Path(args[index]).name)
     if "--plot" in args:
         pytest.importorskip("matplotlib")
     args = [str(REPO / a) if a.startswith("data/") else a for a in args]
@@ -111,3 +111,37 @@ def test_the_readme_train_command_reaches_the_stated_accuracy(tmp_path):
     report = json.loads(result.stdout)
     assert report["final"]["test_accuracy"] >= 0.90
     assert report["epochs"] == 6 and len(report["per_epoch"]) == 6
+
+
+def readme_figures():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_figures", REPO / "tools" / "readme_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_training_accuracy_the_readme_quotes_has_its_command_in_the_reproduction_script():
+    """tools/readme_figures.py runs README's training commands and compares the accuracies README
+    quotes (fixed seeds, 1 and 2 threads); this keeps its list and README.md in step: each command
+    and figure it checks is README's, and every "N % test accuracy" README states for a command of
+    its own is one of them (bench/train_resnet20.py reproduces the figure of its own section)."""
+    figures = readme_figures().FIGURES
+    prose = " ".join(README.split())
+    quoted = set()
+    for command, by_epoch in figures.values():
+        assert command in prose or command in console_commands("sparse-scan train "), command
+        quoted |= {f"{accuracy:.1f}" for accuracy in by_epoch.values()}
+        assert all(f"{accuracy:.1f} %" in prose for accuracy in by_epoch.values()), (command, by_epoch)
+    stated = set(re.findall(r"(\d+\.\d) % test accuracy", prose))
+    assert stated and stated - {"34.7"} <= quoted, stated - quoted
+
+
+def test_the_readme_example_writes_its_files_where_git_ignores_them():
+    """README's training example writes runs/weights.npz, runs/loss.csv and runs/loss.png: runs/ is
+    ignored, and the example makes it first."""
+    [command] = console_commands("sparse-scan train ")
+    outputs = [arg for arg in command.split() if arg.startswith("runs/")]
+    assert len(outputs) == 3 and console_commands("mkdir -p runs")
+    assert "/runs/" in (REPO / ".gitignore").read_text().splitlines()

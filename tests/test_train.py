@@ -198,6 +198,9 @@ def test_epoch_lines_on_any_stream_accuracy_in_the_summary_and_json(tmp_path):
     report = json.loads(invoke(spec, "--data", data_path, "--batch-size", "16", "--epochs", "3",
                                "--json").stdout)
     assert report["iterations"] == 9 and len(report["per_epoch"]) == 3
+    one = invoke(spec, "--data", data_path, "--batch-size", "40", "--epochs", "1").output.splitlines()
+    assert "1 epoch of 1 batch of 40" in one[0] and "after 1 epoch, 1 iteration in " in one[-1]  # 1, not 1s
+    assert "3 epochs of 3 batches of 16" in lines[0]
     assert 0 <= report["final"]["test_accuracy"] <= 1 and report["final"] == report["per_epoch"][-1]
     assert report["schedule"]["method"] in ("linear", "hybrid", "blelloch")
     assert report["schedule"]["requested"] == "auto"
