@@ -85,6 +85,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_plain_progress_lines(monkeypatch):
+    """The commands' plain progress lines (one every 10 s where stderr is no terminal, cli/_progress.py)
+    are off, so that no test's verdict on a command's exact output depends on the machine's speed;
+    tests/test_cli_progress.py turns them on where it tests them."""
+    from sparse_scan.cli import _progress
+
+    monkeypatch.setattr(_progress, "PLAIN_INTERVAL_S", float("inf"))
+
+
 _SKIPPED_GPU_TESTS: list[str] = []
 
 
