@@ -56,8 +56,8 @@ class Progress:
     >>> stream = io.StringIO()
     >>> with Progress(quiet=False, stream=stream, interval=0) as progress:
     ...     progress.show("planning: steps 1/2")
-    >>> stream.getvalue()
-    'sparse-scan: planning: steps 1/2 (0 s)\\n'
+    >>> print(stream.getvalue(), end="")
+    sparse-scan: planning: steps 1/2 (... s)
     """
 
     def __init__(self, quiet: bool, stream: IO[str] | None = None, interval: float | None = None) -> None:
