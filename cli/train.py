@@ -2,10 +2,11 @@
 
 Parses the options, loads the spec (a sequential or a recurrent model), the starting weights
 (``--weights``) and the data, runs :func:`sparse_scan.train.train` and reports as it goes: a line per
-epoch (loss, accuracy, time) on stdout (stderr with ``--json``), the CSV log appended and flushed per
-iteration, the weights (``--out``) written atomically after every epoch and on Ctrl-C, never over an
+epoch (loss, accuracy, time) on stdout (stderr with ``--json``), the batches done as progress
+(:mod:`._progress`), the CSV log appended and flushed per iteration, the weights (``--out``) written
+atomically after every epoch and on Ctrl-C (with the plot of the iterations done), never over an
 existing file without ``--force``; at the end a summary with the test accuracy (or JSON) and the loss
-plot. Errors: one line, exit code 2, before anything is written.
+plot. Errors: one line, exit code 2, before anything is written (every output is checked first).
 """
 
 from __future__ import annotations
