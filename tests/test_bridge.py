@@ -477,3 +477,26 @@ def test_a_pattern_mask_refuses_weights_outside_it():
     assert layer.weight is weight  # with a mask: held as it is, no copy
     with pytest.raises(ValueError, match="non-zero outside the pattern mask"):
         layer.weight = np.ones_like(weight)
+
+
+def test_assign_masked_multiplies_into_the_layers_own_array():
+    layer = Conv2d(1, 2, 3, dtype=np.float64, rng=0)
+    layer.prune_pattern = True
+    mask = (np.arange(18).reshape(2, 1, 3, 3) % 3 != 0).astype(np.float64)
+    with pytest.raises(ValueError, match="assign_masked needs a pattern_mask"):
+        layer.assign_masked(layer.weight)
+    layer.weight = layer.weight * mask
+    layer.pattern_mask = mask
+    values = np.random.default_rng(0).standard_normal((2, 1, 3, 3))
+    layer.assign_masked(values)
+    target = layer.weight
+    np.testing.assert_array_equal(target, values * mask)
+    layer.assign_masked(2 * values)
+    assert layer.weight is target  # the same array, written again
+    np.testing.assert_array_equal(layer.weight, 2 * values * mask)
+    x = np.random.default_rng(1).standard_normal((2, 1, 5, 5))
+    reference = Conv2d(1, 2, 3, dtype=np.float64, rng=0)
+    reference.weight, reference.bias = 2 * values * mask, layer.bias
+    np.testing.assert_allclose(layer.forward(x), reference.forward(x), rtol=1e-13)
+    with pytest.raises(ValueError, match="expected float64 of shape"):
+        layer.assign_masked(values.astype(np.float32))

@@ -74,6 +74,7 @@ class WeightedLayer(Layer):
         self._zero_set_version = 0  # counts assignments and the changes of the zero set
         self._zero_set: tuple[int, Hashable] | None = None  # (zero-set version, structure key) last derived
         self._pattern_mask: np.ndarray | None = None  # the kept entries, where the caller fixes them
+        self._masked: tuple[np.ndarray, np.ndarray] | None = None
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._prune_pattern = bool(prune_pattern)
@@ -122,6 +123,7 @@ class WeightedLayer(Layer):
 
     @pattern_mask.setter
     def pattern_mask(self, mask: Any) -> None:
+        self._masked: tuple[np.ndarray, np.ndarray] | None = None  # assign_masked's mask values and target
         if mask is None:
             self._pattern_mask = None
         else:
@@ -131,6 +133,30 @@ class WeightedLayer(Layer):
             self._check_inside(self._weight, kept)
             self._pattern_mask = kept
         self._store_weight(self._weight)
+
+    def assign_masked(self, values: Array) -> None:
+        """``weight = values * pattern_mask``, into an array the layer keeps (no allocation per call):
+        how the PyTorch bridge gives a layer pruned with ``torch.nn.utils.prune`` its
+        ``weight_orig * weight_mask`` of each forward, zero outside the mask by construction.
+
+        Raises
+        ------
+        ValueError
+            No pattern mask is set, or ``values`` has another shape or dtype than the weight.
+        """
+        if self._pattern_mask is None:
+            raise self._error("weight", "assign_masked needs a pattern_mask")
+        values = np.asarray(values)
+        if values.shape != self._weight_shape or values.dtype != self._dtype:
+            raise self._error("weight", f"expected {self._dtype} of shape {self._weight_shape}, got "
+                              f"{values.dtype} of shape {values.shape}")
+        kept = self._masked
+        if kept is None or kept[0].dtype != self._dtype:  # the mask as 0/1 values, and the target
+            kept = self._masked = (self._pattern_mask.astype(self._dtype),
+                                   np.empty(self._weight_shape, self._dtype))
+        np.multiply(values, kept[0], out=kept[1])
+        self._weight = self._weight_view = kept[1]
+        self._version += 1
 
     def _check_inside(self, weight: Array, kept: np.ndarray | None) -> None:
         """Refuse weights that are not zero outside the pattern mask ``kept`` (their gradient and their

@@ -228,27 +228,29 @@ class _Engine:
         :attr:`gradients`' order, and their pruning masks (None where unpruned)."""
         for key, source in self.capture.sources.items():
             layer, attribute = self.targets[key]
-            array = self.array(source.read(root))
             if source.mask is not None and getattr(layer, "prune_pattern", False):
-                self._bind_masked(layer, attribute, array, root.get_buffer(source.mask))
-            elif not _same_memory(getattr(layer, attribute), array):
+                self._bind_masked(layer, attribute, root, source)
+                continue
+            array = self.array(source.read(root))
+            if not _same_memory(getattr(layer, attribute), array):
                 setattr(layer, attribute, array)
         sources = [self.capture.sources[key] for key in self.gradients]
         return ([root.get_parameter(source.parameter) for source in sources],
                 [None if source.mask is None else root.get_buffer(source.mask) for source in sources])
 
-    def _bind_masked(self, layer: Any, attribute: str, array: Any, mask: torch.Tensor) -> None:
-        """A pruned layer's weight of now, its pattern the module's pruning mask (set again when the
-        mask changed: its memory or its version), so that a new weight each forward is neither copied
-        nor re-planned."""
+    def _bind_masked(self, layer: Any, attribute: str, root: torch.nn.Module, source: Any) -> None:
+        """A layer pruned with ``torch.nn.utils.prune``: its pattern the module's mask (set again when
+        the mask changed: its memory or its version), its weight ``weight_orig * weight_mask`` of now,
+        multiplied by the layer into an array it keeps (neither a new pattern nor an allocation per
+        forward)."""
+        mask = root.get_buffer(source.mask)
         seen = (mask.data_ptr(), mask._version)
         if self.masks.get(id(layer)) != seen:
             layer.pattern_mask = None  # the last forward's weights may lie outside the new mask
-            setattr(layer, attribute, array)
+            setattr(layer, attribute, self.array(source.read(root)))
             layer.pattern_mask = mask.detach().cpu().numpy()
             self.masks[id(layer)] = seen
-        else:
-            setattr(layer, attribute, array)
+        layer.assign_masked(self.array(root.get_parameter(source.parameter)))
 
     # --- the passes --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
