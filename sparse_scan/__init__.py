@@ -9,8 +9,7 @@ itself: schedules, plans and their executors), :mod:`sparse_scan.optim`, :mod:`s
 :mod:`sparse_scan.weights`, :mod:`sparse_scan.loss`, :mod:`sparse_scan.flops`,
 :mod:`sparse_scan.distributed` and :mod:`sparse_scan.torch` (PyTorch models in: :func:`export_torch`,
 imported only when used). Every other
-module is private by name (``_...``); ``sparse_scan.scan``, ``sparse_scan.spgemm`` and
-``sparse_scan.dense_scan`` are deprecated aliases of parts of :mod:`sparse_scan.engine`.
+module is private by name (``_...``).
 
 The names load on first use (PEP 562): ``import sparse_scan`` imports neither NumPy nor SciPy, so the
 command line's ``--help`` and ``--version`` start at once, and ``--threads`` can size the BLAS pool

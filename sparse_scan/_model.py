@@ -51,7 +51,7 @@ __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_m
 
 AUTO_SYMBOLIC_WORK = 1e7
 """The most symbolic work (JT pattern entries plus general products' multiply-adds, as estimated by
-:func:`~sparse_scan.scan.estimate_plan`) that ``method="auto"`` spends on a deeper schedule: 1-5 s of
+:func:`~sparse_scan.engine.plan.estimate_plan`) that ``method="auto"`` spends on a deeper schedule: 1-5 s of
 planning on a 2-core machine (measured: 160-470 ns per unit, pruned convolutions' patterns the
 slowest). An explicit method or depth plans whatever it costs."""
 
@@ -222,28 +222,28 @@ class Sequential:
     def plan(self, in_shape: Sequence[int], method: str = "auto",
              levels: int | str | None = None, max_step_flops: int | None = None,
              progress: Callable[[str, int, int], None] | None = None) -> ScanPlan:
-        """The cached :class:`~sparse_scan.scan.ScanPlan` for ``in_shape``, method and levels.
+        """The cached :class:`~sparse_scan.engine.plan.ScanPlan` for ``in_shape``, method and levels.
 
         ``method="auto"`` chooses among back-propagation (``linear``), the hybrids and ``blelloch``
         (hybrid depths ``0 .. depth(n) - 1``, whose schedules those are); ``hybrid`` with
         ``levels="auto"`` (or None) chooses the depth ``0 .. depth(n)``. The choice minimises the
         critical-path FLOPs (then the work) of the plans it builds, and builds a plan only where
-        cheap estimates allow (:func:`~sparse_scan.scan.estimate_plan`: shapes and ``nnz`` of the
+        cheap estimates allow (:func:`~sparse_scan.engine.plan.estimate_plan`: shapes and ``nnz`` of the
         JTs, nothing built): depths are tried shallow to deep, and deepening stops at the first depth
         whose estimated symbolic work exceeds :data:`AUTO_SYMBOLIC_WORK`, whose estimated plan
         exceeds the memory budget, or which has a product costlier than the best critical path so
         far (estimated, or found while building; deeper plans repeat that depth's up-sweep
         products, so none of them can be better). Depth 0 builds no product, so the choice never
         fails. The returned plan's ``method``/``levels`` are the chosen schedule's and its
-        ``choice`` (:class:`~sparse_scan.scan.ScheduleChoice`) says why.
+        ``choice`` (:class:`~sparse_scan.engine.plan.ScheduleChoice`) says why.
 
-        ``max_step_flops`` makes planning give up with :class:`~sparse_scan.scan.ScanCostError`
+        ``max_step_flops`` makes planning give up with :class:`~sparse_scan.engine.plan.ScanCostError`
         before building a costlier product: at once, before any pattern or product is built, where
         the estimate of a product is over :data:`AUTO_ESTIMATE_SLACK` times the limit, else when the
         product's exact count is over the limit (a cached plan is returned whatever its cost;
         ``auto`` sets such schedules aside instead). ``progress(phase, done, total)`` is called
         while a plan is built: ``"sizes"`` and ``"patterns"`` (:meth:`chain_info`), ``"steps"`` and
-        ``"product rows"`` (:func:`~sparse_scan.scan.build_plan`).
+        ``"product rows"`` (:func:`~sparse_scan.engine.plan.build_plan`).
         """
         shape = tuple(int(s) for s in in_shape)
         if method not in SCHEDULES:

@@ -140,8 +140,6 @@ def test_the_combine_choices_are_the_librarys():
 
 
 CLI = pathlib.Path(app.__file__).resolve().parent
-OLD_PATHS = ("sparse_scan.scan", "sparse_scan.spgemm", "sparse_scan.dense_scan")
-"""Import paths of the engine that remain only as deprecated re-exports."""
 
 
 def _imports(path):
@@ -170,7 +168,6 @@ def test_the_cli_uses_the_librarys_public_api_only():
                 continue
             private = [part for part in name.split(".") if part.startswith("_") and not part.endswith("__")]
             assert not private, (path.name, name)
-            assert not any(name == old or name.startswith(f"{old}.") for old in OLD_PATHS), (path.name, name)
 
 
 def test_no_import_loop_and_no_function_level_import_of_a_sibling():

@@ -10,12 +10,9 @@ import pytest
 
 import sparse_scan
 
-DEPRECATED = {"sparse_scan.scan", "sparse_scan.spgemm", "sparse_scan.dense_scan"}
-"""Aliases of parts of :mod:`sparse_scan.engine`, kept for one release (tests/test_namespace.py)."""
-
 # cli/ is mapped into the namespace by setup.cfg, so it is not under sparse_scan.__path__ here
 MODULES = sorted({info.name for info in pkgutil.walk_packages(sparse_scan.__path__, "sparse_scan.")}
-                 - DEPRECATED | {"sparse_scan.cli.app", "sparse_scan.cli._progress",
+                 | {"sparse_scan.cli.app", "sparse_scan.cli._progress",
                                   "sparse_scan.cli._common"})
 
 

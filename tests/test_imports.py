@@ -53,10 +53,6 @@ LAZY = {
 """Function-level imports of a sibling module, allowed: (importer, imported) -> why."""
 
 ENGINE_PRIVATE_USERS = {
-    ("sparse_scan.scan", "sparse_scan.engine._cpu"):
-        "the deprecated alias re-exports the host executor's run_plan, as the old module held it",
-    ("sparse_scan.spgemm", "sparse_scan.engine._cpu"):
-        "the deprecated alias re-exports the host executor's matvec, as the old module held it",
     ("sparse_scan.distributed._slices", "sparse_scan.engine._cpu"):
         "the chain's SpMV with a slice product runs on the host, and the dispatch (run) has no matvec",
 }

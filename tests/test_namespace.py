@@ -2,8 +2,7 @@
 
 Public are the names in ``sparse_scan.__all__`` and in the ``__all__`` of the modules the documentation
 names (README.md, docs/, the docstrings of :mod:`sparse_scan` and :mod:`sparse_scan.engine`); every
-other module is private by name (``_...``). ``sparse_scan.scan``, ``sparse_scan.spgemm`` and
-``sparse_scan.dense_scan`` are deprecated aliases of parts of the engine, kept for one release.
+other module is private by name (``_...``).
 
 A change of the public API changes this file, on purpose. :data:`UNDOCUMENTED` and :data:`DIR_EXTRAS`
 list what is being fixed elsewhere: the tests pass while each stays as it is, and fail once it is
@@ -74,30 +73,6 @@ PUBLIC = {
 }
 """The documented public modules -> their ``__all__`` (``sparse_scan.spec``: the home of
 :func:`~sparse_scan.load_model`, named by the package docstring)."""
-
-DEPRECATED = {
-    "sparse_scan.scan": {
-        "sparse_scan.engine.schedule": ["METHODS", "SCHEDULES", "Element", "checked_levels", "depth",
-                                        "live_schedule", "scan_outputs", "schedule"],
-        "sparse_scan.engine.plan": ["Candidate", "ElementInfo", "ScanCostError", "ScanMemoryError",
-                                    "ScanPlan", "ScheduleChoice", "Step", "build_plan", "estimate_plan"],
-        "sparse_scan.engine._cpu": ["run_plan"],  # the host executor: the old run_plan took no backend
-    },
-    "sparse_scan.spgemm": {
-        "sparse_scan.engine.products": ["PlanBudgetError", "ProductPlan", "count_multiply_adds",
-                                        "plan_product"],
-        "sparse_scan.engine.run": ["multiply"],
-        "sparse_scan.engine._cpu": ["matvec"],
-    },
-    "sparse_scan.dense_scan": {
-        "sparse_scan.engine.dense_plan": ["DenseScanPlan", "Location", "auto_levels"],
-        "sparse_scan.engine.run": ["dense_scan"],
-    },
-}
-"""Deprecated alias -> {new home: the names it re-exports from there}."""
-
-RENAMED = {"sparse_scan.dense_scan": {"dense_plan": ("sparse_scan.engine.dense_plan", "build_dense_plan")}}
-"""Deprecated alias -> {its name: (new home, the name there)}: names that changed on the way."""
 
 UNDOCUMENTED: set[str] = set()
 DIR_EXTRAS: dict[str, set[str]] = {"sparse_scan": set(), "sparse_scan.engine": set()}
@@ -207,31 +182,15 @@ def test_no_public_name_is_shadowed_by_a_submodule(package):
 
 def test_the_public_modules_are_documented():
     documentation = _documentation()
-    assert not [module for module in sorted(set(PUBLIC) | set(DEPRECATED))
+    assert not [module for module in sorted(PUBLIC)
                 if not _documented(module, documentation)]
 
 
 def test_every_other_module_is_private_by_name():
-    undocumented = _public_named_modules() - set(PUBLIC) - set(DEPRECATED) - {"sparse_scan"}
+    undocumented = _public_named_modules() - set(PUBLIC) - {"sparse_scan"}
     new, fixed = sorted(undocumented - UNDOCUMENTED), sorted(UNDOCUMENTED - undocumented)
     assert not new, f"public by name, undocumented: make them private (_name) or document them: {new}"
     assert not fixed, f"fixed: remove them from UNDOCUMENTED: {fixed}"
-
-
-@pytest.mark.parametrize("alias", sorted(DEPRECATED))
-def test_a_deprecated_alias_warns_and_reexports(alias, monkeypatch):
-    monkeypatch.delitem(sys.modules, alias, raising=False)
-    monkeypatch.delattr(sparse_scan, alias.rpartition(".")[2], raising=False)
-    with pytest.warns(DeprecationWarning, match=rf"{re.escape(alias)} is deprecated: import from "
-                                                r"sparse_scan\.engine"):
-        module = importlib.import_module(alias)
-    homes, renamed = DEPRECATED[alias], RENAMED.get(alias, {})
-    assert sorted(module.__all__) == sorted([name for names in homes.values() for name in names] + [*renamed])
-    for home, names in homes.items():
-        for name in names:
-            assert getattr(module, name) is getattr(importlib.import_module(home), name), (alias, name)
-    for name, (home, new_name) in renamed.items():
-        assert getattr(module, name) is getattr(importlib.import_module(home), new_name), (alias, name)
 
 
 def test_the_package_and_its_light_names_import_no_numpy():
