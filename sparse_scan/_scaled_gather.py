@@ -19,12 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._host_kernels import BLOCK_ENTRIES, kernels, launch, parts, rows2d
-from ._threads import cpu_threads
+from ._threads import workers_for
 
-__all__ = ["RUNS_BLOCK_ENTRIES", "RUNS_MIN_LENGTH", "THREAD_MIN_VALUES", "Runs", "find_runs", "scaled_gather"]
-
-THREAD_MIN_VALUES = 2**18
-"""Results with fewer values are computed on the calling thread (a hand-off costs more)."""
+__all__ = ["RUNS_BLOCK_ENTRIES", "RUNS_MIN_LENGTH", "Runs", "find_runs", "scaled_gather"]
 
 
 RUNS_MIN_LENGTH = 8
@@ -107,7 +104,7 @@ def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
         return out
     rows = out.reshape(batch, nnz)
     v, t = rows2d(values, dtype), rows2d(table, dtype)
-    workers = cpu_threads() if out.size >= THREAD_MIN_VALUES else 1
+    workers = workers_for(out.size)
     if runs is not None:
         pieces = parts(batch, runs.values.shape[0], workers)
         if len(pieces) > 1 and batch < len(pieces):  # cut runs by entries

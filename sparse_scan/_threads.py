@@ -16,8 +16,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-__all__ = ["THREADS_VARIABLE", "cpu_threads", "even_parts", "kernel_pool", "run_parts", "step_pool",
-           "worker_pool"]
+__all__ = ["THREADS_VARIABLE", "THREAD_MIN_VALUES", "cpu_threads", "even_parts", "kernel_pool", "run_parts",
+           "step_pool", "thread_count", "worker_pool", "workers_for"]
 
 _POOL: ThreadPoolExecutor | None = None
 _STEP_POOL: ThreadPoolExecutor | None = None
@@ -26,6 +26,10 @@ _POOL_LOCK = threading.Lock()
 
 THREADS_VARIABLE = "SPARSE_SCAN_THREADS"
 """The environment variable that sets :func:`cpu_threads` (``sparse-scan --threads`` sets it too)."""
+
+THREAD_MIN_VALUES = 2**18
+"""Kernel calls with less work (values written, or multiply-adds) run on the calling thread: a hand-off
+to the pool costs more (:func:`workers_for`)."""
 
 
 def cpu_threads() -> int:
@@ -40,6 +44,17 @@ def cpu_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def workers_for(work: int, minimum: int | None = None) -> int:
+    """Threads for a kernel call of ``work`` values or multiply-adds: every one of :func:`cpu_threads`
+    from ``minimum`` (:data:`THREAD_MIN_VALUES` by default), else 1, the calling thread."""
+    return cpu_threads() if work >= (THREAD_MIN_VALUES if minimum is None else minimum) else 1
+
+
+def thread_count(threads: int | None) -> int:
+    """An explicit thread count (at least 1), or :func:`cpu_threads` for None."""
+    return cpu_threads() if threads is None else max(1, int(threads))
 
 
 def _forget_pool() -> None:

@@ -448,8 +448,7 @@ def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cf
 
     monkeypatch.setattr(_conv, "COL2IM_ROWS_MIN_WIDTH", rows_from)
     if threaded:
-        monkeypatch.setattr(_conv, "THREAD_MIN_VALUES", 1)
-        monkeypatch.setattr(_conv, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(_conv, "workers_for", lambda work, minimum=None: 3)
     conv, x = make_conv(cfg, dtype=dtype), make_input(cfg, batch=3, dtype=dtype)
     g, cpu = conv.geometry(x.shape[1:]), backend.get("cpu")
     columns = _conv._im2col_cpu(cpu, x, g, conv._pads)

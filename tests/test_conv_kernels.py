@@ -36,8 +36,7 @@ def pruned_conv(geometry, dtype, density, seed):
 @pytest.fixture(params=[1, 2, 3], ids=lambda t: f"threads{t}")
 def threads(request, monkeypatch):
     """The kernels' pieces: one run of channels per thread, every call cut over ``threads``."""
-    monkeypatch.setattr(_conv, "cpu_threads", lambda: request.param)
-    monkeypatch.setattr(_conv, "THREAD_MIN_VALUES", 1)
+    monkeypatch.setattr(_conv, "workers_for", lambda work, minimum=None: request.param)
     return request.param
 
 

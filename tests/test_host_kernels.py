@@ -61,8 +61,7 @@ def sample(values, s):
 
 def threads(monkeypatch, on):
     if on:  # every call large enough to cut over (more workers than samples, or fewer)
-        monkeypatch.setattr(host, "THREAD_MIN_VALUES", 1)
-        monkeypatch.setattr(host, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(host, "workers_for", lambda work, minimum=None: 3)
 
 
 @pytest.mark.parametrize("method", ["general", "rowwise"])
@@ -143,10 +142,9 @@ def test_selection_gathers_equal_the_dense_products(monkeypatch, pool_first, dty
                                                     per_sample_other, threaded, runs):
     threads(monkeypatch, threaded)
     runs_kernel(monkeypatch, runs)
-    monkeypatch.setattr(_scaled_gather, "THREAD_MIN_VALUES", 1 if threaded else 2**18)
-    monkeypatch.setattr(_scaled_gather, "cpu_threads", lambda: 3)
-    monkeypatch.setattr("sparse_scan.engine._selection.THREAD_MIN_VALUES", 1 if threaded else 2**18)
-    monkeypatch.setattr("sparse_scan.engine._selection.cpu_threads", lambda: 3)
+    if threaded:
+        monkeypatch.setattr(_scaled_gather, "workers_for", lambda work, minimum=None: 3)
+        monkeypatch.setattr("sparse_scan.engine._selection.workers_for", lambda work, minimum=None: 3)
     rng = np.random.default_rng(11)
     batch = 5
     pool = MaxPool2d(2)
@@ -311,8 +309,7 @@ def test_two_by_two_max_pool_values_equal_the_first_maximum(monkeypatch, dtype, 
     from sparse_scan.layers import _pooling as pooling
 
     if threaded:
-        monkeypatch.setattr(pooling, "MAX_POOL_THREAD_MIN_VALUES", 1)
-        monkeypatch.setattr(pooling, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(pooling, "workers_for", lambda work, minimum=None: 3)
     rng = np.random.default_rng(size)
     x = rng.integers(-2, 3, (3, 2) + size).astype(dtype)  # many ties
     x[0, 0, :2, :2] = [[0.0, -0.0], [-0.0, 0.0]]  # signed zeros tie
@@ -355,8 +352,7 @@ def test_max_pool_values_of_any_window_geometry_equal_the_first_maximum(monkeypa
     from sparse_scan.layers import _pooling as pooling
 
     if threaded:
-        monkeypatch.setattr(pooling, "MAX_POOL_THREAD_MIN_VALUES", 1)
-        monkeypatch.setattr(pooling, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(pooling, "workers_for", lambda work, minimum=None: 3)
     rng = np.random.default_rng(11)
     for kwargs, shape in [(dict(kernel_size=3, stride=2, padding=1), (2, 7, 6)),
                           (dict(kernel_size=(2, 3), stride=(1, 2), dilation=(2, 1), ceil_mode=True),

@@ -56,8 +56,7 @@ def test_relu_operator_keeps_nan_times_zero_like_the_product():
 def test_relu_operator_threads_cover_every_position(monkeypatch):
     import sparse_scan.layers._activation as activation
 
-    monkeypatch.setattr(activation, "THREAD_MIN_VALUES", 1)
-    monkeypatch.setattr(activation, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(activation, "workers_for", lambda work, minimum=None: 3)
     x = inputs((4, 1001), np.float64, 2)
     grad = np.random.default_rng(3).standard_normal(x.shape)
     np.testing.assert_array_equal(ReLU().input_matvec(x)(grad), grad * (x > 0))
@@ -87,8 +86,7 @@ def test_max_pool_operator_matches_torch_on_ties():
 
 
 def test_max_pool_operator_threads_cover_every_plane(monkeypatch):
-    monkeypatch.setattr(pooling, "MAX_POOL_THREAD_MIN_VALUES", 1)
-    monkeypatch.setattr(pooling, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(pooling, "workers_for", lambda work, minimum=None: 3)
     layer, x = MaxPool2d(2), inputs((3, 5, 4, 6), np.float32, 8)
     grad = np.random.default_rng(9).standard_normal((3, 5 * 2 * 3)).astype(np.float32)
     np.testing.assert_array_equal(layer.input_matvec(x)(grad), jt_matvec(layer, x, grad))

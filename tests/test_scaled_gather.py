@@ -21,8 +21,7 @@ def pieces(request, monkeypatch):
     if request.param == "pieces on threads":
         monkeypatch.setattr(_scaled_gather, "BLOCK_ENTRIES", 7)
         monkeypatch.setattr(_scaled_gather, "RUNS_BLOCK_ENTRIES", 7)
-        monkeypatch.setattr(_scaled_gather, "THREAD_MIN_VALUES", 1)
-        monkeypatch.setattr(_scaled_gather, "cpu_threads", lambda: 3)
+        monkeypatch.setattr(_scaled_gather, "workers_for", lambda work, minimum=None: 3)
     return request.param
 
 

@@ -433,8 +433,7 @@ def test_stored_products_cut_over_threads_equal_one_piece(monkeypatch, per_sampl
     b_data = rng.standard_normal((4, b.nnz)) if per_sample == "both" else b.data
     plan = plan_product(pa, pb, "general", "general")
     whole = multiply(plan, a_data, b_data)
-    monkeypatch.setattr(host, "THREAD_MIN_VALUES", 1)  # every product large enough to share out
-    monkeypatch.setattr(host, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(host, "workers_for", lambda work, minimum=None: 3)
     np.testing.assert_array_equal(multiply(plan, a_data, b_data), whole)
     np.testing.assert_array_equal(host.multiply(plan, a_data, b_data), whole)
 

@@ -84,3 +84,13 @@ def test_a_structure_key_is_derived_once_per_weight_version_on_any_thread():
     worker.join()
     assert seen[0] != before
     assert conv._zero_set == (conv._zero_set_version, seen[0]) and conv._structure_key() == seen[0]
+
+
+def test_workers_for_cuts_large_calls_over_every_core_and_thread_count_takes_an_explicit_one(monkeypatch):
+    """The one rule of the kernel calls: every core from THREAD_MIN_VALUES (or a caller's own minimum)
+    of work, else the calling thread."""
+    monkeypatch.setattr(_threads, "cpu_threads", lambda: 3)
+    assert [_threads.workers_for(work) for work in (0, _threads.THREAD_MIN_VALUES - 1,
+                                                     _threads.THREAD_MIN_VALUES)] == [1, 1, 3]
+    assert [_threads.workers_for(work, minimum=10) for work in (9, 10)] == [1, 3]
+    assert [_threads.thread_count(threads) for threads in (None, 0, 1, 5)] == [3, 1, 1, 5]

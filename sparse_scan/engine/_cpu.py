@@ -18,8 +18,8 @@ import numpy as np
 import scipy.sparse
 
 from .._host_kernels import BLOCK_ENTRIES, kernels, launch, parts, rows2d
-from .._scaled_gather import THREAD_MIN_VALUES, Runs, find_runs, scaled_gather
-from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool
+from .._scaled_gather import Runs, find_runs, scaled_gather
+from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool, thread_count, workers_for
 from .._types import Array
 from ..csr import BatchedCSR, Pattern
 from ._blocks import multiply_blocks_host
@@ -49,7 +49,7 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array, out: Array | None 
     """
     if plan.method == "block":
         batch = max(a_data.shape[0] if a_data.ndim == 2 else 1, b_data.shape[0] if b_data.ndim == 2 else 1)
-        return multiply_blocks_host(plan.blocks, a_data, b_data, _workers(plan.multiply_adds * batch))
+        return multiply_blocks_host(plan.blocks, a_data, b_data, workers_for(plan.multiply_adds * batch))
     if plan.method == "scale_columns":
         return scaled_gather(a_data, b_data, plan.b_pos, out=out, runs=_runs(plan, plan.b_pos))
     if plan.method == "scale_rows":
@@ -130,11 +130,6 @@ def _runs(plan: ProductPlan, index: np.ndarray, values_index: np.ndarray | None 
     return _RUNS[key]
 
 
-def _workers(work: int) -> int:
-    """Threads for a kernel call of ``work`` multiply-adds (one below :data:`THREAD_MIN_VALUES`)."""
-    return cpu_threads() if work >= THREAD_MIN_VALUES else 1
-
-
 def _balanced_cuts(offsets: np.ndarray, total: int, pieces: int, count: int) -> np.ndarray:
     """Bounds ``0 = c_0 <= ... <= c_pieces = count`` of ``pieces`` runs of items of about equal work,
     ``offsets`` being the items' cumulative work (an ``indptr`` or a plan's ``starts``)."""
@@ -165,7 +160,7 @@ def _multiply_stored(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.nd
     """
     starts, total = plan.starts, plan.multiply_adds
     batch, nnz = out.shape
-    pieces = parts(batch, nnz, _workers(total * batch))
+    pieces = parts(batch, nnz, workers_for(total * batch))
     if len(pieces) > 1 and batch < len(pieces):  # cut by multiply-adds, not by entries
         cuts = _balanced_cuts(starts, total, len(pieces), nnz)
         pieces = [(0, batch, int(e0), int(e1)) for e0, e1 in zip(cuts[:-1], cuts[1:], strict=True)
@@ -187,7 +182,7 @@ def _multiply_rowwise(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.n
     c = plan.out
     batch = out.shape[0]
     rows = c.shape[0]
-    pieces = parts(batch, rows, _workers(plan.multiply_adds * batch))
+    pieces = parts(batch, rows, workers_for(plan.multiply_adds * batch))
     if len(pieces) > 1 and batch < len(pieces):  # cut rows by C entries
         cuts = _balanced_cuts(np.asarray(c.indptr), c.nnz, len(pieces), rows)
         pieces = [(0, batch, int(r0), int(r1)) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True)
@@ -308,7 +303,7 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
             return matvec(patterns[step.right], right, values[step.left])
         return multiply(step.product, right, values[step.left], out=out)
 
-    workers = cpu_threads() if threads is None else max(1, int(threads))
+    workers = thread_count(threads)
     concurrent = workers > 1 and any(len(level) > 1 for level in plan.levels_of_steps)
     with step_pool(workers) if concurrent else contextlib.nullcontext() as pool:
         for level in plan.levels_of_steps:

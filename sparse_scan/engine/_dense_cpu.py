@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-from .._threads import cpu_threads, even_parts, run_parts, worker_pool
+from .._threads import even_parts, run_parts, thread_count, worker_pool
 from .._types import Array
 from .dense_plan import INPUT, DenseGroup, DenseScanPlan
 
@@ -110,6 +110,6 @@ def _run_chain(xp: ModuleType, levels: list[list[DenseGroup]], blocks: dict[int,
 def run_dense_plan(plan: DenseScanPlan, blocks: Array, direct: Array, threads: int | None = None) -> Array:
     """Numeric phase of ``plan`` on the host: the contract of :func:`sparse_scan.engine.run.dense_scan`
     (``direct`` already in the blocks' dtype), with ``threads`` CPU threads per level."""
-    workers = cpu_threads() if threads is None else max(1, int(threads))
+    workers = thread_count(threads)
     with worker_pool(workers) as pool:  # shared: a pool per call costs about 0.4 ms
         return _scan_arrays(np, plan, blocks, direct, None if pool is None else _Threads(pool, workers))

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._host_kernels import kernels, launch, parts, rows2d
-from .._scaled_gather import THREAD_MIN_VALUES
-from .._threads import cpu_threads
+from .._threads import workers_for
 from .._types import Array
 from ..csr import Pattern
 
@@ -178,8 +177,7 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: 
     if out is None:
         out = np.empty((batch, out_nnz), dtype=dtype)
     work = batch * (out_nnz + gather.live_multiply_adds)
-    workers = cpu_threads() if work >= THREAD_MIN_VALUES else 1
-    pieces = [(s0, s1) for s0, s1, _, _ in parts(batch, 1, workers)]
+    pieces = [(s0, s1) for s0, s1, _, _ in parts(batch, 1, workers_for(work))]
     launch(kernels().live_products,
            (rows2d(selection, dtype), rows2d(other, dtype), gather.entries, gather.valid,
             gather.column_of_slot, gather.out_pos, gather.other_pos, out), pieces)

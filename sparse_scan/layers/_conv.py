@@ -31,8 +31,7 @@ from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag, integer
 from .._host_kernels import conv_kernels, kernels, launch
-from .._scaled_gather import THREAD_MIN_VALUES
-from .._threads import cpu_threads, even_parts
+from .._threads import even_parts, workers_for
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
@@ -624,8 +623,8 @@ def _window_tuple(g: ConvGeometry) -> tuple[int, ...]:
 
 def _host_pieces(count: int, values: int) -> list[tuple[int, int]]:
     """Runs of ``count`` planes or channels for a kernel writing ``values`` values: one per core from
-    :data:`~sparse_scan._scaled_gather.THREAD_MIN_VALUES`."""
-    return even_parts(count, cpu_threads() if values >= THREAD_MIN_VALUES else 1)
+    :data:`~sparse_scan._threads.THREAD_MIN_VALUES` (:func:`~sparse_scan._threads.workers_for`)."""
+    return even_parts(count, workers_for(values))
 
 
 def _im2col_cpu(be: _backend.Backend, x: np.ndarray, g: ConvGeometry, pads: tuple[int, ...]) -> np.ndarray:
@@ -780,7 +779,7 @@ def _pruned_transposed_convolution(g: ConvGeometry, weights: scipy.sparse.csr_ma
     geometry = (g.in_channels, g.height, g.width, g.out_channels, g.out_height, g.out_width, *g.kernel,
                 *g.stride, g.pad_top, g.pad_left, *g.dilation, batch)
     work = weights.nnz * out_plane * batch
-    workers = cpu_threads() if work >= THREAD_MIN_VALUES else 1
+    workers = workers_for(work)
     per_channel = weights.indptr[::g.kernel[0] * g.kernel[1]]
     cuts = np.searchsorted(per_channel, np.arange(1, workers) * (weights.nnz / workers))
     bounds = [0, *(int(c) for c in cuts), g.in_channels]

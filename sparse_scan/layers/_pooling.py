@@ -41,7 +41,7 @@ from .. import _kernels
 from .. import backend as _backend
 from .._checks import flag
 from .._host_kernels import kernels, launch
-from .._threads import cpu_threads, even_parts
+from .._threads import even_parts, workers_for
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ._base import Layer, Shape
@@ -281,7 +281,7 @@ def _plane_pieces(g: PoolGeometry, batch: int, values: int) -> list[tuple[int, i
     """Runs of the batch's (sample, channel) planes for a kernel writing ``values`` values: one per
     core from :data:`MAX_POOL_THREAD_MIN_VALUES`."""
     planes = batch * g.channels
-    return even_parts(planes, cpu_threads()) if values >= MAX_POOL_THREAD_MIN_VALUES else [(0, planes)]
+    return even_parts(planes, workers_for(values, MAX_POOL_THREAD_MIN_VALUES))
 
 
 def _any_flag(kernel: Callable[..., bool], args: list[tuple]) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import backend as _backend
 from .._host_kernels import dense_kernels, launch
-from .._threads import cpu_threads, even_parts, run_parts, worker_pool
+from .._threads import cpu_threads, even_parts, run_parts, thread_count, worker_pool
 from .._types import Array
 from ..engine.dense_plan import auto_levels
 from ..engine.run import dense_scan
@@ -322,7 +322,7 @@ def _fill_steps_cpu(be: _backend.Backend, cell: Cell, saved: dict[str, Array],
     steps = len(blocks)
     chunk = max(1, CHUNK_BYTES // (blocks[0].nbytes or 1))
     spans = [slice(start, start + chunk) for start in range(0, steps, chunk)]
-    workers = min(cpu_threads() if threads is None else max(1, int(threads)), len(spans))
+    workers = min(thread_count(threads), len(spans))
 
     def fill(first: int, last: int) -> None:  # chunks first .. last - 1
         for span in spans[first:last]:
