@@ -68,7 +68,7 @@ lint:
 		echo "make lint: ruff is not installed for $(PYTHON); '$(PYTHON) -m pip install ruff' to lint"; \
 	fi
 
-# Every RawKernel instantiation of sparse_scan/_kernels.py's registry, compiled as cupy.RawModule compiles
+# Every RawKernel instantiation of sparse_scan/_gpu_kernels.py's registry, compiled as cupy.RawModule compiles
 # it (NVRTC, name expressions), for sm_80 and sm_90; needs the nvrtc extra (part of the test extra), no GPU.
 check-kernels:
 	$(PYTHON) tools/check_kernels.py

@@ -11,7 +11,7 @@
 // the CPU through the test shim. Sizes are long long throughout; I is the index type (int or long
 // long), T the value type (float or double).
 //
-// Template instantiations: INSTANTIATIONS in sparse_scan/_kernels.py (compiled by tools/check_kernels.py).
+// Template instantiations: INSTANTIATIONS in sparse_scan/_gpu_kernels.py (compiled by tools/check_kernels.py).
 
 struct ConvGeometry {
   long long c_in, h, w, c_out, out_h, out_w, k_h, k_w, s_h, s_w, p_t, p_l, d_h, d_w, groups;

@@ -49,7 +49,7 @@
 // to the block). The run's parallelism is the samples times H, so this is what the chain offers anyway,
 // without a launch per step. Its rows' first work items ([1]) are not read.
 //
-// Template instantiations: INSTANTIATIONS in sparse_scan/_kernels.py (compiled by tools/check_kernels.py).
+// Template instantiations: INSTANTIATIONS in sparse_scan/_gpu_kernels.py (compiled by tools/check_kernels.py).
 
 #define DENSE_FIELDS 18
 #define DENSE_MM 0

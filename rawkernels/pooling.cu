@@ -1,4 +1,4 @@
-// Transposed-Jacobian pattern and values of 2-D max / average pooling (sparse_scan/layers/_pooling.py).
+// Transposed-Jacobian pattern and values of 2-D max / average pooling (sparse_scan/layers/_pooling_jt.py).
 //
 // JT has one row per input element (c, ih, iw) and one column per output element (c, oh, ow), both
 // C-order; an entry (row, column) exists where the input lies in the output's window. Every kernel is
@@ -9,7 +9,7 @@
 //   C, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw
 // (channels, input size, output size, kernel, stride, padding, dilation).
 //
-// Template instantiations: INSTANTIATIONS in sparse_scan/_kernels.py (compiled by tools/check_kernels.py).
+// Template instantiations: INSTANTIATIONS in sparse_scan/_gpu_kernels.py (compiled by tools/check_kernels.py).
 
 struct PoolGeometry {
   long long c, h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw;

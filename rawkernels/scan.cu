@@ -21,7 +21,7 @@
 // selections cost nothing; the host puts the per-sample operand in the `a` slot). Such a term counts
 // as 0 even where `b` is infinite or NaN.
 //
-// Template instantiations: INSTANTIATIONS in sparse_scan/_kernels.py (compiled by tools/check_kernels.py).
+// Template instantiations: INSTANTIATIONS in sparse_scan/_gpu_kernels.py (compiled by tools/check_kernels.py).
 
 #define SCAN_FIELDS 16
 #define SCAN_SPMV 0

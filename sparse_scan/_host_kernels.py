@@ -1,18 +1,24 @@
-"""Compiled host kernels: numba, imported on first use, cached on disk, run on the kernel pool.
+"""Compiled host kernels: the one lazy loader of numba, and the launcher that runs kernels on the pool.
 
-The host engine's hot loops (the numeric products' scalings, gathers and sums, the max-pool values)
-are compiled by numba (``sparse_scan._numba_kernels``); NumPy and SciPy keep the array plumbing. This
-module is the only door to them:
+The hot loops of the host engine and of the layers and cells (products' scalings, gathers and sums,
+im2col, max-pool values, the recurrent backward) are compiled by numba. Each lives beside the code it
+serves (``engine/_kernels.py``, ``layers/_kernels.py``, ``recurrent/_kernels.py``), written as a plain
+Python function under :func:`compiled`, and is imported and called by name: ``from ._kernels import
+im2col``. This module is the only one that imports numba:
 
-* numba is imported by the first kernel call, never by ``import sparse_scan`` or the CLI's ``--help``
-  (``import numba`` costs about 0.3 s).
+* numba is imported by the first call of a compiled kernel, never by ``import sparse_scan`` or the
+  CLI's ``--help`` (``import numba`` costs about 0.3 s). That first call compiles every kernel of the
+  kernel's module (and of the modules whose kernels they call) into numba dispatchers, which then
+  take the kernels' places in their modules, so that kernels calling kernels compile as numba
+  functions.
 * Kernels are compiled with ``cache=True``: the first process compiles each argument signature it meets
   (float32/float64 values, int32/int64 indices: about 0.3-1 s each) and writes it to disk; later
   processes load it (milliseconds). The cache sits in the package's ``__pycache__``; when that folder
   is not writable (a read-only site-packages) and ``NUMBA_CACHE_DIR`` is unset, it is set to a
   writable folder of the user's (:func:`cache_directory`).
-* The kernels release the GIL (``nogil=True``) and take a range of samples and of entries: callers
-  cut their work with :func:`parts` and run the pieces on the project's kernel pool with
+* The kernels release the GIL (``nogil=True``), check no bounds and keep NumPy's floating-point
+  semantics (``error_model="numpy"``, no fastmath). They take a range of samples and of entries:
+  callers cut their work with :func:`parts` and run the pieces on the project's kernel pool with
   :func:`launch` (:mod:`sparse_scan._threads`: one thread per core of
   :func:`~sparse_scan._threads.cpu_threads`, the one thread setting). numba's own thread pool
   (``parallel=True``) is not used: the scan runs concurrent steps on threads of its own, which
@@ -24,18 +30,26 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import sys
 import tempfile
-from types import ModuleType
-from typing import Callable
+import threading
+from typing import Any, Callable
 
 import numpy as np
 
 from ._threads import even_parts, kernel_pool
 
-__all__ = ["BLOCK_ENTRIES", "cache_directory", "conv_kernels", "dense_kernels", "kernels", "launch",
-           "operator_kernels", "parts", "rows2d"]
+__all__ = ["BLOCK_ENTRIES", "OPTIONS", "CompiledKernel", "cache_directory", "compiled", "launch", "parts",
+           "rows2d", "u"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
+
+OPTIONS = {"cache": True, "nogil": True, "error_model": "numpy"}
+"""numba's options for every kernel (:func:`compiled` adds a kernel's own, such as ``inline``)."""
+
+u = np.uintp
+"""Indices read through ``u(...)`` in the kernels: unsigned, so numba adds no negative-index
+wrap-around to every read (1.4x on the scaling kernel: the loop unrolls)."""
 
 BLOCK_ENTRIES = 8192
 """Entries per block of the streaming kernels: a block's indices (and shared values) are read once
@@ -65,6 +79,7 @@ def cache_directory(environ: dict[str, str] | None = None, package: pathlib.Path
     return str(pathlib.Path(tempfile.gettempdir()) / f"sparse-scan-numba-{os.getuid()}")
 
 
+@functools.lru_cache(maxsize=None)
 def _use_cache_directory() -> None:
     """Point numba at :func:`cache_directory` when it names one (before a kernels module loads)."""
     folder = cache_directory()
@@ -75,43 +90,63 @@ def _use_cache_directory() -> None:
         numba.core.config.reload_config()
 
 
-@functools.lru_cache(maxsize=None)
-def kernels() -> ModuleType:
-    """The compiled kernels' module (imports numba on the first call)."""
+class CompiledKernel:
+    """A host kernel: a Python function that numba compiles (:data:`OPTIONS`) at its first call.
+
+    Calling it calls the numba dispatcher (:meth:`dispatcher`); ``py_func`` is the function itself
+    (numba's name), ``__name__`` and ``__doc__`` its own.
+    """
+
+    def __init__(self, function: Callable[..., Any], options: dict[str, Any]) -> None:
+        functools.update_wrapper(self, function)
+        self.py_func = function
+        self.options = options
+        self._dispatcher: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        return (self._dispatcher or self.dispatcher())(*args)
+
+    def dispatcher(self) -> Any:
+        """The numba dispatcher (numba imported and the kernel's module bound on the first call)."""
+        if self._dispatcher is None:
+            with _BINDING:
+                _bind(sys.modules[self.py_func.__module__], set())
+        return self._dispatcher
+
+    def __repr__(self) -> str:
+        return f"<compiled kernel {self.py_func.__module__}.{self.__name__}>"
+
+
+def compiled(function: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Decorator: ``function`` as a :class:`CompiledKernel` (``@compiled`` or, with numba options of
+    its own, ``@compiled(inline="always")``), compiled by numba on its first call."""
+    def wrap(function: Callable[..., Any]) -> CompiledKernel:
+        return CompiledKernel(function, {**OPTIONS, **options})
+
+    return wrap if function is None else wrap(function)
+
+
+_BINDING = threading.RLock()
+"""Held while kernels' modules are bound: the first calls may come from several pool threads."""
+
+
+def _bind(module: Any, bound: set[str]) -> None:
+    """Give every kernel named in ``module`` its numba dispatcher and put the dispatchers in the
+    module's namespace, where numba looks up the kernels a kernel calls (a kernel imported from
+    another module binds that module too)."""
+    if module.__name__ in bound:
+        return
+    bound.add(module.__name__)
     _use_cache_directory()
-    from . import _numba_kernels  # noqa: PLC0415 - lazy by design
+    import numba  # noqa: PLC0415 - lazy by design: numba costs 0.3 s to import
 
-    return _numba_kernels
-
-
-@functools.lru_cache(maxsize=None)
-def dense_kernels() -> ModuleType:
-    """The recurrent backward's compiled kernels (:mod:`sparse_scan._numba_dense`), loaded as
-    :func:`kernels` is."""
-    _use_cache_directory()
-    from . import _numba_dense  # noqa: PLC0415 - lazy by design
-
-    return _numba_dense
-
-
-@functools.lru_cache(maxsize=None)
-def conv_kernels() -> ModuleType:
-    """The pruned convolutions' transposed products (:mod:`sparse_scan._numba_conv`), loaded as
-    :func:`kernels` is."""
-    _use_cache_directory()
-    from . import _numba_conv  # noqa: PLC0415 - lazy by design
-
-    return _numba_conv
-
-
-@functools.lru_cache(maxsize=None)
-def operator_kernels() -> ModuleType:
-    """The matrix-free JT operators (:mod:`sparse_scan._numba_operators`: the ReLU's
-    ``JT(x) @ g`` from the input), loaded as :func:`kernels` is."""
-    _use_cache_directory()
-    from . import _numba_operators  # noqa: PLC0415 - lazy by design
-
-    return _numba_operators
+    kernels = {name: value for name, value in vars(module).items() if isinstance(value, CompiledKernel)}
+    for kernel in kernels.values():
+        if kernel._dispatcher is None:
+            kernel._dispatcher = numba.njit(**kernel.options)(kernel.py_func)
+        _bind(sys.modules[kernel.py_func.__module__], bound)
+    for name, kernel in kernels.items():
+        setattr(module, name, kernel._dispatcher)
 
 
 def parts(batch: int, count: int, workers: int) -> list[tuple[int, int, int, int]]:

@@ -13,11 +13,8 @@ from oracles import finite_difference_jt, torch_jt
 from sparse_scan import backend
 from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import Conv2d
-from sparse_scan.layers._conv import (
-    CSR_PATH_MAX_PADDED_SHARE,
-    SPARSE_FORWARD_MAX_DENSITY,
-    _structural_pattern_cpu,
-)
+from sparse_scan.layers._conv_jt import _structural_pattern_cpu
+from sparse_scan.layers._conv_pruned import CSR_PATH_MAX_PADDED_SHARE, SPARSE_FORWARD_MAX_DENSITY
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
 # asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.
@@ -444,7 +441,7 @@ def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cf
     """The host's compiled im2col and col2im against the CuPy twins' expressions run on NumPy:
     the same columns, and the same sums in the same order (every geometry, cut over channels and
     planes or not; col2im by rows of taps and by its table of pairs)."""
-    from sparse_scan.layers import _conv
+    from sparse_scan.layers import _conv_columns as _conv
 
     monkeypatch.setattr(_conv, "COL2IM_ROWS_MIN_WIDTH", rows_from)
     if threaded:

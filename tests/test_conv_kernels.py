@@ -1,4 +1,4 @@
-"""The compiled transposed convolution over pruned weights (sparse_scan/_numba_conv.py) against
+"""The compiled transposed convolution over pruned weights (sparse_scan/layers/_kernels.py) against
 independent oracles: SciPy's CSR ``JT @ g`` (JT from the layer's pattern fill), the dense JT and, where
 installed, PyTorch's ``conv2d_input`` (its transposed convolution), over random geometries."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparse_scan.layers import Conv2d, _conv
+from sparse_scan.layers import Conv2d
+from sparse_scan.layers import _conv_pruned as _conv
 
 # (in, out, kernel, stride, padding, dilation, groups, (H, W))
 GEOMETRIES = [
@@ -52,10 +53,10 @@ def test_transposed_convolution_is_jt_times_g(geometry, dtype, batch, threads):
         conv = pruned_conv(geometry, dtype, density, seed=threads)
         g = conv.geometry(x.shape[1:])
         grad = rng.standard_normal((batch, conv.forward(x)[0].size)).astype(dtype)
-        weights, positions = _conv._transposed_weights_csr(
+        weights, positions = _conv.transposed_weights_csr(
             conv.weight.reshape(conv.groups, conv.out_channels // conv.groups, -1), conv.weight.dtype)
         weights.data[:] = conv.weight.ravel()[positions]
-        got = _conv._pruned_transposed_convolution(g, weights, grad)
+        got = _conv.pruned_transposed_convolution(g, weights, grad)
         jt = conv.transposed_jacobian(x)
         want = np.stack([jt.to_scipy(s) @ grad[s] for s in range(batch)])
         rtol = 2e-5 if dtype == np.float32 else 1e-12

@@ -3,7 +3,7 @@ off units, max-pool's non-maxima, and products of them) skip those entries' rows
 
 Checked in float64 against an independent oracle (SciPy's SpGEMM per sample, which sums every
 entry's terms from zero in the same ``A``-entry order, so equality is exact) and against the previous
-behaviour (every stored multiply-add summed: :func:`sparse_scan._numba_kernels.stored_products`), bit
+behaviour (every stored multiply-add summed: :func:`sparse_scan.engine._kernels.stored_products`), bit
 for bit; the pattern is the plan's, dead entries exactly zero even in a reused buffer full of garbage.
 The GPU twin (which tests every term's per-sample factor) is checked through the CuPy stand-in.
 """
@@ -16,10 +16,11 @@ import scipy.sparse as sp
 from test_scan import random_chain, schedules
 
 from sparse_scan import Sequential, backend
-from sparse_scan._host_kernels import kernels, rows2d
+from sparse_scan._host_kernels import rows2d
 from sparse_scan.csr import BatchedCSR, Pattern
 from sparse_scan.engine import _cpu as host
 from sparse_scan.engine import _gpu
+from sparse_scan.engine._kernels import stored_products
 from sparse_scan.engine.products import plan_product
 from sparse_scan.engine.run import multiply
 from sparse_scan.layers import Conv2d, MaxPool2d, ReLU
@@ -74,7 +75,7 @@ def previous(plan, a_data: np.ndarray, b_data: np.ndarray) -> np.ndarray:
     """The numeric phase before issue 21: every stored multiply-add, one piece."""
     batch = max(x.shape[0] if x.ndim == 2 else 1 for x in (a_data, b_data))
     out = np.empty((batch, plan.out.nnz))
-    kernels().stored_products(rows2d(a_data, out.dtype), rows2d(b_data, out.dtype), plan.a_pos,
+    stored_products(rows2d(a_data, out.dtype), rows2d(b_data, out.dtype), plan.a_pos,
                               plan.b_pos, plan.starts, plan.multiply_adds, out, 0, batch, 0, plan.out.nnz,
                               8192)
     return out

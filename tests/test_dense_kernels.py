@@ -1,4 +1,4 @@
-"""The recurrent backward's compiled host kernels (``sparse_scan._numba_dense``) against the NumPy
+"""The recurrent backward's compiled host kernels (``sparse_scan.recurrent._kernels``) against the NumPy
 expressions of their CuPy twins run on NumPy: BP through factored blocks and the parameter gradients'
 sums, every branch (terms, diagonal, direct per step or last only, dtypes, threads), the flushed
 subnormals, the skipped zero steps and rows, and NaN kept where a factor is not finite."""

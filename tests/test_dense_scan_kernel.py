@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cuda_on_cpu import compile_for_cpu, pointer
 
-from sparse_scan import _kernels, backend
+from sparse_scan import _gpu_kernels, backend
 from sparse_scan.engine import _dense_gpu, _tables, run
 from sparse_scan.engine._dense_gpu import COPY, FIELDS, MM, MV, TILE, TILE_THREADS
 from sparse_scan.engine.dense_plan import build_dense_plan
@@ -230,7 +230,7 @@ def dense_launches(monkeypatch):
     cached workspace."""
     gpu = backend.get("gpu")
     launches, names = [], {}
-    function, launch, launch_blocks = _kernels.function, _kernels.launch, _kernels.launch_blocks
+    function, launch, launch_blocks = _gpu_kernels.function, _gpu_kernels.launch, _gpu_kernels.launch_blocks
 
     def named(filename, name, *dtypes):
         compiled = function(filename, name, *dtypes)
@@ -272,9 +272,9 @@ def dense_launches(monkeypatch):
         launch_blocks(compiled, blocks, threads, args)
 
     monkeypatch.setattr(_tables, "_WORKSPACES", {})
-    monkeypatch.setattr(_kernels, "function", named)
-    monkeypatch.setattr(_kernels, "launch", checked_launch)
-    monkeypatch.setattr(_kernels, "launch_blocks", checked_launch_blocks)
+    monkeypatch.setattr(_gpu_kernels, "function", named)
+    monkeypatch.setattr(_gpu_kernels, "launch", checked_launch)
+    monkeypatch.setattr(_gpu_kernels, "launch_blocks", checked_launch_blocks)
     return launches
 
 
@@ -429,7 +429,7 @@ def test_gpu_workspace_is_built_once_and_results_stay(dense_launches, table_uplo
     _dense_gpu.run_dense_plan(plan, device_blocks, device_direct[-1])
     _dense_gpu.run_dense_plan(plan, *on_device(blocks.astype(np.float32), direct.astype(np.float32)))
     assert len(_tables.workspaces(plan)) == 4  # per batch, affine flag and dtype
-    monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU
+    monkeypatch.setattr(_gpu_kernels, "current_device", lambda: 1)  # another current GPU
     assert_close(to_host(_dense_gpu.run_dense_plan(plan, device_blocks, device_direct)), kept, 1e-12)
     assert len(_tables.workspaces(plan)) == 5  # its own device memory
 
@@ -496,11 +496,11 @@ def test_gpu_dense_scan_equals_numpy(n, affine, dtype, tiled_from, monkeypatch):
     monkeypatch.setattr(_dense_gpu, "TILED_MIN_SIZE", tiled_from)
     monkeypatch.setattr(_tables, "_WORKSPACES", {})
     launches = []
-    launch = _dense_gpu._kernels.launch
-    launch_blocks = _dense_gpu._kernels.launch_blocks
-    monkeypatch.setattr(_dense_gpu._kernels, "launch",
+    launch = _dense_gpu._gpu_kernels.launch
+    launch_blocks = _dense_gpu._gpu_kernels.launch_blocks
+    monkeypatch.setattr(_dense_gpu._gpu_kernels, "launch",
                         lambda *args: (launches.append(args[1]), launch(*args)))
-    monkeypatch.setattr(_dense_gpu._kernels, "launch_blocks",
+    monkeypatch.setattr(_dense_gpu._gpu_kernels, "launch_blocks",
                         lambda *args: (launches.append(args[1]), launch_blocks(*args)))
     rng = np.random.default_rng(n)
     for size in SIZES + [70]:  # 70: tiled by default, partial tiles

@@ -14,7 +14,7 @@ from test_dense_scan_kernel import chain
 from test_scan import random_chain, schedules
 from test_scan_gpu import assert_close
 
-from sparse_scan import _kernels, backend
+from sparse_scan import _gpu_kernels, backend
 from sparse_scan.engine import _dense_gpu, _gpu, _tables, run
 from sparse_scan.engine import products as product_planning
 from sparse_scan.engine.run import dense_scan
@@ -76,7 +76,7 @@ def test_the_block_product_fallback_of_the_gpu_scan(monkeypatch):
 
 def test_grids_above_the_block_cap_wrap_in_every_kernel(monkeypatch, request):
     """With ``MAX_BLOCKS = 2`` every launch covers its work with a grid-stride loop that wraps."""
-    monkeypatch.setattr(_kernels, "MAX_BLOCKS", 2)
+    monkeypatch.setattr(_gpu_kernels, "MAX_BLOCKS", 2)
     monkeypatch.setattr(_tables, "_WORKSPACES", {})
     stats = request.getfixturevalue("device_stats") if STANDIN else None
     model, in_shape = random_chain(6, seed=3, dtype=np.float64)
@@ -120,7 +120,7 @@ PARAMETER_UPLOADS = ("sparse_scan/backend.py", "in asarray"), ("sparse_scan/recu
                                                               "in _parameters_on")
 """Where a warm backward may wait for the host: parameters live on the host as NumPy arrays, and each
 GPU backward uploads the ones it uses (README, GPU section)."""
-MAX_POOL_NAN_CHECK = ("sparse_scan/layers/_pooling.py", "in _max_selection_gpu")
+MAX_POOL_NAN_CHECK = ("sparse_scan/layers/_pooling_jt.py", "in _max_selection_gpu")
 """... and each max-pool checks its input for NaN (one flag read per layer, before its JT is used)."""
 
 

@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparse_scan import _host_kernels, _scaled_gather
+from sparse_scan import _host_kernels
 from sparse_scan.csr import Pattern
 from sparse_scan.engine import _cpu as host
+from sparse_scan.engine import _kernels as engine_kernels
+from sparse_scan.engine import _scaled_gather
 from sparse_scan.engine.products import plan_product
 from sparse_scan.engine.run import multiply
 from sparse_scan.layers import Conv2d, MaxPool2d
@@ -228,7 +230,7 @@ def test_first_term_products_equal_the_per_entry_sums_bit_for_bit(dtype, index_d
     batch, nnz = 3 if per_sample != "neither" else 1, plan.out.nnz
     a = special_values(rng, (batch if per_sample != "neither" else 1, pa.nnz), dtype)
     b = special_values(rng, (batch if per_sample == "both" else 1, pb.nnz), dtype)
-    k = _host_kernels.kernels()
+    k = engine_kernels
     args = (a, b, plan.a_pos, plan.b_pos, plan.starts, plan.multiply_adds)
     want = np.empty((batch, nnz), dtype)
     k.stored_products(*args, want, 0, batch, 0, nnz, nnz)
@@ -261,8 +263,31 @@ def test_stored_products_stream_first_terms_only_where_sums_are_short(monkeypatc
 
 
 def test_numba_is_not_imported_by_the_package_or_the_cli():
-    code = ("import sys, sparse_scan, sparse_scan.cli.app, sparse_scan.engine.products, sparse_scan.layers; "
-            "assert 'numba' not in sys.modules, 'numba imported'")
+    """Every module of the package (the PyTorch front door's aside: it imports torch) and the command
+    line import without numba: the compiled kernels' modules bind numba at their first call."""
+    code = ("import importlib, pkgutil, sys, sparse_scan, sparse_scan.cli.app\n"
+            "for info in pkgutil.walk_packages(sparse_scan.__path__, 'sparse_scan.'):\n"
+            "    if not info.name.startswith('sparse_scan.torch'):\n"
+            "        importlib.import_module(info.name)\n"
+            "assert 'numba' not in sys.modules, 'numba imported'\n"
+            "assert {'sparse_scan.layers._kernels', 'sparse_scan.engine._kernels'} <= set(sys.modules)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_compiled_kernel_binds_its_module_on_its_first_call():
+    """The first call compiles through numba: the kernel's module then holds numba dispatchers (so
+    kernels calling kernels compile), and the kernel object callers imported calls the same one."""
+    code = ("import sys, numpy as np\n"
+            "from sparse_scan.layers import _kernels\n"
+            "from sparse_scan.layers._kernels import relu_backward\n"
+            "from sparse_scan._host_kernels import CompiledKernel\n"
+            "assert isinstance(relu_backward, CompiledKernel) and 'numba' not in sys.modules\n"
+            "out = np.empty(3)\n"
+            "relu_backward(np.array([-1.0, 0.0, 2.0]), np.array([5.0, 6.0, 7.0]), out, 0, 3)\n"
+            "assert out.tolist() == [0.0, 0.0, 7.0] and 'numba' in sys.modules\n"
+            "assert _kernels.relu_backward is relu_backward.dispatcher() is relu_backward.dispatcher()\n"
+            "assert not any(isinstance(value, CompiledKernel) for value in vars(_kernels).values())\n"
+            "assert relu_backward.__name__ == 'relu_backward' and relu_backward.__doc__\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -285,7 +310,7 @@ def test_cache_directory_falls_back_only_where_numba_could_not_cache(tmp_path, m
 def test_kernels_load_from_a_fallback_cache_in_a_fresh_process(tmp_path):
     # numba reads NUMBA_CACHE_DIR: a process pointed at an empty folder compiles there, the next loads
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    code = ("import numpy as np; from sparse_scan._scaled_gather import scaled_gather; "
+    code = ("import numpy as np; from sparse_scan.engine._scaled_gather import scaled_gather; "
             "assert (scaled_gather(np.ones(3), np.arange(2.0), np.array([0, 1, 1])) == [0, 1, 1]).all()")
     for _ in range(2):
         subprocess.run([sys.executable, "-c", code], check=True, env=env)
@@ -306,7 +331,7 @@ def max_pool_oracle(x):
 @pytest.mark.parametrize("size", [(8, 8), (7, 9), (4, 34), (2, 2)])
 @pytest.mark.parametrize("threaded", [False, True])
 def test_two_by_two_max_pool_values_equal_the_first_maximum(monkeypatch, dtype, size, threaded):
-    from sparse_scan.layers import _pooling as pooling
+    from sparse_scan.layers import _pooling_jt as pooling
 
     if threaded:
         monkeypatch.setattr(pooling, "workers_for", lambda work, minimum=None: 3)
@@ -349,7 +374,7 @@ def first_maximum_oracle(layer, x):
 def test_max_pool_values_of_any_window_geometry_equal_the_first_maximum(monkeypatch, dtype, threaded):
     """The window loop (:func:`max_pool_windows`) on overlapping, padded, dilated, clipped and odd
     windows, cut over planes or not, with ties and -inf."""
-    from sparse_scan.layers import _pooling as pooling
+    from sparse_scan.layers import _pooling_jt as pooling
 
     if threaded:
         monkeypatch.setattr(pooling, "workers_for", lambda work, minimum=None: 3)

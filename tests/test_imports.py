@@ -40,17 +40,11 @@ EXECUTORS = ("_cpu", "_dense_cpu", "_gpu", "_dense_gpu")
 GPU_TABLES = "_tables"
 DISPATCH = "run"
 
-LAZY = {
-    ("sparse_scan._host_kernels", "sparse_scan._numba_kernels"):
-        "importing numba costs 0.3 s: the compiled host kernels load on the first call that needs one",
-    ("sparse_scan._host_kernels", "sparse_scan._numba_dense"):
-        "importing numba costs 0.3 s: the recurrent backward's kernels load on its first CPU call",
-    ("sparse_scan._host_kernels", "sparse_scan._numba_conv"):
-        "importing numba costs 0.3 s: the pruned convolutions' kernels load on their first CPU call",
-    ("sparse_scan._host_kernels", "sparse_scan._numba_operators"):
-        "importing numba costs 0.3 s: the ReLU and max-pool operators load on their first CPU call",
-}
-"""Function-level imports of a sibling module, allowed: (importer, imported) -> why."""
+LAZY: dict[tuple[str, str], str] = {}
+"""Function-level imports of a sibling module, allowed: (importer, imported) -> why. None: the host
+kernels stay lazy without one (numba, 0.3 s to import, is imported by the first call of a compiled
+kernel, :func:`sparse_scan._host_kernels.compiled`; tests/test_host_kernels.py checks that no module
+imports it)."""
 
 ENGINE_PRIVATE_USERS = {
     ("sparse_scan.distributed._slices", "sparse_scan.engine._cpu"):

@@ -15,7 +15,7 @@ from oracles import torch_modules
 import sparse_scan._model as model_module
 from sparse_scan import Sequential
 from sparse_scan.layers import AvgPool2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
-from sparse_scan.layers import _pooling as pooling
+from sparse_scan.layers import _pooling_jt as pooling
 
 
 def jt_matvec(layer, x: np.ndarray, grad: np.ndarray) -> np.ndarray:

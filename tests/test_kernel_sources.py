@@ -1,13 +1,13 @@
 """Every RawKernel instantiation the glue can request compiles as CuPy compiles it, from one registry.
 
-``sparse_scan._kernels.INSTANTIATIONS`` lists, per ``rawkernels/`` file, every kernel and its template
+``sparse_scan._gpu_kernels.INSTANTIATIONS`` lists, per ``rawkernels/`` file, every kernel and its template
 domains; the glue compiles each file with all of them as ``name_expressions``, and
 ``tools/check_kernels.py`` compiles the same list with CuPy's NVRTC path for sm_80 and sm_90 without a
 GPU. Here: the tool passes on the real sources and lists every expression (run in a child process, so
 this process never imports the real CuPy; skipped where CuPy or NVRTC is missing, unless
 ``SPARSE_SCAN_REQUIRE_NVRTC=1``, which CI sets); a broken template body that ``nvcc --ptx`` of the bare
 file lets through makes it fail; the registry covers every ``__global__`` kernel and every request of
-the glue; and ``_kernels.function`` refuses what the registry does not list, before importing CuPy.
+the glue; and ``_gpu_kernels.function`` refuses what the registry does not list, before importing CuPy.
 
 (No nvcc test is left: NVRTC with the name expressions instantiates every kernel the glue can ask for,
 which is what the nvcc wrapper of this file used to do.)
@@ -27,7 +27,7 @@ import types
 import numpy as np
 import pytest
 
-from sparse_scan import _kernels
+from sparse_scan import _gpu_kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAWKERNELS = ROOT / "rawkernels"
@@ -54,8 +54,8 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
 
 def all_expressions() -> list[tuple[str, str]]:
     """``(file, expression)`` of every registered instantiation."""
-    return [(filename, name) for filename in _kernels.INSTANTIATIONS
-            for name in _kernels.name_expressions(filename)]
+    return [(filename, name) for filename in _gpu_kernels.INSTANTIATIONS
+            for name in _gpu_kernels.name_expressions(filename)]
 
 
 def test_the_tool_compiles_every_registered_instantiation_for_sm80_and_sm90():
@@ -106,16 +106,16 @@ def test_the_tool_exits_2_with_what_to_install_when_cupy_is_missing():
 
 def test_the_registry_covers_every_kernel_of_every_source():
     sources = {path.name: path for path in RAWKERNELS.glob("*.cu")}
-    assert set(_kernels.INSTANTIATIONS) == set(sources)
+    assert set(_gpu_kernels.INSTANTIATIONS) == set(sources)
     for filename, path in sources.items():
         declared = set(KERNEL.findall(path.read_text()))
         assert declared, f"no __global__ kernel found in {filename}"
-        assert declared == set(_kernels.INSTANTIATIONS[filename]), filename
+        assert declared == set(_gpu_kernels.INSTANTIATIONS[filename]), filename
         assert "Name expressions:" not in path.read_text(), f"{filename}: the registry is the only list"
 
 
 def _requests() -> list[tuple[pathlib.Path, str, ast.expr]]:
-    """``(module, file, kernel-name node)`` of every ``_kernels.function(FILE, KERNEL, ...)`` call."""
+    """``(module, file, kernel-name node)`` of every ``_gpu_kernels.function(FILE, KERNEL, ...)`` call."""
     found = []
     for path in sorted((ROOT / "sparse_scan").rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -125,7 +125,7 @@ def _requests() -> list[tuple[pathlib.Path, str, ast.expr]]:
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "function" and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "_kernels"):
+                    and node.func.value.id == "_gpu_kernels"):
                 first = node.args[0]
                 filename = first.value if isinstance(first, ast.Constant) else constants.get(first.id)
                 found.append((path, filename, node.args[1]))
@@ -134,10 +134,10 @@ def _requests() -> list[tuple[pathlib.Path, str, ast.expr]]:
 
 def test_every_request_of_the_glue_names_a_registered_kernel():
     requests = _requests()
-    assert {filename for _, filename, _ in requests} == set(_kernels.INSTANTIATIONS)
+    assert {filename for _, filename, _ in requests} == set(_gpu_kernels.INSTANTIATIONS)
     for path, filename, name in requests:
         where = f"{path.relative_to(ROOT)}:{name.lineno}"
-        kernels = _kernels.INSTANTIATIONS[filename]
+        kernels = _gpu_kernels.INSTANTIATIONS[filename]
         if isinstance(name, ast.Constant):
             assert name.value in kernels, f"{where}: {name.value!r} is not registered for {filename}"
         else:  # an f-string: its literal parts with any name in between must match registered kernels
@@ -148,13 +148,13 @@ def test_every_request_of_the_glue_names_a_registered_kernel():
 
 
 def test_name_expressions_spell_every_combination():
-    assert _kernels.name_expressions("pooling.cu") == [
+    assert _gpu_kernels.name_expressions("pooling.cu") == [
         "pool_row_counts<int>", "pool_row_counts<long long>", "pool_fill<int>", "pool_fill<long long>",
         "maxpool_values<int, float>", "maxpool_values<int, double>", "maxpool_values<long long, float>",
         "maxpool_values<long long, double>"]
     assert len(all_expressions()) == 24
     with pytest.raises(ValueError, match="no kernel source"):
-        _kernels.name_expressions("nope.cu")
+        _gpu_kernels.name_expressions("nope.cu")
 
 
 @pytest.mark.parametrize("request_", [
@@ -169,11 +169,11 @@ def test_name_expressions_spell_every_combination():
 def test_function_refuses_an_unregistered_request_before_importing_cupy(request_, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # importing CuPy now raises ImportError
     with pytest.raises(ValueError, match="registered"):
-        _kernels.function(*request_)
+        _gpu_kernels.function(*request_)
 
 
 class _FakeModule:
-    """Records how ``_kernels.function`` builds modules (``cupy.RawModule``'s signature)."""
+    """Records how ``_gpu_kernels.function`` builds modules (``cupy.RawModule``'s signature)."""
 
     built: list[dict] = []
 
@@ -190,16 +190,16 @@ def test_function_builds_one_module_per_device_and_file_with_every_expression(mo
     fake = types.SimpleNamespace(RawModule=_FakeModule,
                                  cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(_kernels, "_MODULES", {})
+    monkeypatch.setattr(_gpu_kernels, "_MODULES", {})
     monkeypatch.setattr(_FakeModule, "built", [])
-    assert _kernels.function("scan.cu", "scan_level", np.int32, np.float32) == (
+    assert _gpu_kernels.function("scan.cu", "scan_level", np.int32, np.float32) == (
         "kernel", "scan_level<int, float>")
-    assert _kernels.function("scan.cu", "scan_level", np.dtype(np.int64), "float64") == (
+    assert _gpu_kernels.function("scan.cu", "scan_level", np.dtype(np.int64), "float64") == (
         "kernel", "scan_level<long long, double>")
     assert len(_FakeModule.built) == 1
     built = _FakeModule.built[0]
-    assert built["names"] == tuple(_kernels.name_expressions("scan.cu"))
-    assert built["options"] == _kernels.COMPILE_OPTIONS
-    assert built["code"] == _kernels.source("scan.cu")
-    _kernels.function("pooling.cu", "pool_fill", np.int64)
+    assert built["names"] == tuple(_gpu_kernels.name_expressions("scan.cu"))
+    assert built["options"] == _gpu_kernels.COMPILE_OPTIONS
+    assert built["code"] == _gpu_kernels.source("scan.cu")
+    _gpu_kernels.function("pooling.cu", "pool_fill", np.int64)
     assert [b["names"][0] for b in _FakeModule.built] == ["scan_level<int, float>", "pool_row_counts<int>"]

@@ -17,7 +17,7 @@ import sysconfig
 import pytest
 
 import sparse_scan
-from sparse_scan import _kernels
+from sparse_scan import _gpu_kernels
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_SUFFIXES = (".cu", ".cuh")
@@ -40,7 +40,7 @@ def test_kernel_sources_are_package_resources():
     assert shipped == in_repo
     assert any(name.endswith(".cu") for name in shipped), "no .cu file in sparse_scan.rawkernels"
     for name in shipped:
-        text = _kernels.source(name)
+        text = _gpu_kernels.source(name)
         assert text.strip(), f"{name} is empty"
         assert text == (REPO / "rawkernels" / name).read_text()
 

@@ -14,14 +14,10 @@ from cuda_on_cpu import compile_for_cpu, pointer
 from oracles import finite_difference_jt, torch_jt
 
 from sparse_scan import backend
-from sparse_scan.layers import _pooling as pooling
+from sparse_scan.layers import AvgPool2d, MaxPool2d
+from sparse_scan.layers import _pooling_jt as pooling
 from sparse_scan.layers._geometry import output_size
-from sparse_scan.layers._pooling import (
-    AvgPool2d,
-    MaxPool2d,
-    _max_selection_cpu,
-    _pattern_cpu,
-)
+from sparse_scan.layers._pooling_jt import _max_selection_cpu, _pattern_cpu
 
 CPU = backend.get("cpu")
 
@@ -442,18 +438,18 @@ def test_gpu_twins_launch_device_arrays_and_int64_scalars(monkeypatch, index_dty
     scalars), against the NumPy twins."""
     gpu = backend.get("gpu")
     launches = []
-    launch = pooling._kernels.launch
+    launch = pooling._gpu_kernels.launch
 
     def checked(kernel, work_items, args):
         assert all(isinstance(a, (gpu.xp.ndarray, np.int64)) for a in args), "explicit int64 scalars"
         launches.append(len(args))
         launch(kernel, work_items, args)
 
-    monkeypatch.setattr(pooling._kernels, "launch", checked)
+    monkeypatch.setattr(pooling._gpu_kernels, "launch", checked)
     for i, (kind, kwargs, shape) in enumerate(KERNEL_CASES):
         layer = make_layer(kind, kwargs)
         g = layer._geometry(shape)
-        got = pooling._pattern.twins["gpu"](gpu, g, np.dtype(index_dtype))
+        got = pooling.pattern.twins["gpu"](gpu, g, np.dtype(index_dtype))
         for a, b in zip(got, _pattern_cpu(CPU, g, np.dtype(index_dtype)), strict=True):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(gpu.to_host(a), b)
@@ -462,7 +458,7 @@ def test_gpu_twins_launch_device_arrays_and_int64_scalars(monkeypatch, index_dty
             _, device_aux = layer._pattern_entry(shape, gpu, index_dtype)
             x = make_input(shape, batch=2, dtype=value_dtype, seed=i)
             x[1] = np.round(x[1])
-            got = pooling._max_selection.twins["gpu"](gpu, gpu.asarray(x), device_aux, pattern.nnz)
+            got = pooling.max_selection.twins["gpu"](gpu, gpu.asarray(x), device_aux, pattern.nnz)
             want = _max_selection_cpu(CPU, x, aux, pattern.nnz)
             np.testing.assert_array_equal(gpu.to_host(got[0]), want[0])
             assert got[1] is want[1] is False

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from sparse_scan import _scaled_gather
-from sparse_scan._scaled_gather import find_runs, scaled_gather
+from sparse_scan.engine import _scaled_gather
+from sparse_scan.engine._scaled_gather import find_runs, scaled_gather
 
 
 @pytest.fixture(params=["inline", "pieces on threads"])

@@ -19,7 +19,7 @@ import scipy.sparse as sp
 from cuda_on_cpu import compile_for_cpu, pointer
 from test_scan import random_chain, schedules
 
-from sparse_scan import _kernels, backend
+from sparse_scan import _gpu_kernels, backend
 from sparse_scan.csr import Pattern
 from sparse_scan.engine import _cpu as host
 from sparse_scan.engine import _gpu, _tables
@@ -231,7 +231,7 @@ def scan_launches(monkeypatch):
     Other kernels (a forward pass's JT kernels) pass through unrecorded."""
     gpu = backend.get("gpu")
     launches, names = [], {}
-    function, launch = _kernels.function, _kernels.launch
+    function, launch = _gpu_kernels.function, _gpu_kernels.launch
 
     def named(filename, kernel, *dtypes):
         compiled = function(filename, kernel, *dtypes)
@@ -250,8 +250,8 @@ def scan_launches(monkeypatch):
 
     monkeypatch.setattr(_gpu, "_DEVICE_INDEX", weakref.WeakKeyDictionary())
     monkeypatch.setattr(_tables, "_WORKSPACES", {})
-    monkeypatch.setattr(_kernels, "function", named)
-    monkeypatch.setattr(_kernels, "launch", checked)
+    monkeypatch.setattr(_gpu_kernels, "function", named)
+    monkeypatch.setattr(_gpu_kernels, "launch", checked)
     return launches
 
 
@@ -395,7 +395,7 @@ def test_gpu_workspace_is_built_once_and_results_stay(scan_launches, monkeypatch
                                          for jt in device_jts])
     assert len(_tables.workspaces(plan)) == 2  # one per batch size
     indices = len(_gpu._DEVICE_INDEX)
-    monkeypatch.setattr(_kernels, "current_device", lambda: 1)  # another current GPU: its own memory
+    monkeypatch.setattr(_gpu_kernels, "current_device", lambda: 1)  # another current GPU: its own memory
     assert_close(to_host(_gpu.run_plan(plan, device_grad, device_jts)), to_host(second), 0.0)
     assert len(_tables.workspaces(plan)) == 3
     assert all(any(key[-1] == 1 for key in arrays) for arrays in _gpu._DEVICE_INDEX.values())

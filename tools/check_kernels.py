@@ -7,7 +7,7 @@
 checks only its syntax: a template body calling a helper with the wrong arguments passes it. CuPy
 compiles a ``cupy.RawModule(code=..., options=..., name_expressions=[...])`` with NVRTC, which
 instantiates exactly the name expressions it is given. This tool does the same, file by file, from the
-one registry the glue uses (``sparse_scan._kernels.INSTANTIATIONS``): each file is compiled once per
+one registry the glue uses (``sparse_scan._gpu_kernels.INSTANTIATIONS``): each file is compiled once per
 architecture with all its name expressions, through CuPy's own
 ``cupy.cuda.compiler.compile_using_nvrtc``, and the lowered (mangled) name of every expression is
 checked. It prints one line per instantiation and architecture, NVRTC's log (file and line of the error)
@@ -52,7 +52,7 @@ from typing import Any, Iterator, Sequence
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the registry of this checkout, installed or not
 
-from sparse_scan import _kernels  # noqa: E402 - after the path above
+from sparse_scan import _gpu_kernels  # noqa: E402 - after the path above
 
 DEFAULT_ARCHS = ("80", "90")
 INSTALL_HINT = "pip install -e '.[nvrtc]' (cupy-cuda13x and nvidia-cuda-nvrtc)"
@@ -94,7 +94,7 @@ def load_compiler() -> tuple[ModuleType, tuple[str, ...], str]:
         raise Unavailable(f"NVRTC cannot be loaded ({type(error).__name__}: {error})") from error
     core = sys.modules.get("cupy._core.core")
     assemble = getattr(core, "assemble_cupy_compiler_options", None)
-    options = tuple(assemble(_kernels.COMPILE_OPTIONS)) if assemble else _kernels.COMPILE_OPTIONS
+    options = tuple(assemble(_gpu_kernels.COMPILE_OPTIONS)) if assemble else _gpu_kernels.COMPILE_OPTIONS
     version = f"CuPy {cupy.__version__}, NVRTC {nvrtc[0]}.{nvrtc[1]}"
     return compiler, options + ("-ftz=true",), version
 
@@ -155,7 +155,7 @@ def report(result: FileResult) -> list[str]:
 
 def unregistered(folder: pathlib.Path) -> list[str]:
     """``.cu`` files of ``folder`` that the registry does not list (nothing would compile them)."""
-    return sorted(p.name for p in folder.glob("*.cu") if p.name not in _kernels.INSTANTIATIONS)
+    return sorted(p.name for p in folder.glob("*.cu") if p.name not in _gpu_kernels.INSTANTIATIONS)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -185,13 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           "-arch=sm_XX --device-as-default-execution-space")
     start, count, failed = time.perf_counter(), 0, 0
     for name in unregistered(args.rawkernels):
-        print(f"FAIL {name}: not in sparse_scan._kernels.INSTANTIATIONS (nothing would compile it)")
+        print(f"FAIL {name}: not in sparse_scan._gpu_kernels.INSTANTIATIONS (nothing would compile it)")
         failed += 1
-    for filename in _kernels.INSTANTIATIONS:
-        path, expressions = args.rawkernels / filename, _kernels.name_expressions(filename)
+    for filename in _gpu_kernels.INSTANTIATIONS:
+        path, expressions = args.rawkernels / filename, _gpu_kernels.name_expressions(filename)
         count += len(expressions) * len(args.arch)
         if not path.is_file():
-            print(f"FAIL {filename}: registered in sparse_scan._kernels.INSTANTIATIONS but not in "
+            print(f"FAIL {filename}: registered in sparse_scan._gpu_kernels.INSTANTIATIONS but not in "
                   f"{args.rawkernels}")
             failed += len(expressions) * len(args.arch)
             continue
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     archs = ", ".join(f"sm_{a}" for a in args.arch)
     outcome = "all ok" if failed == 0 else f"{failed} FAILED"
     print(f"check_kernels: {count} instantiations ({count // max(1, len(args.arch))} per arch; {archs}) "
-          f"from {len(_kernels.INSTANTIATIONS)} files in {time.perf_counter() - start:.1f} s: {outcome}")
+          f"from {len(_gpu_kernels.INSTANTIATIONS)} files in {time.perf_counter() - start:.1f} s: {outcome}")
     return 0 if failed == 0 else 1
 
 

@@ -39,7 +39,7 @@ FORBIDDEN_TOP_LEVEL = ("cli", "rawkernels", "tests", "bench", "data", "tools")
 INSTALLED_CHECK = r"""
 import importlib.resources, importlib.util, json, pathlib, sys, sysconfig
 import sparse_scan
-from sparse_scan import _kernels
+from sparse_scan import _gpu_kernels
 
 expected = set(json.loads(sys.argv[1]))
 forbidden = json.loads(sys.argv[2])
@@ -52,7 +52,7 @@ assert found == expected, f"kernels in the installed package: {sorted(found)}; e
 for name in sorted(expected):
     text = kernels.joinpath(name).read_text()
     assert text.strip(), f"{name} is empty"
-    assert _kernels.source(name) == text, f"_kernels.source({name!r}) differs from the resource"
+    assert _gpu_kernels.source(name) == text, f"_gpu_kernels.source({name!r}) differs from the resource"
 for name in forbidden:
     assert importlib.util.find_spec(name) is None, f"a top-level module {name!r} is importable"
     assert not (site / name).exists() and not (site / f"{name}.py").exists(), f"{name} in {site}"

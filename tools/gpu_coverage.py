@@ -4,7 +4,7 @@
     python tools/gpu_coverage.py [--data-file .coverage] [--fail-under 95]
 
 The GPU glue is every module whose whole job is the GPU (``engine/_gpu``, ``engine/_dense_gpu``,
-``engine/_tables``, ``_kernels``) plus every GPU twin elsewhere in ``sparse_scan/`` (functions named
+``engine/_tables``, ``_gpu_kernels``) plus every GPU twin elsewhere in ``sparse_scan/`` (functions named
 ``*_gpu`` and ``BatchedCSR.to_cupyx``, found by parsing the sources). Prints one line per unit and the
 total; exits 1 below ``--fail-under`` percent.
 """
@@ -18,7 +18,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sparse_scan"
-GPU_MODULES = ("engine/_gpu.py", "engine/_dense_gpu.py", "engine/_tables.py", "_kernels.py")
+GPU_MODULES = ("engine/_gpu.py", "engine/_dense_gpu.py", "engine/_tables.py", "_gpu_kernels.py")
 
 
 def _statements(path: pathlib.Path) -> set[int]:

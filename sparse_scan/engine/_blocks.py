@@ -37,9 +37,10 @@ from types import ModuleType
 
 import numpy as np
 
-from .._host_kernels import kernels, launch, parts, rows2d
+from .._host_kernels import launch, parts, rows2d
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
+from ._kernels import block_products
 
 __all__ = ["BLOCK_COLUMNS", "BlockLayout", "BlockProduct", "block_layout", "multiply_blocks",
            "multiply_blocks_host", "plan_block_product"]
@@ -257,7 +258,7 @@ def multiply_blocks_host(plan: BlockProduct, a_data: np.ndarray, b_data: np.ndar
 
     ``a_data``/``b_data`` are ``(nnz,)`` (shared by the batch) or ``(B, nnz)``; the result is
     ``(nnz_C,)`` when both are shared, else ``(B, nnz_C)``, in their result dtype. Compiled
-    (:func:`sparse_scan._numba_kernels.block_products`): every ``C`` block summed over its pairs and
+    (:func:`sparse_scan.engine._kernels.block_products`): every ``C`` block summed over its pairs and
     written in CSR order, with no scatter pass. Each thread copies the operands' blocks it needs into
     contiguous tiles as it first meets them (``nnz_A + nnz_B`` values per thread, reused sample after
     sample; once for all samples for a shared operand). ``workers`` threads take one run of samples
@@ -276,7 +277,7 @@ def multiply_blocks_host(plan: BlockProduct, a_data: np.ndarray, b_data: np.ndar
         pieces = [(0, batch, int(c0), int(c1)) for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True)
                   if c1 > c0]
     if rows.size:
-        launch(kernels().block_products,
+        launch(block_products,
                (rows2d(a_data, dtype), rows2d(b_data, dtype), plan.a.gather, plan.b.gather,
                 plan.b.pixel_pattern.indptr, plan.b_block_rows, plan.pair_starts, plan.pair_a, plan.pair_b,
                 plan.scatter, BLOCK_COLUMNS, rows), pieces)

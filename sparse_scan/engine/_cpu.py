@@ -17,12 +17,13 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import scipy.sparse
 
-from .._host_kernels import BLOCK_ENTRIES, kernels, launch, parts, rows2d
-from .._scaled_gather import Runs, find_runs, scaled_gather
+from .._host_kernels import BLOCK_ENTRIES, launch, parts, rows2d
 from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool, thread_count, workers_for
 from .._types import Array
 from ..csr import BatchedCSR, Pattern
 from ._blocks import multiply_blocks_host
+from ._kernels import first_term_products, rowwise_products, stored_products
+from ._scaled_gather import Runs, find_runs, scaled_gather
 from ._selection import multiply_live
 from .plan import ScanPlan, Step
 from .products import ProductPlan
@@ -83,7 +84,7 @@ fan-out 1 keeps the stored method."""
 
 def _skips_dead_rows(plan: ProductPlan, a_data: Array) -> bool:
     """Whether a ``general``/``gather`` product runs row by row over ``A``'s live entries
-    (:func:`sparse_scan._numba_kernels.rowwise_products`) instead of its stored multiply-adds.
+    (:func:`sparse_scan.engine._kernels.rowwise_products`) instead of its stored multiply-adds.
 
     Only a per-sample ``A`` carries the input's zeros (ReLU's off units, max-pool's non-maxima, and
     products of them); each skipped ``A`` entry skips its whole row of ``B``. Both kernels sum an
@@ -140,8 +141,8 @@ def _balanced_cuts(offsets: np.ndarray, total: int, pieces: int, count: int) -> 
 FIRST_TERM_MAX_TERMS = 2
 """Stored products with at most this many multiply-adds per ``C`` entry on average stream every
 entry's first term, then add the longer entries' other terms
-(:func:`sparse_scan._numba_kernels.first_term_products`); longer sums loop per entry
-(:func:`~sparse_scan._numba_kernels.stored_products`). Measured (float32, 2 threads, batch 1 / 16,
+(:func:`sparse_scan.engine._kernels.first_term_products`); longer sums loop per entry
+(:func:`~sparse_scan.engine._kernels.stored_products`). Measured (float32, 2 threads, batch 1 / 16,
 first-term over per-entry loop): VGG-11-pruned's pool1·pool2 (1.03 terms) 2.8-5.8 / 50-53 ms
 against 7.8-9.0 / 125-152 ms; random products of 1.05 and 1.51 terms 1.6-2.9x faster; of 4.1
 terms 1.62-1.97 against 1.54-1.86 ms / 11-15 against 19 ms; of 12 terms 1.15x slower at batch 1."""
@@ -149,8 +150,8 @@ terms 1.62-1.97 against 1.54-1.86 ms / 11-15 against 19 ms; of 12 terms 1.15x sl
 
 def _multiply_stored(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """The stored multiply-adds, summed per ``C`` entry (compiled:
-    :func:`sparse_scan._numba_kernels.stored_products`, or
-    :func:`~sparse_scan._numba_kernels.first_term_products` for short sums:
+    :func:`sparse_scan.engine._kernels.stored_products`, or
+    :func:`~sparse_scan.engine._kernels.first_term_products` for short sums:
     :data:`FIRST_TERM_MAX_TERMS`).
 
     ``a``/``b`` are ``(1 or B, nnz)``, ``out`` ``(B, nnz_C)``. Each entry is summed from zero in the
@@ -166,15 +167,15 @@ def _multiply_stored(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.nd
         pieces = [(0, batch, int(e0), int(e1)) for e0, e1 in zip(cuts[:-1], cuts[1:], strict=True)
                   if e1 > e0]
     if total <= FIRST_TERM_MAX_TERMS * nnz:
-        kernel, block = kernels().first_term_products, BLOCK_ENTRIES
+        kernel, block = first_term_products, BLOCK_ENTRIES
     else:
-        kernel, block = kernels().stored_products, nnz
+        kernel, block = stored_products, nnz
     launch(kernel, (a, b, plan.a_pos, plan.b_pos, starts, total, out), [piece + (block,) for piece in pieces])
 
 
 def _multiply_rowwise(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """Every row of ``C`` expanded from the operands' patterns and summed into its stored entries,
-    skipping ``A``'s zero entries (compiled: :func:`sparse_scan._numba_kernels.rowwise_products`):
+    skipping ``A``'s zero entries (compiled: :func:`sparse_scan.engine._kernels.rowwise_products`):
     the lean method, which stores nothing per multiply-add, and the live one of summed products
     with a per-sample ``A`` (:func:`_skips_dead_rows`). Batches run one run of samples per core; one
     sample runs of rows."""
@@ -187,7 +188,7 @@ def _multiply_rowwise(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.n
         cuts = _balanced_cuts(np.asarray(c.indptr), c.nnz, len(pieces), rows)
         pieces = [(0, batch, int(r0), int(r1)) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True)
                   if r1 > r0]
-    launch(kernels().rowwise_products,
+    launch(rowwise_products,
            (np.asarray(pa.indptr), np.asarray(pa.indices), np.asarray(pb.indptr), np.asarray(pb.indices),
             np.asarray(c.indptr), np.asarray(c.indices), c.shape[1], a, b, out), pieces)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _kernels
+from .. import _gpu_kernels
 from .._types import Array
 from ._tables import DescriptorTable, Level, Patch, TableBuilder, allocate, cached_workspace, value_dtype
 from .dense_plan import INPUT, DenseGroup, DenseScanPlan, Location
@@ -131,7 +131,7 @@ class _Workspace:
             self.inputs[1:] = direct
         else:
             self.inputs[-1] = direct
-        self.table.bind([_kernels.device_pointer(blocks)])
+        self.table.bind([_gpu_kernels.device_pointer(blocks)])
 
     def outputs(self) -> Array:
         """The total gradients ``(n + 1, B, H)`` (a copy: the workspace's array is reused)."""
@@ -172,12 +172,12 @@ class _Descriptors:
         offset = location.row * self.shape.block * self.itemsize
         if location.buffer == INPUT:
             return Patch(0, offset)
-        return _kernels.device_pointer(self.blocks[location.buffer]) + offset
+        return _gpu_kernels.device_pointer(self.blocks[location.buffer]) + offset
 
     def vector(self, location: Location) -> int:
         """The address of a vector row."""
         array = self.inputs if location.buffer == INPUT else self.vectors[location.buffer]
-        return _kernels.device_pointer(array) + location.row * self.shape.vector * self.itemsize
+        return _gpu_kernels.device_pointer(array) + location.row * self.shape.vector * self.itemsize
 
     def add_group(self, group: DenseGroup, first: int, first_unit: int) -> tuple[int, int]:
         """Append one descriptor per step of ``group``, work items from ``first`` and tiled units from
@@ -192,7 +192,7 @@ class _Descriptors:
                 units = (-(-size // TILE)) ** 2 + chunks * affine
                 left = [self.block(op.left), block_stride,
                         self.vector(op.left) if affine else 0, vector_stride * affine]
-                out = [_kernels.device_pointer(self.blocks[group.buffer])
+                out = [_gpu_kernels.device_pointer(self.blocks[group.buffer])
                        + row * shape.block * self.itemsize,
                        self.vector(Location(group.buffer, row)) if affine else 0]
             else:
@@ -212,7 +212,7 @@ class _Descriptors:
         """Append one copy per source vector row into the rows of ``result``; return the work items."""
         shape, first = self.shape, 0
         for position, source in enumerate(sources):
-            out = _kernels.device_pointer(result) + position * shape.vector * self.itemsize
+            out = _gpu_kernels.device_pointer(result) + position * shape.vector * self.itemsize
             self.table.add([COPY, first, shape.batch, shape.size, shape.size, 0, 0, 0, 0, 0, 0, 0,
                             self.vector(source), shape.size, 0, out, 0, 0])
             first += shape.vector
@@ -221,7 +221,7 @@ class _Descriptors:
 
 def _build_workspace(plan: DenseScanPlan, shape: _Shape) -> _Workspace:
     """Allocate the buffers and build the descriptor tables of every level."""
-    xp = _kernels.cupy_module()
+    xp = _gpu_kernels.cupy_module()
     inputs = xp.zeros((plan.n + 1, shape.batch, shape.size), dtype=shape.dtype)
     result = xp.empty_like(inputs)
     blocks, vectors = _allocate(plan, shape)
@@ -272,18 +272,18 @@ def run_dense_plan(plan: DenseScanPlan, blocks: Array, direct: Array) -> Array:
     dtype = value_dtype("the GPU dense scan", blocks.dtype)
     if blocks.ndim != 4 or blocks.shape[0] != plan.n:
         raise ValueError(f"the plan needs blocks of shape ({plan.n}, B, H, H); got {tuple(blocks.shape)}")
-    blocks = _kernels.cupy_module().ascontiguousarray(blocks)
+    blocks = _gpu_kernels.cupy_module().ascontiguousarray(blocks)
     shape = _Shape(int(blocks.shape[1]), int(blocks.shape[2]), dtype, direct.ndim == 3)
     workspace = cached_workspace(plan, shape, lambda: _build_workspace(plan, shape))
     workspace.bind(blocks, direct)
-    kernels = {name: _kernels.function(KERNEL_FILE, f"dense_scan_{name}", dtype)
+    kernels = {name: _gpu_kernels.function(KERNEL_FILE, f"dense_scan_{name}", dtype)
                for name in sorted({level.kernel for level in workspace.levels})}
     for level in workspace.levels:
         kernel = kernels[level.kernel]
         if level.kernel == "chain":
-            _kernels.launch_blocks(kernel, level.items, chain_threads(shape.size), level.arguments[:2])
+            _gpu_kernels.launch_blocks(kernel, level.items, chain_threads(shape.size), level.arguments[:2])
         elif level.kernel == "tiled":
-            _kernels.launch_blocks(kernel, level.items, TILE_THREADS, level.arguments)
+            _gpu_kernels.launch_blocks(kernel, level.items, TILE_THREADS, level.arguments)
         else:
-            _kernels.launch(kernel, level.items, level.arguments)
+            _gpu_kernels.launch(kernel, level.items, level.arguments)
     return workspace.outputs()

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import _kernels
+from .. import _gpu_kernels
 from .._types import Array
 from ..csr import BatchedCSR, Pattern, choose_index_dtype
 from ._blocks import BlockProduct, multiply_blocks
@@ -71,9 +71,9 @@ array, dropped with the owner."""
 def _device_index(owner: Pattern | ProductPlan, name: str, host: np.ndarray, dtype: np.dtype) -> Array:
     """``host`` as a device array of ``dtype``, uploaded once per (``owner``, ``name``, ``dtype``)."""
     arrays = _DEVICE_INDEX.setdefault(owner, {})
-    key = (name, dtype, _kernels.current_device())
+    key = (name, dtype, _gpu_kernels.current_device())
     if key not in arrays:
-        arrays[key] = _kernels.cupy_module().asarray(host, dtype=dtype)
+        arrays[key] = _gpu_kernels.cupy_module().asarray(host, dtype=dtype)
     return arrays[key]
 
 
@@ -237,7 +237,7 @@ class _Workspace:
 
     def bind(self, inputs: Sequence[Array], outputs: Sequence[Array]) -> dict[Element, Array]:
         """Point the table at the per-call arrays (its upload queued); return every value."""
-        self.table.bind([_kernels.device_pointer(a) for a in (*inputs, *outputs)])
+        self.table.bind([_gpu_kernels.device_pointer(a) for a in (*inputs, *outputs)])
         values = dict(self.buffers)
         values.update({Element(j, j): a for j, a in enumerate(inputs)})
         values.update(zip(self.fresh, outputs, strict=True))
@@ -299,9 +299,9 @@ def _run_fallback(step: Step, values: dict[Element, Array]) -> None:
 def _device_blocks(product: ProductPlan) -> BlockProduct:
     """``product``'s block structure with its index arrays on the device (uploaded once)."""
     arrays = _DEVICE_INDEX.setdefault(product, {})
-    key = ("blocks", _kernels.current_device())
+    key = ("blocks", _gpu_kernels.current_device())
     if key not in arrays:
-        blocks, xp = product.blocks, _kernels.cupy_module()
+        blocks, xp = product.blocks, _gpu_kernels.cupy_module()
         arrays[key] = dataclasses.replace(
             blocks,
             a=dataclasses.replace(blocks.a, gather=xp.asarray(blocks.a.gather)),
@@ -313,7 +313,7 @@ def _device_blocks(product: ProductPlan) -> BlockProduct:
 
 def _multiply_blocks_on_device(product: ProductPlan, a_data: Array, b_data: Array) -> Array:
     """``block`` products: one batched GEMM per slot (cuBLAS through CuPy's ``matmul``)."""
-    return multiply_blocks(_device_blocks(product), a_data, b_data, xp=_kernels.cupy_module())
+    return multiply_blocks(_device_blocks(product), a_data, b_data, xp=_gpu_kernels.cupy_module())
 
 
 PRODUCT_FALLBACKS["block"] = _multiply_blocks_on_device
@@ -346,7 +346,7 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR]) -
     if len(jacobians) != plan.n or grad_out.ndim != 2:
         raise ValueError(f"the plan needs grad_out of shape (B, size) and {plan.n} JTs; got shape "
                          f"{tuple(grad_out.shape)} and {len(jacobians)} JTs")
-    xp = _kernels.cupy_module()
+    xp = _gpu_kernels.cupy_module()
     dtype = value_dtype("the GPU scan", grad_out.dtype, *(jt.data.dtype for jt in jacobians))
     inputs = [xp.ascontiguousarray(grad_out, dtype=dtype)]
     inputs += [xp.ascontiguousarray(jt.data, dtype=dtype) for jt in jacobians]
@@ -356,12 +356,12 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR]) -
                                                                       dtype))
     outputs = [xp.empty(workspace.layout.shape(e, batch), dtype=dtype) for e in workspace.fresh]
     values = workspace.bind(inputs, outputs)
-    kernel = _kernels.function(KERNEL_FILE, "scan_level", workspace.index_dtype, dtype)
+    kernel = _gpu_kernels.function(KERNEL_FILE, "scan_level", workspace.index_dtype, dtype)
     for level in workspace.levels:
         for step in level.fallbacks:
             _run_fallback(step, values)
         if level.items:
-            _kernels.launch(kernel, level.items, level.arguments)
+            _gpu_kernels.launch(kernel, level.items, level.arguments)
     return [values[element] for element in plan.outputs]
 
 
@@ -384,7 +384,7 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:
     cupy.ndarray, shape (nnz_C,) or (B, nnz_C)
         Values of ``C`` in ``plan.out``'s entry order, in the promoted dtype (float32 or float64).
     """
-    xp = _kernels.cupy_module()
+    xp = _gpu_kernels.cupy_module()
     dtype = value_dtype("the GPU product", a_data.dtype, b_data.dtype)
     a, b = xp.ascontiguousarray(a_data, dtype=dtype), xp.ascontiguousarray(b_data, dtype=dtype)
     if plan.method not in KERNEL_METHODS:
@@ -409,6 +409,6 @@ def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:
     builder = TableBuilder(FIELDS)
     builder.add(fields)
     level = Level(xp.asarray(builder.host()), 1, fields[2] * fields[3])
-    kernel = _kernels.function(KERNEL_FILE, "scan_level", index_dtype, dtype)
-    _kernels.launch(kernel, level.items, level.arguments)
+    kernel = _gpu_kernels.function(KERNEL_FILE, "scan_level", index_dtype, dtype)
+    _gpu_kernels.launch(kernel, level.items, level.arguments)
     return out

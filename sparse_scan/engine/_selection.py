@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._host_kernels import kernels, launch, parts, rows2d
+from .._host_kernels import launch, parts, rows2d
 from .._threads import workers_for
 from .._types import Array
 from ..csr import Pattern
+from ._kernels import live_products
 
 __all__ = ["SelectionGather", "live_multiply_adds", "multiply_live", "plan_selection_gather"]
 
@@ -166,7 +167,7 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: 
 
     The selection's data is ``(B, nnz_S)``; the other operand's ``(nnz,)`` (shared) or ``(B, nnz)``.
     Returns ``(B, nnz_C)`` (into ``out`` when given: C-contiguous, that shape and the operands'
-    result dtype). Compiled (:func:`sparse_scan._numba_kernels.live_products`): per sample,
+    result dtype). Compiled (:func:`sparse_scan.engine._kernels.live_products`): per sample,
     each column's live window position (its first non-zero entry, else the first) picks a row of the
     slot tables, and each slot writes one product (exact: the live weight times the other operand's
     entry). Large batches run one run of samples per core.
@@ -178,7 +179,7 @@ def multiply_live(gather: SelectionGather, out_nnz: int, a_data: Array, b_data: 
         out = np.empty((batch, out_nnz), dtype=dtype)
     work = batch * (out_nnz + gather.live_multiply_adds)
     pieces = [(s0, s1) for s0, s1, _, _ in parts(batch, 1, workers_for(work))]
-    launch(kernels().live_products,
+    launch(live_products,
            (rows2d(selection, dtype), rows2d(other, dtype), gather.entries, gather.valid,
             gather.column_of_slot, gather.out_pos, gather.other_pos, out), pieces)
     return out

@@ -35,14 +35,14 @@ from typing import Any, Callable, Hashable, Iterable, Sequence, TypeAlias, TypeV
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .. import _kernels
+from .. import _gpu_kernels
 from .._types import Array
 
 __all__ = ["VALUE_DTYPES", "DescriptorTable", "Field", "Level", "Patch", "StagedTable", "TableBuilder",
            "allocate", "cached_workspace", "value_dtype", "workspaces"]
 
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-"""The value dtypes the kernels are instantiated for (:data:`sparse_scan._kernels.INSTANTIATIONS`)."""
+"""The value dtypes the kernels are instantiated for (:data:`sparse_scan._gpu_kernels.INSTANTIATIONS`)."""
 
 _WORKSPACES: dict[int, dict[Hashable, Any]] = {}
 
@@ -93,12 +93,12 @@ class StagedTable:
 
         self.host = cupyx.empty_pinned(rows.shape, dtype=np.int64)
         self.host[...] = rows
-        self.device = _kernels.cupy_module().asarray(rows)
+        self.device = _gpu_kernels.cupy_module().asarray(rows)
         self._uploaded: Any = None
 
     def patch(self, positions: np.ndarray, values: np.ndarray) -> None:
         """Set ``host[positions] = values`` and queue the table's upload on the current stream."""
-        cupy = _kernels.cupy_module()
+        cupy = _gpu_kernels.cupy_module()
         if self._uploaded is not None and not self._uploaded.done:
             self._uploaded.synchronize()  # sync: only while the previous call's upload is still queued
         self.host[positions] = values
@@ -161,7 +161,7 @@ class TableBuilder:
                 value = 0
             elif not isinstance(value, (int, np.integer)):
                 self.keep.append(value)
-                value = _kernels.device_pointer(value)
+                value = _gpu_kernels.device_pointer(value)
             values.append(int(value))
         self.rows.append(values + [0] * (self.fields - len(values)))
 
@@ -237,7 +237,7 @@ def allocate(levels: Iterable[tuple[Sequence[tuple[Key, tuple[int, ...]]], Itera
         ``key -> array of its shape``. The values of a level are computed concurrently, so they never
         take memory released in that level, nor share memory with each other.
     """
-    xp = _kernels.cupy_module()
+    xp = _gpu_kernels.cupy_module()
     buffers: dict[Key, Array] = {}
     owners: dict[Key, Array] = {}
     free: list[Array] = []
@@ -265,7 +265,7 @@ def workspaces(plan: object) -> dict[Hashable, Any]:
 def cached_workspace(plan: object, key: Hashable, build: Callable[[], Workspace]) -> Workspace:
     """The workspace of ``plan`` for ``key`` on the current device; ``build()`` makes it the first time."""
     cache = workspaces(plan)
-    key = (key, _kernels.current_device())
+    key = (key, _gpu_kernels.current_device())
     if key not in cache:
         cache[key] = build()
     return cache[key]

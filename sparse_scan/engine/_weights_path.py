@@ -12,7 +12,7 @@ weights as CSR where they are heavily pruned. This module is the one home of tha
   :data:`DENSE_MATVEC_MIN_DENSITY` of the GEMM's multiply-adds runs as that GEMM (:func:`gemm_pays`;
   the plan marks such steps ``dense``). A JT that only mv steps read and whose layer holds CSR
   weights goes through them at every batch (the compiled sparse transposed convolution of
-  :mod:`sparse_scan._numba_conv`);
+  :mod:`sparse_scan.layers._conv_pruned`);
 - what a plan does with it, :class:`WeightsPlan` (``ScanPlan.weights``): for a batch, the JTs whose
   mv steps a host run applies through their weights (:meth:`WeightsPlan.through`) and those of them
   it needs no values of (:meth:`WeightsPlan.valueless`).

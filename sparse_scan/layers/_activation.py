@@ -18,11 +18,12 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import number
-from .._host_kernels import launch, operator_kernels
+from .._host_kernels import launch
 from .._threads import even_parts, workers_for
 from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
+from ._kernels import relu_backward
 
 __all__ = ["ELU", "GELU", "Affine", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid",
            "Softplus", "Tanh"]
@@ -78,14 +79,14 @@ class ReLU(_Elementwise):
 
 def _relu_matvec(x: np.ndarray, grad: np.ndarray) -> np.ndarray:
     """``grad * (x > 0)`` for flat ``(B, n)`` batches, in their result dtype
-    (:func:`sparse_scan._numba_operators.relu_backward`; runs of positions per core from
+    (:func:`sparse_scan.layers._kernels.relu_backward`; runs of positions per core from
     :data:`~sparse_scan._threads.THREAD_MIN_VALUES` values)."""
     if grad.shape != x.shape:  # the kernel reads without bounds checks
         raise ValueError(f"ReLU's JT @ g: expected gradients of shape {x.shape}, got {grad.shape}")
     out = np.empty(x.shape, dtype=np.result_type(x, grad))
     size = out.size
     pieces = even_parts(size, workers_for(size))
-    launch(operator_kernels().relu_backward,
+    launch(relu_backward,
            (x.reshape(-1), np.ascontiguousarray(grad).reshape(-1), out.reshape(-1)), pieces)
     return out
 

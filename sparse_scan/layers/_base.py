@@ -224,7 +224,7 @@ class Layer:
         the GPU). A host backward uses it for the JTs that only matrix-vector steps read
         (:func:`sparse_scan.engine.run.through_inputs`), a residual block for its inner layers:
         :class:`ReLU` and 2x2 :class:`MaxPool2d` offer one, in one compiled pass
-        (:mod:`sparse_scan._numba_operators`)."""
+        (:mod:`sparse_scan.layers._kernels`)."""
         return None
 
 

@@ -29,11 +29,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import backend as _backend
-from .._host_kernels import dense_kernels, launch
+from .._host_kernels import launch
 from .._threads import cpu_threads, even_parts, run_parts, thread_count, worker_pool
 from .._types import Array
 from ..engine.dense_plan import auto_levels
 from ..engine.run import dense_scan
+from ._kernels import chain_factors, gradient_sums
 
 __all__ = ["Cell", "Run", "chain_through_factors", "compiled_back_propagation", "fill_blocks",
            "resolve_levels"]
@@ -85,7 +86,7 @@ def _chain_cpu(be: _backend.Backend, weights_t: Array, coefficients: Array, diag
     totals = np.empty((steps + 1, batch, size), dtype=dtype)
     operands = (stacked, np.ascontiguousarray(coefficients), diagonal,
                 direct if direct.ndim == 3 else direct[None], totals)
-    launch(dense_kernels().chain_factors, operands, even_parts(batch, cpu_threads()))
+    launch(chain_factors, operands, even_parts(batch, cpu_threads()))
     return totals
 
 
@@ -168,7 +169,7 @@ def _gradient_sums_cpu(be: _backend.Backend, a: Array, b: Array) -> tuple[Array,
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     pieces = even_parts(len(a), cpu_threads()) or [(0, 0)]
     products, sums = np.empty((len(pieces), a.shape[1], b.shape[1])), np.empty((len(pieces), a.shape[1]))
-    launch(dense_kernels().gradient_sums, (a, b),
+    launch(gradient_sums, (a, b),
            [(products[k], sums[k], n0, n1) for k, (n0, n1) in enumerate(pieces)])
     return products.sum(axis=0).astype(a.dtype), sums.sum(axis=0).astype(a.dtype)
 
@@ -187,7 +188,8 @@ def compiled_back_propagation(kernel: Callable[..., None], operands: tuple[Array
                               saved: dict[str, Array], p: dict[str, Array | None], direct: Array,
                               state_size: int, extra: dict[str, tuple[int, ...]] | None = None
                               ) -> dict[str, Array]:
-    """A cell's whole back-propagation on the CPU by its compiled kernel (``sparse_scan._numba_dense``):
+    """A cell's whole back-propagation on the CPU by its compiled kernel
+    (:mod:`sparse_scan.recurrent._kernels`):
     each pool thread runs its samples through every step, summing its parameter gradients in float64,
     the threads' sums added last.
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .._host_kernels import dense_kernels
 from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell, compiled_back_propagation
+from ._kernels import gru_backward
 from ._module import RecurrentModule
 
 __all__ = ["GRU", "GRUSteps"]
@@ -72,7 +72,7 @@ class GRUSteps(Cell):
 
     def back_propagate(self, saved: dict[str, Array], p: dict[str, Array | None], direct: Array
                        ) -> dict[str, Array]:
-        return compiled_back_propagation(dense_kernels().gru_backward, tuple(saved[key] for key in "rznm"),
+        return compiled_back_propagation(gru_backward, tuple(saved[key] for key in "rznm"),
                                          saved, p, direct, self.state_size)
 
     def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],

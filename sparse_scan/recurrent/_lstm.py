@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from .._host_kernels import dense_kernels
 from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell, compiled_back_propagation, fill_blocks
 from ._gru import sigmoid
+from ._kernels import lstm_backward
 from ._module import RecurrentModule, legacy_alias
 
 __all__ = ["LSTM", "LSTMSteps"]
@@ -147,7 +147,7 @@ class LSTMSteps(Cell):
         weight_hr, h_cell = (w_hr, saved["h_cell"]) if w_hr is not None else (np.empty((0, 0), dtype),
                                                                             np.empty((0, 0, 0), dtype))
         gates = tuple(saved[key] for key in ("i", "f", "g", "o", "tanh_c", "c_prev"))
-        return compiled_back_propagation(dense_kernels().lstm_backward, (weight_hr, *gates, h_cell), saved, p,
+        return compiled_back_propagation(lstm_backward, (weight_hr, *gates, h_cell), saved, p,
                                          direct, self.state_size, {"weight_hr": weight_hr.shape})
 
     def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],

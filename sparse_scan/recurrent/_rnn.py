@@ -25,10 +25,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .._host_kernels import dense_kernels
 from .._types import Array
 from ..layers._weighted import RngLike
 from ._base import Cell, compiled_back_propagation
+from ._kernels import elman_backward
 from ._module import RecurrentModule
 
 __all__ = ["RNN", "ElmanSteps"]
@@ -69,7 +69,7 @@ class ElmanSteps(Cell):
 
     def back_propagate(self, saved: dict[str, Array], p: dict[str, Array | None], direct: Array
                        ) -> dict[str, Array]:
-        return compiled_back_propagation(dense_kernels().elman_backward, (saved["slope"],), saved, p, direct,
+        return compiled_back_propagation(elman_backward, (saved["slope"],), saved, p, direct,
                                          self.state_size)
 
     def pre_activation_grads(self, xp: ModuleType, saved: dict[str, Array], p: dict[str, Array | None],

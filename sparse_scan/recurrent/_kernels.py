@@ -1,5 +1,6 @@
-"""The recurrent backward's compiled loops (numba). Import through
-:func:`sparse_scan._host_kernels.dense_kernels`.
+"""The recurrent cells' host kernels: their backward's loops (compiled by numba on first call,
+:func:`sparse_scan._host_kernels.compiled`; callers :mod:`sparse_scan.recurrent._base`, ``_rnn``,
+``_gru``, ``_lstm``).
 
 Back-propagation through time with the blocks in factored form and the parameter gradients' sums over
 every step and sample, one run of samples per pool thread. At the recurrent sizes (``H`` of tens, one
@@ -20,19 +21,17 @@ float64 accumulators of the thread's sums ``weight_ih_sum``, ``weight_hh_sum``, 
 two exceptions to IEEE arithmetic; a zero gate gradient is skipped where its partner (a weight row,
 an input row) is finite, its products being zeros.
 
-Like :mod:`sparse_scan._numba_kernels`: GIL released, no bounds checked, no fastmath (products are
-IEEE products in the arrays' dtype; sums run in the order stated per kernel).
+Products are IEEE products in the arrays' dtype; sums run in the order stated per kernel.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-_OPTIONS = dict(cache=True, nogil=True, error_model="numpy")
+from .._host_kernels import compiled
 
 
-@njit(**_OPTIONS)
+@compiled
 def _finite(values):
     """Whether every entry of the 1-D ``values`` is finite (``x - x`` is NaN for inf and NaN)."""
     for i in range(values.shape[0]):
@@ -41,7 +40,7 @@ def _finite(values):
     return True
 
 
-@njit(**_OPTIONS)
+@compiled
 def _finite_rows(values):
     """:func:`_finite` of every row of the 2-D ``values`` (no copy: ``ravel`` allocated per call)."""
     for r in range(values.shape[0]):
@@ -50,7 +49,7 @@ def _finite_rows(values):
     return True
 
 
-@njit(**_OPTIONS)
+@compiled
 def chain_factors(stacked, coefficients, diagonal, direct, totals, s0, s1):
     """Back-propagation through factored blocks for samples ``s0:s1`` (see
     :func:`sparse_scan.recurrent.chain_through_factors`).
@@ -109,7 +108,7 @@ def chain_factors(stacked, coefficients, diagonal, direct, totals, s0, s1):
                 out[i] = acc[i] if abs(acc[i]) >= tiny or acc[i] != acc[i] else 0
 
 
-@njit(**_OPTIONS)
+@compiled
 def gradient_sums(a, b, products, sums, n0, n1):
     """``products[r, c] = Σ_n a[n, r] · b[n, c]`` and ``sums[r] = Σ_n a[n, r]`` over rows ``n0:n1``,
     in row order, accumulated in the outputs' dtype (float64: the parameter gradients sum ``T·B``
@@ -133,7 +132,7 @@ def gradient_sums(a, b, products, sums, n0, n1):
                 p[c] += v * bn[c]
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _all_finite(values):
     """Whether every entry of the 1-D ``values`` is finite, without an early exit (the loop
     vectorises: a vanished step checks its rows in a few instructions)."""
@@ -143,7 +142,7 @@ def _all_finite(values):
     return not bad
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _all_zero(values):
     """Whether every entry of the 1-D ``values`` is zero (NaN is not), vectorised as :func:`_all_finite`."""
     nonzero = False
@@ -152,7 +151,7 @@ def _all_zero(values):
     return not nonzero
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _add_product(gates, weights, finite_weights, out):
     """``out[i] += Σ_r gates[r] · weights[r, i]`` over ``r`` in order (the innermost loop along a
     contiguous row); a zero gate is skipped when ``finite_weights``."""
@@ -165,7 +164,7 @@ def _add_product(gates, weights, finite_weights, out):
             out[i] += v * row[i]
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _add_outer(gates, row, products):
     """``products[r, c] += gates[r] · row[c]`` in float64 (zero gates skipped when ``row`` is finite)."""
     finite_row = _all_finite(row)
@@ -178,13 +177,13 @@ def _add_outer(gates, row, products):
             p[c] += v * row[c]
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _add_sums(gates, sums):
     for r in range(gates.shape[0]):
         sums[r] += np.float64(gates[r])
 
 
-@njit(**_OPTIONS)
+@compiled
 def _through_gates(gates_ih, gates_hh, weight_ih, weight_hh, finite_ih, finite_hh, x_row, h_row,
                    grad_x_row, acc, weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum):
     """One step and sample after its gate gradients ``gates_ih``/``gates_hh`` ``(R,)``: ``acc +=
@@ -199,7 +198,7 @@ def _through_gates(gates_ih, gates_hh, weight_ih, weight_hh, finite_ih, finite_h
     _add_sums(gates_hh, bias_hh_sum)
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _rows_finite(values, t, s):
     """Whether the rows ``values[:t, s]`` are all finite (vectorised as :func:`_all_finite`)."""
     bad = False
@@ -210,14 +209,14 @@ def _rows_finite(values, t, s):
     return not bad
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _zero_rows(totals, grad_x, t, s):
     """The totals ``0 .. t-1`` and input gradients ``0 .. t-1`` of sample ``s`` are zeros."""
     totals[:t, s] = 0
     grad_x[:t, s] = 0
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _vanished(gates_ih, gates_hh, finite_weights, x_row, h_row):
     """Whether a step adds nothing through the weights: its gate gradients are all zero (a vanished
     gradient) and the weights and its rows of ``x`` and ``h_prev`` are finite."""
@@ -225,7 +224,7 @@ def _vanished(gates_ih, gates_hh, finite_weights, x_row, h_row):
             and _all_finite(h_row))
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _store(acc, direct, t, s, out, tiny):
     """``out = acc (+ direct[t-2, s] when direct has steps and t > 1)``, totals below ``tiny`` (the
     smallest normal number) stored as zero."""
@@ -237,7 +236,7 @@ def _store(acc, direct, t, s, out, tiny):
         out[i] = acc[i] if abs(acc[i]) >= tiny or acc[i] != acc[i] else 0
 
 
-@njit(inline="always", **_OPTIONS)
+@compiled(inline="always")
 def _zero_sums(weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum):
     weight_ih_sum[:] = 0
     weight_hh_sum[:] = 0
@@ -245,7 +244,7 @@ def _zero_sums(weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum):
     bias_hh_sum[:] = 0
 
 
-@njit(**_OPTIONS)
+@compiled
 def elman_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, slope,
                    weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum, s0, s1):
     """The Elman RNN's back-propagation (see the module docstring): per step the gate gradient
@@ -278,7 +277,7 @@ def elman_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, slop
             _store(acc, direct, t, s, totals[t - 1, s], tiny)
 
 
-@njit(**_OPTIONS)
+@compiled
 def gru_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, r, z, n, m,
                  weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum, s0, s1):
     """The GRU's back-propagation (see :mod:`sparse_scan.recurrent._gru`): per step, with ``g`` the
@@ -322,7 +321,7 @@ def gru_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, r, z, 
             _store(acc, direct, t, s, totals[t - 1, s], tiny)
 
 
-@njit(**_OPTIONS)
+@compiled
 def lstm_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, weight_hr, i, f, g, o, tanh_c,
                   c_prev, h_cell, weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum, weight_hr_sum,
                   s0, s1):

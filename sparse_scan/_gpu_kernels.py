@@ -94,7 +94,7 @@ def _check_registered(filename: str, kernel: str, template_dtypes: tuple[Any, ..
     kernels = INSTANTIATIONS.get(filename)
     if kernels is None:
         raise ValueError(f"no kernel source {filename!r} is registered in "
-                         f"sparse_scan._kernels.INSTANTIATIONS; known: {sorted(INSTANTIATIONS)}")
+                         f"sparse_scan._gpu_kernels.INSTANTIATIONS; known: {sorted(INSTANTIATIONS)}")
     domains = kernels.get(kernel)
     if domains is None:
         raise ValueError(f"{filename} has no registered kernel {kernel!r}; known: {sorted(kernels)}")
@@ -102,7 +102,7 @@ def _check_registered(filename: str, kernel: str, template_dtypes: tuple[Any, ..
     if len(dtypes) != len(domains) or any(d not in domain for d, domain in zip(dtypes, domains, strict=True)):
         allowed = " x ".join("{" + ", ".join(str(d) for d in domain) + "}" for domain in domains)
         raise ValueError(f"{filename}: {kernel}<{', '.join(str(d) for d in dtypes)}> is not a registered "
-                         f"instantiation; {kernel} takes {allowed} (sparse_scan._kernels.INSTANTIATIONS)")
+                         f"instantiation; {kernel} takes {allowed} (sparse_scan._gpu_kernels.INSTANTIATIONS)")
     return expression(kernel, dtypes)
 
 

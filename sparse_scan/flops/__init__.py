@@ -41,12 +41,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._model import Sequential
+from ..csr import choose_index_dtype
+from ..engine.figures import ScanPlanLike, critical_path
+from ..layers import Layer
+from ..recurrent import RecurrentClassifier
 from ._live import CONVENTIONS, LiveCounts, live_counts
-from ._model import Sequential
-from .csr import choose_index_dtype
-from .engine.figures import ScanPlanLike, critical_path
-from .layers import Layer
-from .recurrent import RecurrentClassifier
 
 __all__ = ["CONVENTIONS", "analyse", "layer_stats", "live"]
 

@@ -46,9 +46,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from .csr import BatchedCSR, Pattern
-from .engine.plan import ScanPlan, Step
-from .engine.schedule import Element, schedule
+from ..csr import BatchedCSR, Pattern
+from ..engine.plan import ScanPlan, Step
+from ..engine.schedule import Element, schedule
 
 __all__ = ["CONVENTIONS", "LiveCounts", "LiveRow", "live_counts"]
 

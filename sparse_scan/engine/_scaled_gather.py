@@ -2,12 +2,12 @@
 
 ``A @ D`` scales ``A``'s entries by the diagonal at their columns and ``D @ B`` scales ``B``'s by the
 diagonal at their rows: a gather from a small table (the diagonal) times a stream of values. The loop
-is compiled (:func:`sparse_scan._numba_kernels.scale_gather`: one pass, no temporary, no index
+is compiled (:func:`sparse_scan.engine._kernels.scale_gather`: one pass, no temporary, no index
 conversion); batches run one run of samples per core on the kernel pool (one sample per thread
 measured faster than cache-blocking the entries across samples), a single sample runs of entries.
 Where the entries come in long runs of one table entry and consecutive values (a diagonal scaling
 rows, a non-overlapping pool gathering rows of a convolution's JT: :func:`find_runs`), the run
-kernel (:func:`sparse_scan._numba_kernels.scale_runs`) scales contiguous copies instead, with no
+kernel (:func:`sparse_scan.engine._kernels.scale_runs`) scales contiguous copies instead, with no
 index read per entry. Results equal NumPy's ``values * table[..., index]`` bit for bit (one IEEE
 product per entry).
 """
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._host_kernels import BLOCK_ENTRIES, kernels, launch, parts, rows2d
-from ._threads import workers_for
+from .._host_kernels import BLOCK_ENTRIES, launch, parts, rows2d
+from .._threads import workers_for
+from ._kernels import scale_gather, scale_runs
 
 __all__ = ["RUNS_BLOCK_ENTRIES", "RUNS_MIN_LENGTH", "Runs", "find_runs", "scaled_gather"]
 
@@ -111,12 +112,12 @@ def scaled_gather(values: np.ndarray, table: np.ndarray, index: np.ndarray,
             cuts = np.searchsorted(runs.starts, np.linspace(0, nnz, len(pieces) + 1)[1:-1])
             bounds = [0, *(int(c) for c in cuts), runs.values.shape[0]]
             pieces = [(0, batch, r0, r1) for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True) if r1 > r0]
-        launch(kernels().scale_runs, (v, t, runs.starts, runs.values, runs.table, rows),
+        launch(scale_runs, (v, t, runs.starts, runs.values, runs.table, rows),
                [piece + (RUNS_BLOCK_ENTRIES,) for piece in pieces])
         return out
     index = np.ascontiguousarray(index)
     gathered = values_index is not None
     values_index = np.ascontiguousarray(values_index) if gathered else index
-    launch(kernels().scale_gather, (v, values_index, gathered, t, index, rows),
+    launch(scale_gather, (v, values_index, gathered, t, index, rows),
            [piece + (BLOCK_ENTRIES,) for piece in parts(batch, nnz, workers)])
     return out

@@ -1,0 +1,390 @@
+"""The layers' host kernels: values fills, columns and matrix-free JT operators of the layers
+(compiled by numba on first call, :func:`sparse_scan._host_kernels.compiled`).
+
+* Convolution (:mod:`sparse_scan.layers._conv_columns`): :func:`im2col` (the forward's columns) and
+  its adjoint :func:`col2im` / :func:`col2im_pairs` (the transposed convolution through the
+  weights); and (:mod:`sparse_scan.layers._conv_pruned`) the transposed convolution over pruned
+  weights, :func:`transposed_conv` and :func:`transposed_conv_taps`, straight from the weights'
+  non-zeros, without JT values, the dense GEMM or a taps array: for each input channel ``ci`` and
+  kernel offset ``(a, b)``, every non-zero ``w = weight[co, ci, a, b]`` adds ``w * g[co]`` into the
+  input gradient's plane ``ci`` at the tap's shift, the pruned share of the dense transposed
+  convolution's multiply-adds (3 % on the 97 %-pruned VGG-11). Its weights come as the CSR matrix
+  ``W^T`` of rows ``(ci, a, b)`` (global input channel) and columns ``co`` (global output channel: a
+  group's block-diagonal part only); each call computes the input channels ``[first, last)`` of every
+  sample, so pieces of channels run on the kernel pool's threads without sharing a written byte.
+  :func:`transposed_conv_taps` is the form for small planes (per CSR row, the weighted sum of whole
+  output planes of every sample, four non-zeros per pass, then one shifted add), :func:`transposed_conv`
+  the one for wide rows (each non-zero straight into the input gradient, one output row at a time).
+  Measured on the 97 %-pruned VGG-11's eight convolutions (2 cores, float32), all in ms: taps 2.1 /
+  4.3 / 13.0 at batch 1 / 4 / 16; per-row 6.6 / 29.5 / 89 (loops of 2-16 values); a per-row form on a
+  batch-last gradient (``(cout, ho, wo, B)``: runs of ``wo * B`` values, after a transpose) 6.2 / 8.8 /
+  14.5; SciPy's ``W^T @ g`` plus col2im, before, 2.6 / 8.0 / - (at batch 16 JT's values and an SpMV,
+  about 36). Sums run over a CSR row's non-zeros in order, four at a time in
+  :func:`transposed_conv_taps` as ``((w0 x0 + w1 x1) + (w2 x2 + w3 x3))``, then over the kernel offsets
+  in order.
+* Max pooling (:mod:`sparse_scan.layers._pooling_jt`): the values of 2x2 windows of stride 2
+  (:func:`max_pool_2x2`, which given the gradient is the pool's ``JT(x) @ g`` too) and of any window
+  geometry (:func:`max_pool_windows`, the window loop of ``rawkernels/pooling.cu``).
+* ReLU (:mod:`sparse_scan.layers._activation`): :func:`relu_backward`, ``JT(x) @ g`` from the input.
+
+A ReLU's or a 2x2 max-pool's JT costs as much to fill as to apply: its values are a mask of the input,
+and applying them is one more pass. Where only matrix-vector steps read such a JT (every one in
+back-propagation's schedule), the operators compute the product straight from the input in one pass
+(:meth:`sparse_scan.layers.Layer.input_matvec`), bit for bit what the values path computes: each
+result is ``value * g`` with the JT value (0 or 1) in the result dtype, so a zero value times an
+infinite or NaN gradient gives NaN as the SpMV does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._host_kernels import compiled, u
+
+uint64 = np.uint64
+"""Offsets of the transposed convolution: unsigned, so that numba's loops over them vectorise."""
+
+
+@compiled(inline="always")
+def _inside(out_size, size, stride, shift):
+    """The outputs ``o`` of ``0:out_size`` whose input ``o * stride + shift`` lies in ``0:size``, as
+    ``(first, stop)``."""
+    first = 0
+    while first < out_size and first * stride + shift < 0:
+        first += 1
+    stop = out_size
+    while stop > first and (stop - 1) * stride + shift >= size:
+        stop -= 1
+    return first, stop
+
+
+@compiled
+def _column_bounds(out_width, width, kw, sw, pl, dw):
+    """Per column offset ``j`` of a window: :func:`_inside` of its outputs, as two arrays."""
+    first = np.empty(kw, dtype=np.int64)
+    stop = np.empty(kw, dtype=np.int64)
+    for j in range(kw):
+        first[j], stop[j] = _inside(out_width, width, sw, j * dw - pl)
+    return first, stop
+
+
+@compiled
+def im2col(x, geometry, columns, c0, c1):
+    """A convolution's columns for the channels ``c0:c1``: ``columns[(c kh + i) kw + j, b, oh, ow]``
+    is the input ``x[b, c, oh sh - pt + i dh, ow sw - pl + j dw]``, 0 in the padding. ``x`` is
+    ``(B, C, H, W)``, ``columns`` ``(C kh kw, B, Ho, Wo)`` (groups are runs of channels), ``geometry``
+    the tuple ``(C, H, W, Ho, Wo, kh, kw, sh, sw, pt, pl, dh, dw)``. Flat offsets, bounds per column
+    offset computed once: rows are short (2-32 outputs on VGG-11)."""
+    channels, height, width, out_height, out_width, kh, kw, sh, sw, pt, pl, dh, dw = geometry
+    batch = x.shape[0]
+    zero = columns.dtype.type(0)
+    first, stop = _column_bounds(out_width, width, kw, sw, pl, dw)
+    flat_x, flat_columns = x.reshape(-1), columns.reshape(-1)
+    plane_in, plane_out = height * width, out_height * out_width
+    for c in range(c0, c1):
+        for i in range(kh):
+            for j in range(kw):
+                shift, f, s = j * dw - pl, first[j], stop[j]
+                for b in range(batch):
+                    source = (b * channels + c) * plane_in + shift
+                    target = (((c * kh + i) * kw + j) * batch + b) * plane_out
+                    for oh in range(out_height):
+                        ih = oh * sh - pt + i * dh
+                        line = target + oh * out_width
+                        if ih < 0 or ih >= height:
+                            for ow in range(out_width):
+                                flat_columns[u(line + ow)] = zero
+                            continue
+                        row = source + ih * width
+                        for ow in range(f):
+                            flat_columns[u(line + ow)] = zero
+                        for ow in range(f, s):
+                            flat_columns[u(line + ow)] = flat_x[u(row + ow * sw)]
+                        for ow in range(s, out_width):
+                            flat_columns[u(line + ow)] = zero
+
+
+@compiled
+def col2im(taps, geometry, out, p0, p1):
+    """The adjoint of :func:`im2col` for the (sample, channel) planes ``p0:p1`` (``b C + c``):
+    ``out[b, c, ih, iw]`` is the sum of ``taps[(c kh + i) kw + j, b, oh, ow]`` over the window offsets
+    reaching it, added from zero in the order (i, j) (the NumPy formulation's order: equal bit for
+    bit). ``taps`` is ``(C kh kw, B, Ho, Wo)``, ``out`` ``(B, C, H, W)``."""
+    channels, height, width, out_height, out_width, kh, kw, sh, sw, pt, pl, dh, dw = geometry
+    batch = out.shape[0]
+    zero = out.dtype.type(0)
+    first, stop = _column_bounds(out_width, width, kw, sw, pl, dw)
+    flat_taps, flat_out = taps.reshape(-1), out.reshape(-1)
+    plane_in, plane_out = height * width, out_height * out_width
+    for p in range(p0, p1):
+        b, c = p // channels, p % channels
+        base = p * plane_in
+        for e in range(base, base + plane_in):
+            flat_out[u(e)] = zero
+        for i in range(kh):
+            for j in range(kw):
+                shift, f, s = j * dw - pl, first[j], stop[j]
+                source = (((c * kh + i) * kw + j) * batch + b) * plane_out
+                for oh in range(out_height):
+                    ih = oh * sh - pt + i * dh
+                    if ih < 0 or ih >= height:
+                        continue
+                    row, line = base + ih * width + shift, source + oh * out_width
+                    for ow in range(f, s):
+                        flat_out[u(row + ow * sw)] += flat_taps[u(line + ow)]
+
+
+@compiled
+def col2im_pairs(taps, sources, targets, out, p0, p1):
+    """:func:`col2im` through a table, for narrow planes (whose rows are too short to run as loops):
+    ``out[b, c].flat[targets[t]] += taps.flat[first(b, c) + sources[t]]`` for every pair ``t`` of the
+    geometry, from zero, ``first(b, c)`` being the offset of the plane's first tap ``(c kh kw, b)``.
+    The pairs run tap by tap in the order (i, j): each input element sums its taps in :func:`col2im`'s
+    order (equal bit for bit)."""
+    batch, channels = out.shape[0], out.shape[1]
+    plane_in = out.shape[2] * out.shape[3]
+    per_tap = taps.shape[1] * taps.shape[2] * taps.shape[3]
+    taps_per_channel = taps.shape[0] // channels
+    flat_taps, flat_out = taps.reshape(-1), out.reshape(-1)
+    zero = out.dtype.type(0)
+    for p in range(p0, p1):
+        b, c = p // channels, p % channels
+        base = p * plane_in
+        for e in range(base, base + plane_in):
+            flat_out[u(e)] = zero
+        first = c * taps_per_channel * per_tap + b * (per_tap // batch)
+        for t in range(sources.size):
+            flat_out[u(base + targets[t])] += flat_taps[u(first + sources[t])]
+
+
+@compiled
+def _span(offset, stride, size, out_size):
+    """Output positions ``[lo, hi)`` whose tap ``o * stride + offset`` falls inside ``[0, size)``."""
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+    hi = (size - offset + stride - 1) // stride
+    return lo, min(hi, out_size)
+
+
+@compiled
+def _axpy(w, x, src, y, dst, count, step):
+    """``y[dst + i * step] += w * x[src + i]`` for ``i < count``. Unsigned offsets: an index computed
+    from a signed one keeps numba's negative-index wrap-around in the loop, which stops its
+    vectorisation (slices instead cost a reference count per call: 0.24 Gmadd/s on runs of 8 against
+    2.9 this way, 3.5 against 13 on runs of 128, one core)."""
+    if step == 1:
+        for i in range(count):
+            y[dst + i] += w * x[src + i]
+    else:
+        for i in range(count):
+            y[dst + i * step] += w * x[src + i]
+
+
+@compiled
+def transposed_conv(indptr, indices, data, grad, geometry, out, first, last):
+    """Input channels ``[first, last)`` of ``out = JT @ grad`` for every sample, directly: each
+    non-zero adds into the rows of the input gradient its taps reach, one output row at a time (the
+    form for wide rows: VGG-11's conv1 at 32 wide, 1.8x :func:`transposed_conv_taps` at batch 16).
+
+    Parameters
+    ----------
+    indptr, indices, data : ndarray
+        ``W^T`` as CSR: row ``(ci * kh + a) * kw + b``, column ``co``, value ``weight[co, ci % cin
+        per group, a, b]``.
+    grad : ndarray
+        The output gradient, ``(B, cout, ho, wo)`` flat.
+    geometry : tuple of int
+        ``(C, H, W, Cout, Ho, Wo, kh, kw, sh, sw, pt, pl, dh, dw, B)``.
+    out : ndarray, shape (B, C, H * W)
+        Written for channels ``[first, last)``.
+    first, last : int
+    """
+    _, height, width, out_c, out_h, out_w, kh, kw, sh, sw, pt, pl, dh, dw, batch = geometry
+    for ci in range(first, last):
+        out[:, ci, :] = 0
+        for a in range(kh):
+            off_h = a * dh - pt
+            oh0, oh1 = _span(off_h, sh, height, out_h)
+            for b in range(kw):
+                off_w = b * dw - pl
+                ow0, ow1 = _span(off_w, sw, width, out_w)
+                if oh1 <= oh0 or ow1 <= ow0:
+                    continue
+                row = (ci * kh + a) * kw + b
+                run, step = uint64(ow1 - ow0), uint64(sw)
+                for e in range(indptr[row], indptr[row + 1]):
+                    co, w = indices[e], data[e]
+                    for s in range(batch):
+                        target = out[s, ci]
+                        for oh in range(oh0, oh1):
+                            src = uint64(((s * out_c + co) * out_h + oh) * out_w + ow0)
+                            dst = uint64((oh * sh + off_h) * width + ow0 * sw + off_w)
+                            _axpy(w, grad, src, target, dst, run, step)
+
+
+@compiled
+def transposed_conv_taps(indptr, indices, data, grad, geometry, out, first, last):
+    """:func:`transposed_conv` by whole planes: per input channel and kernel offset, the sum of
+    ``w * g[co]`` over the CSR row's non-zeros on the output gradient's full planes (one contiguous run
+    of ``B * ho * wo`` values per non-zero), then added into the input gradient at the offset's shift
+    (its share inside the input). That computes the taps falling into the padding too (16 of 36 kept
+    on a 2x2 plane with a 3x3 kernel, 484 of 576 on 8x8), but pays one short loop per non-zero instead
+    of one per output row: the form for small planes and batches.
+
+    ``grad`` is channel-major, ``(cout, B, ho, wo)`` flat (one block copy away from the engine's
+    sample-major layout; the same at batch 1); the other arguments are :func:`transposed_conv`'s.
+    """
+    _, height, width, out_c, out_h, out_w, kh, kw, sh, sw, pt, pl, dh, dw, batch = geometry
+    out_plane = out_h * out_w
+    count = uint64(batch * out_plane)
+    taps = np.empty(batch * out_plane, dtype=out.dtype)
+    zero, one = uint64(0), uint64(1)
+    for ci in range(first, last):
+        out[:, ci, :] = 0
+        for a in range(kh):
+            off_h = a * dh - pt
+            oh0, oh1 = _span(off_h, sh, height, out_h)
+            for b in range(kw):
+                off_w = b * dw - pl
+                ow0, ow1 = _span(off_w, sw, width, out_w)
+                row = (ci * kh + a) * kw + b
+                if oh1 <= oh0 or ow1 <= ow0 or indptr[row] == indptr[row + 1]:
+                    continue
+                taps[:] = 0
+                e, end = indptr[row], indptr[row + 1]
+                while e + 4 <= end:  # four non-zeros per pass over the run: a quarter of its loads
+                    w0, w1, w2, w3 = data[e], data[e + 1], data[e + 2], data[e + 3]
+                    x0, x1 = uint64(indices[e]) * count, uint64(indices[e + 1]) * count
+                    x2, x3 = uint64(indices[e + 2]) * count, uint64(indices[e + 3]) * count
+                    for i in range(count):
+                        taps[i] += (w0 * grad[x0 + i] + w1 * grad[x1 + i]) + (w2 * grad[x2 + i]
+                                                                              + w3 * grad[x3 + i])
+                    e += 4
+                for rest in range(e, end):
+                    _axpy(data[rest], grad, uint64(indices[rest]) * count, taps, zero, count, one)
+                run, step = uint64(ow1 - ow0), uint64(sw)
+                for s in range(batch):
+                    target = out[s, ci]
+                    for oh in range(oh0, oh1):
+                        src = uint64((s * out_h + oh) * out_w + ow0)
+                        dst = uint64((oh * sh + off_h) * width + ow0 * sw + off_w)
+                        for i in range(run):
+                            target[dst + i * step] += taps[src + i]
+
+
+@compiled
+def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
+    """Max-pool values of 2x2 windows of stride 2 that tile the input exactly (``H = 2 Ho``,
+    ``W = 2 Wo``, no padding or dilation): 1 at each window's first maximum (PyTorch's order a, b /
+    p, q), 0 elsewhere; or, given the gradient ``g`` (flat ``(B, C, Ho, Wo)``), ``JT @ g`` without the
+    values: each input gets its value times its window's gradient (bit for bit what the values' SpMV
+    gives; :meth:`sparse_scan.layers.MaxPool2d.input_matvec`). Both are the input's shape, so ``x``
+    and ``out`` are flat ``(B, C, H, W)`` arrays read as horizontal pairs ``(x[2j], x[2j + 1])``; the
+    kernel fills the pairs ``j0:j1`` (whole rows of windows: multiples of ``2 out_width``). Returns
+    whether one of those inputs is NaN. ``g`` is None for the values: numba compiles that case apart,
+    without the gradient's reads.
+
+    Two vectorised passes per ``chunk`` pairs (no per-window branch, no short row loops): each pair's
+    maximum and whether its right element wins (strictly greater: ties keep the left), then per pair
+    whether it holds its window's maximum (the top pair unless the pair below is strictly greater),
+    read off a pattern of top/bottom pairs, period ``2 out_width``. The first maximum of a, b, p, q is
+    the top pair's winner unless the bottom pair's maximum is strictly greater, so this is PyTorch's
+    choice."""
+    wo = out_width
+    period = 2 * wo
+    size = period * max(1, chunk // period)
+    top = np.empty(size, dtype=np.bool_)
+    for r in range(0, size, period):
+        for i in range(wo):
+            top[r + i] = True
+            top[r + wo + i] = False
+    pair_grad = np.empty(size, dtype=out.dtype)  # pair i's window's gradient
+    pair_max = np.zeros(size + 2 * wo, dtype=x.dtype)  # pair i at wo + i: the pair above is at i
+    right = np.empty(size, dtype=out.dtype)
+    nan = False
+    for c in range(j0, j1, size):
+        n = min(size, j1 - c)
+        base = 2 * c
+        for i in range(n):
+            a = x[u(base + 2 * i)]
+            b = x[u(base + 2 * i + 1)]
+            wins = b > a
+            pair_max[u(wo + i)] = b if wins else a
+            right[u(i)] = wins
+            nan |= (a != a) | (b != b)
+        if g is not None:  # spread to the pairs by rows of windows: the next pass reads it in order
+            first = c // 2  # windows before pair c: c // period rows of wo windows
+            for r in range(0, n, period):
+                for i in range(wo):
+                    value = out.dtype.type(g[u(first + r // 2 + i)])
+                    pair_grad[u(r + i)] = value
+                    pair_grad[u(r + wo + i)] = value
+        for i in range(n):
+            mine = pair_max[u(wo + i)]
+            top_holds = not (pair_max[u(wo + i + wo)] > mine)  # read for both, chosen below: no branch
+            bottom_holds = mine > pair_max[u(i)]
+            holds = out.dtype.type(top_holds if top[u(i)] else bottom_holds)
+            on_right = right[u(i)] * holds
+            if g is None:
+                out[u(base + 2 * i + 1)] = on_right
+                out[u(base + 2 * i)] = holds - on_right
+            else:
+                grad = pair_grad[u(i)]
+                out[u(base + 2 * i + 1)] = on_right * grad
+                out[u(base + 2 * i)] = (holds - on_right) * grad
+    return nan
+
+
+@compiled
+def max_pool_windows(x, slot, geometry, out, p0, p1):
+    """Max-pool values of any window geometry for the (sample, channel) planes ``p0:p1``: per output,
+    the first maximum over its window's real elements in window order (a later element wins only if
+    strictly greater; a NaN wins and stays), 1 at its JT entry ``slot[offset, output]`` of a zeroed
+    run of the channel's entries, as ``rawkernels/pooling.cu``'s ``maxpool_values`` computes it.
+    ``x`` is the flat ``(B, C, H, W)`` input, ``out`` the ``(B, nnz)`` values, ``geometry`` the tuple
+    of the 13 ints of :meth:`sparse_scan.layers._pooling.PoolGeometry.as_array`. Returns whether a
+    window holds a NaN.
+
+    A row of outputs at a time, window offset by offset, each offset updating the whole row (the
+    outputs' running maxima are independent: one window at a time would wait on each compare)."""
+    channels, height, width, out_height, out_width, kh, kw, sh, sw, ph, pw, dh, dw = geometry
+    per_channel = out.shape[1] // channels
+    zero, one = out.dtype.type(0), out.dtype.type(1)
+    inside_from, inside_to = _column_bounds(out_width, width, kw, sw, pw, dw)
+    best = np.empty(out_width, dtype=x.dtype)
+    best_k = np.empty(out_width, dtype=np.int64)
+    nan = False
+    for plane in range(p0, p1):
+        sample, channel = plane // channels, plane % channels
+        values = out[sample]
+        for e in range(channel * per_channel, (channel + 1) * per_channel):
+            values[u(e)] = zero
+        for oh in range(out_height):
+            for ow in range(out_width):
+                best_k[u(ow)] = -1
+            for i in range(kh):
+                ih = oh * sh - ph + i * dh
+                if ih < 0 or ih >= height:
+                    continue
+                for j in range(kw):
+                    k = i * kw + j
+                    start = (plane * height + ih) * width + j * dw - pw
+                    for ow in range(inside_from[u(j)], inside_to[u(j)]):
+                        v, b, c = x[u(start + ow * sw)], best[u(ow)], best_k[u(ow)]
+                        take = (c < 0) | (v > b) | (v != v)
+                        best[u(ow)] = v if take else b
+                        best_k[u(ow)] = k if take else c
+            row = (channel * out_height + oh) * out_width
+            for ow in range(out_width):
+                nan |= best[u(ow)] != best[u(ow)]
+                if best_k[u(ow)] >= 0:  # (PyTorch's output sizes leave no window in the padding)
+                    values[u(slot[u(best_k[u(ow)]), u(row + ow)])] = one
+    return nan
+
+
+@compiled
+def relu_backward(x, g, out, i0, i1):
+    """``out[i] = g[i] * (x[i] > 0)`` for the flat positions ``i0:i1`` (ReLU's derivative is 1 where
+    the input is positive, 0 elsewhere and at NaN)."""
+    one, zero = out.dtype.type(1), out.dtype.type(0)
+    for i in range(i0, i1):
+        out[u(i)] = g[u(i)] * (one if x[u(i)] > 0 else zero)
