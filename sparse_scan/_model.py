@@ -43,7 +43,7 @@ from .engine.plan import (
 )
 from .engine.products import ProductPlan
 from .engine.run import run_plan, through_inputs, through_weights
-from .engine.schedule import SCHEDULES, Element, checked_levels, depth
+from .engine.schedule import SCHEDULES, Element, checked_levels, depth, schedule_at_depth
 from .layers import Layer
 from .layers._base import scoped_name
 
@@ -276,9 +276,7 @@ class Sequential:
         full = depth(len(self.layers))
 
         def schedule_of(k: int) -> tuple[str, int | None]:
-            if method == "hybrid":
-                return "hybrid", k
-            return ("linear", None) if k == 0 else ("blelloch", None) if k == full - 1 else ("hybrid", k)
+            return schedule_at_depth(method, k, full)
 
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
         # hybrid at depth(n) - 1 and at depth(n) is the same schedule as blelloch: build it once

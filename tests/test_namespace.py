@@ -53,7 +53,7 @@ PUBLIC = {
     "sparse_scan.engine.products": ["PlanBudgetError", "ProductPlan", "count_multiply_adds", "plan_product"],
     "sparse_scan.engine.run": ["dense_scan", "multiply", "run_plan", "through_inputs", "through_weights"],
     "sparse_scan.engine.schedule": ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth",
-                                    "live_schedule", "scan_outputs", "schedule"],
+                                    "live_schedule", "scan_outputs", "schedule", "schedule_at_depth"],
     "sparse_scan.flops": ["CONVENTIONS", "analyse", "layer_stats", "live"],
     "sparse_scan.layers": ["AdaptiveAvgPool2d", "Affine", "AvgPool2d", "BatchNorm2d", "Conv2d", "Dropout",
                            "ELU", "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU", "Linear",

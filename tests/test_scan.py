@@ -17,7 +17,7 @@ from sparse_scan.engine import products as product_planning
 from sparse_scan.engine.plan import ScanCostError
 from sparse_scan.engine.products import plan_product
 from sparse_scan.engine.run import multiply
-from sparse_scan.engine.schedule import depth
+from sparse_scan.engine.schedule import depth, live_schedule, schedule_at_depth
 from sparse_scan.layers import (
     AvgPool2d,
     Conv2d,
@@ -720,3 +720,18 @@ def test_auto_never_fails_and_builds_nothing_costly_on_vgg11():
     deeper = auto.choice.candidates[1:]
     assert all(c.estimated for c in deeper) and "symbolic work" in deeper[0].verdict
     assert model.plan(model.input_shape, "hybrid").levels == 0  # hybrid without levels: auto depth
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 100, 1000])
+def test_the_depth_mapping_names_a_depth_by_the_schedule_it_runs(n):
+    """``schedule_at_depth`` (both model kinds' automatic choices) names depth 0 linear and depths
+    depth(n) - 1 and depth(n) blelloch, the schedules they run, and every other depth a hybrid that is
+    neither."""
+    full = depth(n)
+    linear, blelloch = live_schedule(n, "linear", None), live_schedule(n, "blelloch", None)
+    for k in range(full + 1):
+        method, levels = schedule_at_depth("auto", k, full)
+        assert live_schedule(n, method, levels) == live_schedule(n, "hybrid", k)
+        if method == "hybrid":
+            assert live_schedule(n, "hybrid", k) not in (linear, blelloch)
+        assert schedule_at_depth("hybrid", k, full) == ("hybrid", k)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .._checks import is_int
 
 __all__ = ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule",
-           "scan_outputs", "schedule"]
+           "scan_outputs", "schedule", "schedule_at_depth"]
 
 METHODS = ("linear", "blelloch", "hybrid")
 """The schedules a plan is built for."""
@@ -71,6 +71,25 @@ IDENTITY = Element(1, 0)
 def depth(n: int) -> int:
     """``ceil(log2(n + 1))``: up-sweep levels of a full Blelloch scan over ``n + 1`` elements."""
     return math.ceil(math.log2(n + 1)) if n > 0 else 0
+
+
+def schedule_at_depth(requested: str, k: int, full: int) -> tuple[str, int | None]:
+    """Hybrid depth ``k`` of a chain of full depth ``full`` (:func:`depth`) as ``(method, levels)``, named
+    as a request for ``requested`` names it: ``hybrid`` (a depth chosen for a hybrid) names every depth
+    ``hybrid k``; ``auto`` names depth 0 ``linear`` and depths ``full - 1`` and ``full`` ``blelloch``
+    (their schedules are the Blelloch scan's: the top level's products are all moves), the others
+    ``hybrid k``. The one mapping both model kinds' automatic choices use.
+
+    Examples
+    --------
+    >>> [schedule_at_depth("auto", k, 4) for k in range(5)]
+    [('linear', None), ('hybrid', 1), ('hybrid', 2), ('blelloch', None), ('blelloch', None)]
+    >>> schedule_at_depth("hybrid", 3, 4)
+    ('hybrid', 3)
+    """
+    if requested == "hybrid":
+        return "hybrid", k
+    return ("linear", None) if k == 0 else ("blelloch", None) if k >= full - 1 else ("hybrid", k)
 
 
 def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, Element, Element, int]]:

@@ -48,7 +48,7 @@ from .._types import Array
 from ..engine.dense_plan import auto_levels, build_dense_plan
 from ..engine.figures import critical_path
 from ..engine.plan import Candidate, ScheduleChoice
-from ..engine.schedule import SCHEDULES, checked_levels, depth
+from ..engine.schedule import SCHEDULES, checked_levels, depth, schedule_at_depth
 from ..layers import Linear
 from ..layers._weighted import RngLike
 from ..loss import softmax_cross_entropy
@@ -164,14 +164,6 @@ class RecurrentPlan:
                 "steps": steps,
                 "totals": {"bp_flops": bp} | {key: schedule[key] for key in (
                     "critical_flops", "work_flops", "critical_steps", "peak_bytes")}}
-
-
-def _schedule_of(requested: str, k: int, full: int) -> tuple[str, int | None]:
-    """Hybrid depth ``k`` as ``method="auto"`` names it (depth 0 is ``linear``, depths ``full - 1``
-    and ``full`` are ``blelloch``), or as ``hybrid k``."""
-    if requested == "hybrid":
-        return "hybrid", k
-    return ("linear", None) if k == 0 else ("blelloch", None) if k >= full - 1 else ("hybrid", k)
 
 
 REDUCTIONS = ("last", "mean")
@@ -352,11 +344,11 @@ class RecurrentClassifier:
             return plan
         full = depth(steps)
         best = auto_levels(steps, batch, recurrent.state_size, device, factored=device == "cpu")
-        chosen = _schedule_of(method, best, full)
+        chosen = schedule_at_depth(method, best, full)
         depths = range(full + 1) if method == "hybrid" else range(max(full, 1))  # blelloch once
         candidates = []
         for k in depths:
-            schedule = _schedule_of(method, k, full)
+            schedule = schedule_at_depth(method, k, full)
             critical, work, _ = plan.figures(*schedule)
             candidates.append(Candidate(*schedule, critical, work, 0, False,
                                         "chosen" if schedule == chosen else "more modelled time"))
