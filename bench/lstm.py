@@ -46,7 +46,8 @@ from sparse_scan.engine.dense_plan import auto_levels
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
 from sparse_scan.optim import Adam
-from sparse_scan.recurrent import LSTM, Bitstream, RecurrentClassifier, train_recurrent
+from sparse_scan.recurrent import LSTM, Bitstream, RecurrentClassifier
+from sparse_scan.train import train_iterations
 
 SCHEDULES = (("blelloch", "blelloch", None), ("hybrid-auto", "hybrid", "auto"), ("linear", "linear", None))
 HIDDEN = 20
@@ -181,8 +182,8 @@ def curve(steps: int, iterations: int, batch: int, lr: float, device: str) -> di
         head.weight.copy_(torch.from_numpy(model.fc.weight))
         head.bias.copy_(torch.from_numpy(model.fc.bias))
     module, head = module.to(dev), head.to(dev)
-    ours = [r["loss"] for r in train_recurrent(model, data, Adam(model, lr=lr), iterations, batch,
-                                               method="blelloch", seed=1, device=device)]
+    ours = [r["loss"] for r in train_iterations(model, data, Adam(model, lr=lr), iterations, batch,
+                                                method="blelloch", seed=1, device=device)]
     optimizer = torch.optim.Adam(list(module.parameters()) + list(head.parameters()), lr=lr)
     order, position, theirs = np.random.default_rng(1), 0, []
     permutation = order.permutation(len(data))

@@ -26,21 +26,32 @@ from common import machine
 
 from sparse_scan import backend
 from sparse_scan.optim import Adam
-from sparse_scan.recurrent import RNN, Bitstream, RecurrentClassifier, train_recurrent
+from sparse_scan.recurrent import RNN, Bitstream, RecurrentClassifier
+from sparse_scan.train import train_iterations
 
 
 class _Lockstep:
-    """Gradients of BP for training; BPPSA's from the same state, compared every iteration."""
+    """The model, trained with BP's parameter gradients; at every backward BPPSA's from the same state
+    are computed too and compared (a :class:`sparse_scan.model.Model` for the training loop)."""
 
     def __init__(self, model: RecurrentClassifier) -> None:
         self.model, self.layers, self.differences = model, model.layers, []
+        self._parameters: dict = {}
 
-    def loss_and_gradients(self, x, labels, method, levels):
-        loss, grads = self.model.loss_and_gradients(x, labels, method="linear")
-        _, scan = self.model.loss_and_gradients(x, labels, method="blelloch")
-        self.differences.append(max(float(np.abs(scan[k] - v).max() / max(np.abs(v).max(), 1e-30))
-                                    for k, v in grads.items()))
-        return loss, grads
+    def forward(self, x):
+        return self.model.forward(x)
+
+    def backward(self, grad_out, method="auto", levels=None):
+        grads = self.model.backward(grad_out, "linear")
+        self._parameters = self.model.parameter_gradients(grads)
+        scan = self.model.parameter_gradients(self.model.backward(grad_out, "blelloch"))
+        self.differences.append(max(float(np.abs(backend.of(v).to_host(scan[k] - v)).max()
+                                          / max(float(np.abs(backend.of(v).to_host(v)).max()), 1e-30))
+                                    for k, v in self._parameters.items()))
+        return grads
+
+    def parameter_gradients(self, grads):
+        return self._parameters
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -66,18 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         recurrent = RNN(1, 20, dtype=args.dtype, rng=args.seed)
         model = RecurrentClassifier(recurrent, classes=10, rng=args.seed + 1)
         start = time.perf_counter()
-        records = train_recurrent(model, data, Adam(model, lr=args.lr), args.iterations, args.batch_size,
-                                  method=method, seed=args.seed, device=args.device,
-                                  progress=lambda i, n, loss, m=method: print(
-                                      f"\r{m} {i}/{n} loss {loss:.4f}", end="", file=sys.stderr))
+        records = train_iterations(model, data, Adam(model, lr=args.lr), args.iterations, args.batch_size,
+                                   method=method, seed=args.seed, device=args.device,
+                                   progress=lambda i, n, loss, m=method: print(
+                                       f"\r{m} {i}/{n} loss {loss:.4f}", end="", file=sys.stderr))
         print(file=sys.stderr)
         seconds[method] = (time.perf_counter() - start) / args.iterations
         curves[method] = np.array([r["loss"] for r in records])
     model = RecurrentClassifier(RNN(1, 20, dtype=args.dtype, rng=args.seed), classes=10,
                                 rng=args.seed + 1)
     checked = _Lockstep(model)
-    train_recurrent(checked, data, Adam(model, lr=args.lr), args.iterations, args.batch_size,
-                    seed=args.seed, device=args.device)
+    train_iterations(checked, data, Adam(checked, lr=args.lr), args.iterations, args.batch_size,
+                     seed=args.seed, device=args.device)
     lockstep = np.array(checked.differences)
     difference = np.abs(curves["blelloch"] - curves["linear"])
     if args.csv is not None:

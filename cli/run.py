@@ -1,9 +1,10 @@
 """``sparse-scan run MODEL.yaml``: the backward pass of a model on data, by a scan.
 
-Parses the options, loads the spec and the arrays, calls :class:`sparse_scan.Sequential` (or, for a
-recurrent spec, :class:`sparse_scan.recurrent.RecurrentClassifier`) and writes the gradients
-(``.npz``, atomically, never over an existing file without ``--force``) and a timing breakdown. Every
-problem is one line on stderr with exit code 2, and then nothing is written.
+Parses the options, loads the spec and the arrays, runs the model's plan, forward and backward
+(any :class:`sparse_scan.model.Model`: a sequential or a recurrent spec alike) and writes the
+gradients (``.npz``, atomically, never over an existing file without ``--force``) and a timing
+breakdown (the phases the model times). Every problem is one line on stderr with exit code 2, and then
+nothing is written.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ imported yet; a test keeps them equal)."""
 
 TIMING_LABELS = {"forward_s": "forward", "plan_s": "plan", "values_s": "JT values", "scan_s": "scan",
                  "parameter_grads_s": "parameter grads", "backward_s": "backward (all grads)"}
-"""The timing breakdown's lines, in order (a recurrent model's backward is one figure)."""
+"""The timing breakdown's lines, in order, for the phases the model times (a recurrent model's backward
+is one figure, its parameter gradients come out of its scans)."""
 
 
 def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int, dtype: Any) -> Any:
@@ -156,7 +158,6 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
     from sparse_scan import load_model  # noqa: PLC0415
-    from sparse_scan.recurrent import RecurrentClassifier  # noqa: PLC0415
 
     comm = _distributed.world() if distributed else None
     if comm is None and (split is not None or combine != "chain"):
@@ -175,10 +176,6 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
         progress.show(f"loading {model}")
         with model_errors(model):
             network = load_model(model, dtype=dtype)
-        recurrent = isinstance(network, RecurrentClassifier)
-        if recurrent and comm is not None:
-            fail(f"{model}: --distributed splits the layers of a sequential model; a recurrent one runs in "
-                 "one process")
         if weights_path is not None:
             load_weights(network, weights_path)
         try:
@@ -191,12 +188,8 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
                                          levels_value, dtype, split_counts, combine, timeout, check, out,
                                          as_json)
             return
-        if recurrent:
-            report, grads, parameters = _recurrent(model, network, be, x, grad_path, labels_path, method,
-                                                   levels_value, dtype, check, progress)
-        else:
-            report, grads, parameters = _sequential(model, network, be, x, grad_path, labels_path, method,
-                                                    levels_value, max_step_flops, dtype, check, progress)
+        report, grads, parameters = _backward(model, network, be, x, grad_path, labels_path, method,
+                                              levels_value, max_step_flops, dtype, check, progress)
         if out is not None:
             progress.show(f"writing {out}")
             write_or_fail("--out", out,
@@ -249,61 +242,14 @@ def _forward(model: pathlib.Path, network: Any, be: Any, x: Any, dtype: str, gra
     return _upstream(be.to_host(output), grad_path, labels_path)
 
 
-def _sequential(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
-                labels_path: pathlib.Path | None, method: str, levels: int | str | None,
-                max_step_flops: float, dtype: str, check: bool,
-                progress: Progress) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
-    """Forward, planned scan and parameter gradients of a sequential model: the report, the
-    gradients w.r.t. every activation and the parameters'. ``check`` compares them with the linear
-    scan, or where the linear scan ran, with back-propagation layer by layer outside the engine
-    (:meth:`sparse_scan.Sequential.reference_backward`)."""
-    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
-
-    from sparse_scan import cpu_threads  # noqa: PLC0415
-
-    timings: dict[str, float] = {}
-    with model_errors(model):
-        builds = network.plan_builds  # planned first: a schedule refused costs no forward pass
-        start = time.perf_counter()
-        plan = network.plan(network.input_shape, method, levels, max_step_flops=int(max_step_flops),
-                            progress=plan_status(progress))
-        planned = time.perf_counter() - start
-        progress.show("forward")
-        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
-        progress.show(f"backward ({schedule_label(plan.method, plan.levels)}): JT values and scan")
-        grads = network.backward(be.asarray(grad), plan.method, plan.levels, timings=timings)
-        timings["plan_s"] = planned  # the build above; backward's own lookup was a cache hit
-        progress.show("parameter gradients")
-        start = time.perf_counter()
-        parameters = network.parameter_gradients(grads)
-        be.synchronize()
-        timings["parameter_grads_s"] = time.perf_counter() - start
-        if check:
-            against = "layerwise" if plan.method == "linear" else "linear"
-            progress.show(f"check: {CHECKS[against][1]}")
-            reference = (network.reference_backward(be.asarray(grad)) if against == "layerwise"
-                         else network.backward(be.asarray(grad), "linear"))
-    schedule = plan.explain(int(x.shape[0]), np.dtype(dtype).itemsize, be.name)
-    report: dict[str, Any] = {"model": str(model), "method": plan.method, "levels": plan.levels,
-                              "device": be.name, "threads": cpu_threads(), "dtype": dtype,
-                              "batch": int(x.shape[0]),
-                              "plan_cache_hit": network.plan_builds == builds, "timings": timings,
-                              "schedule": schedule}
-    if loss is not None:
-        report["loss"] = loss
-    if check:
-        report["check"] = {"computed": schedule_label(plan.method, plan.levels), "reference": against,
-                           "max_rel_error": _max_relative_error(be, zip(grads, reference, strict=True))}
-    return report, grads, parameters
-
-
-def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
-               labels_path: pathlib.Path | None, method: str, levels: int | str | None, dtype: str,
-               check: bool, progress: Progress) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
-    """Forward and backward (a scan per layer and direction) of a recurrent classifier: the report,
-    the gradients w.r.t. the input, the recurrent layer's outputs and the logits, and the
-    parameters'. ``check`` compares every gradient with the linear scan (back-propagation), or
-    where the linear scan ran, with the blelloch scan."""
+def _backward(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pathlib.Path | None,
+              labels_path: pathlib.Path | None, method: str, levels: int | str | None,
+              max_step_flops: float, dtype: str, check: bool,
+              progress: Progress) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    """Plan, forward, backward and parameter gradients of the model: the report, the gradients w.r.t.
+    every activation and the parameters'. ``check`` compares every gradient with those of the
+    computation the model names for it (:meth:`sparse_scan.model.Model.check_reference`: another
+    schedule, or back-propagation layer by layer outside the engine)."""
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
     from sparse_scan import cpu_threads  # noqa: PLC0415
@@ -311,29 +257,30 @@ def _recurrent(model: pathlib.Path, network: Any, be: Any, x: Any, grad_path: pa
     timings: dict[str, float] = {}
     batch = int(x.shape[0])
     with model_errors(model):
-        progress.show("forward")
-        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
+        builds = network.plan_builds  # planned first: a schedule refused costs no forward pass
         progress.show("planning")
         start = time.perf_counter()
-        plan = network.plan(network.input_shape, method, levels, batch=batch, device=be.name)
-        timings["plan_s"] = time.perf_counter() - start
+        plan = network.plan(network.input_shape, method, levels, batch=batch, device=be.name,
+                            max_step_flops=int(max_step_flops), progress=plan_status(progress))
+        planned = time.perf_counter() - start
+        progress.show("forward")
+        grad, loss = _forward(model, network, be, x, dtype, grad_path, labels_path, timings)
         progress.show(f"backward ({schedule_label(plan.method, plan.levels)})")
-        start = time.perf_counter()
-        grads = network.backward(be.asarray(grad), plan.method, plan.levels)
-        parameters = network.parameter_gradients(grads)
-        be.synchronize()
-        timings["backward_s"] = time.perf_counter() - start
+        grads = network.backward(be.asarray(grad), plan.method, plan.levels, timings=timings)
+        timings["plan_s"] = planned  # the build above; backward's own lookup was a cache hit
+        progress.show("parameter gradients")
+        parameters = network.parameter_gradients(grads, timings=timings)
         if check:
-            against = "blelloch" if plan.method == "linear" else "linear"
+            against = network.check_reference(plan.method)
             progress.show(f"check: {CHECKS[against][1]}")
-            reference = network.backward(be.asarray(grad), against)
+            reference = network.check_backward(be.asarray(grad), plan.method)
             reference_parameters = network.parameter_gradients(reference)
             pairs = list(zip(grads, reference, strict=True)) + [
                 (value, reference_parameters[key]) for key, value in parameters.items()]
     report: dict[str, Any] = {"model": str(model), "method": plan.method, "levels": plan.levels,
                               "device": be.name, "threads": cpu_threads(), "dtype": dtype, "batch": batch,
-                              "timings": timings,
-                              "schedule": plan.explain(batch, np.dtype(dtype).itemsize)}
+                              "plan_cache_hit": network.plan_builds == builds, "timings": timings,
+                              "schedule": plan.explain(batch, np.dtype(dtype).itemsize, be.name)}
     if loss is not None:
         report["loss"] = loss
     if check:

@@ -1,6 +1,6 @@
 """``sparse-scan train MODEL.yaml --data NAME_OR_PATH``: train with BPPSA gradients.
 
-Parses the options, loads the spec (a sequential or a recurrent model), the starting weights
+Parses the options, loads the spec (any :class:`sparse_scan.model.Model`), the starting weights
 (``--weights``) and the data, runs :func:`sparse_scan.train.train` and reports as it goes: a line per
 epoch (loss, accuracy, time) on stdout (stderr with ``--json``), the batches done as progress
 (:mod:`._progress`), the CSV log appended and flushed per iteration, the weights (``--out``) written
@@ -155,7 +155,6 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
     test accuracy at the end."""
     import sparse_scan.train as training  # noqa: PLC0415 - not at import: --help and --threads first
     from sparse_scan import load_model  # noqa: PLC0415
-    from sparse_scan.recurrent import RecurrentClassifier  # noqa: PLC0415
     from sparse_scan.weights import write_npz_atomically  # noqa: PLC0415
 
     check_outputs(force, out=out, log=log_path, plot=plot)
@@ -167,11 +166,6 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         progress.show(f"loading {model}")
         with model_errors(model):
             network = load_model(model)
-            recurrent = isinstance(network, RecurrentClassifier)
-            if recurrent and network.recurrent.dropout and network.recurrent.num_layers > 1:
-                fail(f"{model}: layer {network.recurrent.name!r}: dropout {network.recurrent.dropout:g}: "
-                     "sparse-scan train applies no dropout (its test figures would drop too); set dropout: "
-                     "0, or train from Python (sparse_scan.recurrent.train_recurrent)")
             baseline = load_model(model) if compare_bp else None
             for net in (network, baseline):
                 if net is not None and weights_path is not None:
@@ -179,14 +173,9 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
             progress.show(f"loading --data {data}")
             dataset = load_dataset_for(network, model, data, "training")
             progress.show("planning")
-            if recurrent:
-                plan = network.plan(network.input_shape, method, levels_value, batch=batch_size,
-                                    device=be.name)
-                explained = plan.explain(batch_size, 4)
-            else:
-                plan = network.plan(network.input_shape, method, levels_value,
-                                    max_step_flops=int(max_step_flops), progress=plan_status(progress))
-                explained = plan.explain(batch_size, 4, device)
+            plan = network.plan(network.input_shape, method, levels_value, batch=batch_size, device=be.name,
+                                max_step_flops=int(max_step_flops), progress=plan_status(progress))
+            explained = plan.explain(batch_size, 4, be.name)
         schedule = schedule_label(plan.method, plan.levels)
         lines: IO[str] | None = None if quiet else (sys.stderr if as_json else sys.stdout)
         per_epoch = -(-len(dataset.x_train) // batch_size)

@@ -3,8 +3,10 @@
 Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed Jacobians),
 :mod:`sparse_scan.csr` (the batched CSR type), :mod:`sparse_scan.backend` (CPU/GPU selection),
 :class:`Sequential` (a chain whose backward pass is a planned scan) and :func:`load_model` (a
-``Sequential`` from a YAML model spec, :mod:`sparse_scan.spec`), :mod:`sparse_scan.recurrent` (RNN,
-GRU and LSTM whose backward is a scan over dense blocks), :mod:`sparse_scan.engine` (the scan engine
+model from a YAML model spec, :mod:`sparse_scan.spec`), :mod:`sparse_scan.model` (:class:`Model`, the
+protocol both model kinds implement and the command line, flops and training take),
+:mod:`sparse_scan.recurrent` (RNN, GRU and LSTM whose backward is a scan over dense blocks, and their
+classifier), :mod:`sparse_scan.engine` (the scan engine
 itself: schedules, plans and their executors), :mod:`sparse_scan.optim`, :mod:`sparse_scan.train`,
 :mod:`sparse_scan.weights`, :mod:`sparse_scan.loss`, :mod:`sparse_scan.flops`,
 :mod:`sparse_scan.distributed` and :mod:`sparse_scan.torch` (PyTorch models in: :func:`export_torch`,
@@ -21,14 +23,15 @@ from __future__ import annotations
 from ._lazy import lazy_attributes
 from ._version import __version__
 
-__all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
-           "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads", "csr",
-           "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "optim",
-           "recurrent", "torch", "train", "weights"]
+__all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
+           "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads",
+           "csr", "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "model",
+           "optim", "recurrent", "torch", "train", "weights"]
 
-_MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "loss", "optim", "recurrent",
-            "torch", "train", "weights")
-_NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "torch._export", "Sequential": "_model",
+_MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "loss", "model", "optim",
+            "recurrent", "torch", "train", "weights")
+_NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "torch._export", "Sequential": "_sequential",
+          "Model": "model",
           "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",
           "SCHEDULES": "engine.schedule", "GPUUnavailableError": "backend", "SpecError": "spec",
           "load_model": "spec", "cpu_threads": "_threads"}

@@ -60,7 +60,8 @@ masks); in eval mode it is the identity. ``prune`` prunes the ``conv2d`` and ``l
 A recurrent model is a recurrent layer (``rnn``, ``gru`` or ``lstm``, PyTorch's ``nn.RNN``/``nn.GRU``/
 ``nn.LSTM`` arguments) followed by one ``linear`` layer, the classifier head on the last output (or,
 with ``reduction: mean`` on the head, on the mean of the outputs over time); it loads as a
-:class:`~sparse_scan.recurrent.RecurrentClassifier` (in eval mode: no dropout). One sample
+:class:`~sparse_scan.recurrent.RecurrentClassifier`, in eval mode unless the recurrent layer says
+``training: true`` (as a ``dropout`` layer does: its dropout between layers then applies). One sample
 is ``[time steps, input_size]`` (batch-first data ``(N, T, input_size)`` whatever ``batch_first``
 says: that argument is the module's call layout), ``input_size`` and ``in_features`` are inferred, and
 the weights have PyTorch's state_dict names (``rnn.weight_ih_l0``, ``rnn.weight_hh_l1_reverse``, ...):
@@ -99,8 +100,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ._checks import MAX_SIZE, is_int
-from ._model import Sequential
+from ._checks import MAX_SIZE, flag, is_int
+from ._sequential import Sequential
 from .layers import (
     ELU,
     GELU,
@@ -481,9 +482,9 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential 
     Returns
     -------
     Sequential or RecurrentClassifier
-        With ``input_shape`` (per-sample) set, in eval mode unless the spec sets ``training: true`` on a
-        dropout layer; a recurrent one in eval mode (no dropout: ``model.recurrent.train()`` turns it
-        on).
+        A :class:`~sparse_scan.model.Model` with ``input_shape`` (per-sample) set, in eval mode unless
+        the spec sets ``training: true`` on a dropout layer or a recurrent one (whose dropout between
+        its layers then applies).
 
     Raises
     ------
@@ -608,12 +609,17 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
     if len(shape) != 2:
         raise _fail(path, "", "input_shape", f"a recurrent model takes [time steps, input_size] per sample, "
                     f"got {list(shape)}")
-    arguments = {k: v for k, v in entries[0].items() if k not in ("name", "type")}
+    arguments = {k: v for k, v in entries[0].items() if k not in ("name", "type", "training")}
     accepted = [p for p in inspect.signature(cls.__init__).parameters
                 if p != "self" and p not in RECURRENT_ENGINE_ARGUMENTS]
+    try:  # the mode, as a dropout layer's: eval (no dropout between the layers) unless the spec says so
+        training = flag(entries[0].get("training", False), "training")
+    except ValueError as error:
+        raise _fail(path, where, "training", str(error).partition(": ")[2]) from None
     for argument in arguments:
         if argument not in accepted:
-            raise _fail(path, where, argument, f"unknown argument of {kind} (allowed: {', '.join(accepted)})")
+            raise _fail(path, where, argument,
+                        f"unknown argument of {kind} (allowed: {', '.join([*accepted, 'training'])})")
     if "hidden_size" not in arguments:
         raise _fail(path, where, "hidden_size", f"missing (required by {kind})")
     if arguments.setdefault("input_size", shape[1]) != shape[1]:
@@ -626,7 +632,7 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
         match = _LAYER_MESSAGE.match(str(error))
         field, message = match.groups() if match else ("arguments", str(error))
         raise _fail(path, where, field, message) from None
-    recurrent.eval()
+    recurrent.train(training)
     if len(entries) != 2:
         raise _fail(path, where, "layers", f"a recurrent layer is followed by exactly one linear layer (the "
                     f"classifier head on its last output); the spec has {len(entries) - 1} after it")

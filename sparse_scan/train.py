@@ -1,11 +1,16 @@
-"""Training a CNN with BPPSA gradients: datasets, the mini-batch loop, BP comparison.
+"""Training a model with BPPSA gradients: datasets, the mini-batch loop, BP comparison.
 
 :func:`load_dataset` reads a ``.npz`` (``x_train, y_train, x_test, y_test``) or the built-in
 ``digits`` (scikit-learn's bundled 8×8 handwritten digits, scaled to [0, 1], zero-padded to the model's
 input, the grey level repeated in every channel of a three-channel model such as ResNet-20, split 80/20
-with a fixed seed). :func:`train` runs mini-batch SGD/Adam with the gradients of a
-scan (any method) and, optionally, the same run with back-propagation (the linear scan) on an identical
-copy of the model, batch for batch, so that the two loss curves can be compared.
+with a fixed seed). Any :class:`~sparse_scan.model.Model` trains (a CNN, a recurrent classifier), in
+one training loop: per batch a forward, the loss, the scan's backward, the parameter gradients and an
+optimizer step. :func:`train` runs it over epochs of a :class:`Dataset` with SGD/Adam and the
+gradients of a scan (any method), scoring the test set after every step and, optionally, running the
+same steps with back-propagation (the linear scan) on an identical copy of the model, batch for batch,
+so that the two loss curves can be compared; :func:`train_iterations` runs it for a number of
+iterations over a sampled task (the paper's §4.1 training on
+:class:`~sparse_scan.recurrent.Bitstream`), recording the losses alone.
 
 Examples
 --------
@@ -32,7 +37,7 @@ import contextlib
 import pathlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -42,7 +47,8 @@ from .loss import softmax_cross_entropy
 from .optim import check_built_on
 from .weights import every_layer, read_npz
 
-__all__ = ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset", "train"]
+__all__ = ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset", "train",
+           "train_iterations"]
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -168,8 +174,8 @@ def evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = _EVALUA
 
     Parameters
     ----------
-    model : Sequential
-        With a flat ``(classes,)`` output.
+    model : Model
+        A :class:`~sparse_scan.model.Model` with a flat ``(classes,)`` output.
     x, y : ndarray
         ``(N, *input_shape)`` inputs and ``N`` integer labels.
     batch_size : int
@@ -226,13 +232,14 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
 
     Parameters
     ----------
-    model : Sequential
+    model : Model
+        A :class:`~sparse_scan.model.Model` with a flat ``(classes,)`` output.
     data : Dataset
     optimizer : sparse_scan.optim.Optimizer
         Built on ``model``.
     epochs, batch_size : int
     method, levels
-        The scan (as in :meth:`Sequential.backward`; ``auto`` chooses one).
+        The scan (as in the model's ``backward``; ``auto`` chooses one).
     seed : int
         Shuffling of the training set, per epoch.
     baseline : (model, optimizer), optional
@@ -256,32 +263,111 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
     for run_model, run_optimizer in [(model, optimizer)] + ([] if baseline is None else [baseline]):
         check_built_on(run_optimizer, run_model)
     be = _backend.get(device)
-    rng = np.random.default_rng(seed)
-    records, iteration = [], 0
-    runs = [("", model, optimizer, method, levels)]
+    runs = [("", (model, optimizer, method, levels))]
     if baseline is not None:
-        runs.append(("bp_", baseline[0], baseline[1], "linear", None))
+        runs.append(("bp_", (baseline[0], baseline[1], "linear", None)))
+    batches = _epochs(len(data.x_train), batch_size, epochs, np.random.default_rng(seed))
+    records: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for epoch in range(epochs):
-        order = rng.permutation(len(data.x_train))
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            x, y = data.x_train[batch], data.y_train[batch]
-            record: dict[str, Any] = {"epoch": epoch, "iteration": iteration, "samples": len(batch)}
-            for prefix, net, opt, net_method, net_levels in runs:
-                logits = be.to_host(net.forward(be.asarray(x)))
-                loss, grad = softmax_cross_entropy(logits, y)
-                grads = net.backward(be.asarray(grad), method=net_method, levels=net_levels)
-                parameter_grads = net.parameter_gradients(grads)
-                opt.step({k: be.to_host(v) for k, v in parameter_grads.items()})
-                test = evaluate(net, data.x_test, data.y_test, device=device)
-                record.update({f"{prefix}train_loss": loss, f"{prefix}train_accuracy": _accuracy(logits, y),
-                               f"{prefix}test_loss": test["loss"],
-                               f"{prefix}test_accuracy": test["accuracy"]})
-            record["elapsed_s"] = time.perf_counter() - started
-            records.append({key: record[key] for key in RECORD_KEYS} | {
-                key: value for key, value in record.items() if key not in RECORD_KEYS})
-            if on_iteration is not None:
-                on_iteration(record)
-            iteration += 1
+    for iteration, (epoch, labels, results) in enumerate(_steps(
+            [run for _, run in runs], batches, lambda batch: (data.x_train[batch], data.y_train[batch]), be)):
+        record: dict[str, Any] = {"epoch": epoch, "iteration": iteration, "samples": len(labels)}
+        for (prefix, (net, *_)), (loss, logits) in zip(runs, results, strict=True):
+            test = evaluate(net, data.x_test, data.y_test, device=device)
+            record.update({f"{prefix}train_loss": loss, f"{prefix}train_accuracy": _accuracy(logits, labels),
+                           f"{prefix}test_loss": test["loss"], f"{prefix}test_accuracy": test["accuracy"]})
+        record["elapsed_s"] = time.perf_counter() - started
+        records.append({key: record[key] for key in RECORD_KEYS} | {
+            key: value for key, value in record.items() if key not in RECORD_KEYS})
+        if on_iteration is not None:
+            on_iteration(record)
     return records
+
+
+def train_iterations(model: Any, data: Any, optimizer: Any, iterations: int, batch_size: int,
+                     method: str = "auto", levels: int | str | None = None, seed: int = 0,
+                     device: str = "cpu",
+                     progress: Callable[[int, int, float], None] | None = None) -> list[dict[str, Any]]:
+    """Mini-batch training for ``iterations`` steps over a sampled task, the losses alone recorded
+    (no test set is scored: the paper's §4.1 training, on :class:`~sparse_scan.recurrent.Bitstream`).
+
+    Parameters
+    ----------
+    model : Model
+        A :class:`~sparse_scan.model.Model` with a flat ``(classes,)`` output.
+    data : Bitstream or any object with ``len(data)`` and ``data.batch(indices) -> (x, labels)``
+    optimizer : sparse_scan.optim.Optimizer
+        Built on ``model``.
+    iterations, batch_size : int
+    method, levels
+        The scan (as in the model's ``backward``; ``linear`` is back-propagation).
+    seed : int
+        Batch order (a permutation per pass over the data, whose last partial batch is left out): the
+        same seed gives the same batches.
+    device : {"cpu", "gpu", "auto"}
+        Where the forward and the scan run (parameters stay NumPy arrays for the optimizer).
+    progress : callable, optional
+        ``progress(iteration, iterations, loss)`` after each iteration.
+
+    Returns
+    -------
+    list of dict
+        ``{"iteration", "loss"}`` per iteration (the batch's loss before the update).
+    """
+    integer(iterations, "iterations", 0)
+    integer(batch_size, "batch_size", 1, len(data), note=" (the data's samples)")
+    check_built_on(optimizer, model)
+    be = _backend.get(device)
+    batches = _passes(len(data), batch_size, iterations, np.random.default_rng(seed))
+    records = []
+    for iteration, _, [(loss, _)] in _steps([(model, optimizer, method, levels)], batches, data.batch, be):
+        records.append({"iteration": iteration, "loss": loss})
+        if progress is not None:
+            progress(iteration + 1, iterations, loss)
+    return records
+
+
+def _epochs(count: int, batch_size: int, epochs: int,
+            rng: np.random.Generator) -> Iterator[tuple[int, np.ndarray]]:
+    """``(epoch, sample indices)`` of every batch of :func:`train`: per epoch a permutation of the
+    ``count`` samples, cut into batches in order (the last one may be smaller)."""
+    for epoch in range(epochs):
+        order = rng.permutation(count)
+        for start in range(0, count, batch_size):
+            yield epoch, order[start:start + batch_size]
+
+
+def _passes(count: int, batch_size: int, iterations: int,
+            rng: np.random.Generator) -> Iterator[tuple[int, np.ndarray]]:
+    """``(iteration, sample indices)`` of every batch of :func:`train_iterations`: batches taken in
+    order from a permutation of the ``count`` samples, a new permutation when the next batch would
+    run past its end."""
+    permutation, position = rng.permutation(count), 0
+    for iteration in range(iterations):
+        if position + batch_size > count:
+            permutation, position = rng.permutation(count), 0
+        yield iteration, permutation[position:position + batch_size]
+        position += batch_size
+
+
+def _steps(runs: list[tuple[Any, Any, str, int | str | None]], batches: Iterable[tuple[Any, np.ndarray]],
+           fetch: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+           be: _backend.Backend) -> Iterator[tuple[Any, np.ndarray, list[tuple[float, np.ndarray]]]]:
+    """The training loop: for every batch of ``batches`` (``(key, sample indices)``), ``fetch`` gives
+    its inputs and labels, and every run ``(model, optimizer, method, levels)`` takes one step on it
+    (:func:`_step`). Yields ``(key, labels, [(loss, logits) of each run])`` after the steps."""
+    for key, indices in batches:
+        x, labels = fetch(indices)
+        yield key, labels, [_step(be, *run, x, labels) for run in runs]
+
+
+def _step(be: _backend.Backend, model: Any, optimizer: Any, method: str, levels: int | str | None,
+          x: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
+    """One training step of ``model`` on a batch: the forward, softmax cross-entropy (mean over the
+    batch), the scan's backward (``method``/``levels``), the parameter gradients (Eq. 2) and the
+    optimizer's step. Returns the batch's loss and logits (host), before the step."""
+    logits = be.to_host(model.forward(be.asarray(x)))
+    loss, grad = softmax_cross_entropy(logits, labels)
+    grads = model.backward(be.asarray(grad), method=method, levels=levels)
+    optimizer.step({key: be.to_host(value) for key, value in model.parameter_gradients(grads).items()})
+    return loss, logits

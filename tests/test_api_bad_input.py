@@ -148,7 +148,8 @@ def test_inputs_like_an_accepted_one_skip_the_checks_and_no_other_does():
 
 def test_recurrent_training_arguments_are_checked():
     from sparse_scan.optim import Adam
-    from sparse_scan.recurrent import Bitstream, RecurrentClassifier, train_recurrent
+    from sparse_scan.recurrent import Bitstream, RecurrentClassifier
+    from sparse_scan.train import train_iterations
 
     for kwargs, message in [({"steps": 2.5}, "steps: must be an int >= 1"), ({"steps": 3, "classes": 11},
                             "classes: must be an int >= 1 and <= 10")]:
@@ -160,6 +161,6 @@ def test_recurrent_training_arguments_are_checked():
                             ({"batch_size": 9}, r"<= 8 \(the data's samples\)"),
                             ({"iterations": -1}, "iterations: must be an int >= 0")]:
         with pytest.raises(ValueError, match=message):
-            train_recurrent(model, data, Adam(model), **{"iterations": 1, "batch_size": 4, **kwargs})
+            train_iterations(model, data, Adam(model), **{"iterations": 1, "batch_size": 4, **kwargs})
     with pytest.raises(ValueError, match="optimizer: built on another model"):
-        train_recurrent(model, data, Adam(other), iterations=1, batch_size=4)
+        train_iterations(model, data, Adam(other), iterations=1, batch_size=4)

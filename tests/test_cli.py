@@ -102,7 +102,7 @@ def test_help_and_version_import_nothing_but_click_and_the_standard_library(flag
     foreign = [name for name in imported if name.split(".")[0] not in sys.stdlib_module_names
                and name.split(".")[0] not in ("sparse_scan", "click")]
     assert foreign == []
-    assert not any(name.startswith(("sparse_scan.layers", "sparse_scan._model")) for name in imported)
+    assert not any(name.startswith(("sparse_scan.layers", "sparse_scan._sequential")) for name in imported)
 
 
 def test_threads_option_sets_the_blas_pool_and_the_engine(monkeypatch):

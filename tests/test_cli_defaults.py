@@ -86,7 +86,7 @@ def test_a_schedule_that_would_plan_for_hours_is_refused_from_the_estimate(monke
     8192x4096 one): refused from the JTs' sizes, before any product is planned (about 8 s on a quiet
     2-core machine, its blocks' patterns; it used to plan for hours), naming the figure and the option
     to raise it."""
-    from sparse_scan import _model
+    from sparse_scan import _sequential as _model
 
     def build_plan(*args, **kwargs):
         raise AssertionError("a product was planned before the refusal")

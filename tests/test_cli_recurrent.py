@@ -188,11 +188,21 @@ def test_bad_options_on_a_recurrent_spec_are_one_line_exit_2(tmp_path, monkeypat
     one_line_exit_2(invoke(command[0], spec, *command[1:]), fragment)
 
 
-def test_train_refuses_dropout_and_a_model_the_bitstream_does_not_fit(tmp_path):
+def test_dropout_applies_as_the_spec_sets_the_mode_and_train_refuses_a_model_the_bitstream_does_not_fit(
+        tmp_path):
+    """A recurrent layer's dropout between its layers follows the spec's ``training`` (false by default,
+    as a dropout layer's): ``train`` trains in that mode and scores in eval mode."""
     spec = small_spec(tmp_path, "lstm", ", num_layers: 2, dropout: 0.5")
-    one_line_exit_2(invoke("train", spec, "--data", "bitstream"),
-                    "layer 'rnn': dropout 0.5: sparse-scan train applies no dropout")
-    assert invoke("run", spec, "--random", "2").exit_code == 0  # loaded in eval mode: no dropout
+    assert not load_model(spec).recurrent.training  # eval mode: the dropout is off
+    assert load_model(small_spec(tmp_path, "lstm", ", num_layers: 2, dropout: 0.5, training: true",
+                                 "training.yaml")).recurrent.training
+    for path in (spec, tmp_path / "training.yaml"):
+        result = invoke("train", path, "--data", "bitstream:32:16", "--epochs", "1", "--batch-size", "16",
+                        "--json")
+        assert result.exit_code == 0, result.output
+        assert invoke("run", path, "--random", "2").exit_code == 0
+    one_line_exit_2(invoke("train", small_spec(tmp_path, "lstm", ", training: 1", "bad.yaml"), "--data",
+                           "bitstream"), "field 'training': must be true or false, got 1")
     wide = tmp_path / "wide.yaml"
     wide.write_text(SMALL.format(kind="rnn", arguments="").replace("[8, 1]", "[8, 2]"))
     one_line_exit_2(invoke("train", wide, "--data", "bitstream"), "bitstream sequences are (time steps, 1), "

@@ -255,6 +255,18 @@ def test_cli_more_ranks_than_layers(tmp_path):
 
 
 @needs_mpi
+def test_cli_refuses_a_recurrent_model_on_every_rank():
+    """The distributed scan splits a Sequential's layers: sparse_scan.distributed.backward refuses any
+    other model (a recurrent one), one line on rank 0, whatever the command line holds."""
+    result = mpirun(2, sys.executable, "-m", "sparse_scan.cli", "run", str(DATA / "lstm-bitstream.yaml"),
+                    "--random", "2", "--distributed")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (f"sparse-scan: error: {DATA / 'lstm-bitstream.yaml'}: the distributed "
+                                     "scan splits the layers of a Sequential, not a RecurrentClassifier "
+                                     "(whose scans run in one process)")
+
+
+@needs_mpi
 @pytest.mark.parametrize("failing", [0, 1, 2])
 def test_a_failed_rank_is_named(tmp_path, failing):
     result = mpirun(3, sys.executable, str(WORKER), str(DATA / "lenet5.yaml"), str(tmp_path / "g.npz"),

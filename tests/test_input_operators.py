@@ -12,7 +12,7 @@ import pytest
 import scipy.sparse
 from oracles import torch_modules
 
-import sparse_scan._model as model_module
+import sparse_scan._sequential as model_module
 from sparse_scan import Sequential
 from sparse_scan.layers import AvgPool2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
 from sparse_scan.layers import _pooling_jt as pooling

@@ -25,10 +25,10 @@ import sparse_scan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-TOP_LEVEL = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Pattern", "ScanCostError", "ScanMemoryError",
-             "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads", "csr",
-             "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "optim",
-             "recurrent", "torch", "train", "weights"]
+TOP_LEVEL = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
+             "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend",
+             "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops", "layers", "load_model",
+             "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
 
 PUBLIC = {
     "sparse_scan.backend": ["Backend", "Device", "GPUUnavailableError", "get", "gpu_usable", "of", "twin"],
@@ -60,14 +60,14 @@ PUBLIC = {
                            "LogSoftmax", "MaxPool2d", "ReLU", "Residual", "SiLU", "Sigmoid", "Softmax",
                            "Softplus", "Tanh"],
     "sparse_scan.loss": ["softmax_cross_entropy"],
+    "sparse_scan.model": ["JacobianSize", "Model", "ModelPlan"],
     "sparse_scan.optim": ["SGD", "Adam", "Optimizer", "check_built_on"],
     "sparse_scan.recurrent": ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell",
-                              "RNNCell", "RecurrentClassifier", "RecurrentPlan", "chain_through_factors",
-                              "train_recurrent"],
+                              "RNNCell", "RecurrentClassifier", "RecurrentPlan", "chain_through_factors"],
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
     "sparse_scan.torch": ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
-                          "train"],
+                          "train", "train_iterations"],
     "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict",
                             "write_npz_atomically"],
 }

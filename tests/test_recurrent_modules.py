@@ -10,7 +10,8 @@ import pytest
 from sparse_scan import backend
 from sparse_scan.engine.schedule import depth
 from sparse_scan.optim import Adam
-from sparse_scan.recurrent import GRU, RNN, Bitstream, RecurrentClassifier, train_recurrent
+from sparse_scan.recurrent import GRU, RNN, Bitstream, RecurrentClassifier
+from sparse_scan.train import train_iterations
 
 torch = pytest.importorskip("torch")
 
@@ -180,7 +181,7 @@ def test_a_stacked_bidirectional_classifier_trains_like_pytorch():
         head.weight.copy_(torch.from_numpy(model.fc.weight))
         head.bias.copy_(torch.from_numpy(model.fc.bias))
     optimizer = torch.optim.Adam(list(torch_module.parameters()) + list(head.parameters()), lr=1e-2)
-    records = train_recurrent(model, data, Adam(model, lr=1e-2), iterations=4, batch_size=8, seed=2)
+    records = train_iterations(model, data, Adam(model, lr=1e-2), iterations=4, batch_size=8, seed=2)
     order = np.random.default_rng(2).permutation(len(data))
     for iteration, record in enumerate(records):
         x, labels = data.batch(order[iteration * 8:(iteration + 1) * 8])

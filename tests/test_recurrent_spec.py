@@ -10,7 +10,9 @@ import pytest
 
 from sparse_scan import SpecError, export_torch, load_model
 from sparse_scan.engine.dense_plan import build_dense_plan
+from sparse_scan.engine.figures import totals
 from sparse_scan.engine.schedule import depth
+from sparse_scan.flops import analyse
 from sparse_scan.layers import Linear
 from sparse_scan.recurrent import GRU, LSTM, RNN, Bitstream, RecurrentClassifier
 
@@ -148,7 +150,7 @@ def write_weights(tmp_path, changes):
 BAD = [
     (spec_text(arguments=", hiden_size: 3"),
      "layer 'rnn' (layers[0]), field 'hiden_size': unknown argument of lstm (allowed: input_size, "
-     "hidden_size, num_layers, bias, batch_first, dropout, bidirectional, proj_size)"),
+     "hidden_size, num_layers, bias, batch_first, dropout, bidirectional, proj_size, training)"),
     (spec_text(kind="gru", arguments=", proj_size: 2"), "field 'proj_size': unknown argument of gru"),
     (spec_text(arguments=", dtype: float64"), "field 'dtype': unknown argument of lstm"),
     (spec_text(arguments=", proj_size: 3"),
@@ -222,7 +224,8 @@ def test_the_classifier_states_its_schedule_like_a_scan_plan():
     assert explained["critical_steps"] == 4 * build_dense_plan(20, "blelloch").critical_steps  # 4 scans
     assert plan.scans == ("rnn.l1", "rnn.l1_reverse", "rnn.l0", "rnn.l0_reverse")
     assert plan.affine == (False, True, True, True)  # the top forward scan: a loss on its last state only
-    report = plan.report(batch=8)  # sparse_scan.flops.analyse's form: every step of the four scans
+    assert plan.report(batch=8)["totals"] == totals(plan, 8, 4)  # a plan's report: every step of the scans
+    report = analyse(model, "blelloch", batch=8)  # the same analysis as a Sequential's
     assert report["totals"]["critical_flops"] == sum(s["flops"] for s in report["steps"] if s["critical"])
     assert report["totals"]["critical_steps"] == 1 + max(s["level"] for s in report["steps"])
     assert report["totals"]["bp_flops"] == 4 * 20 * 2 * 4**2 and report["schedule"] == explained

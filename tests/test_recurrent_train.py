@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sparse_scan.optim import Adam
-from sparse_scan.recurrent import GRU, LSTM, RNN, Bitstream, RecurrentClassifier, train_recurrent
+from sparse_scan.recurrent import GRU, LSTM, RNN, Bitstream, RecurrentClassifier
+from sparse_scan.train import train_iterations
 
 KINDS = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
 
@@ -29,7 +30,7 @@ def torch_twin(model: RecurrentClassifier, kind: str):
 
 
 def torch_curve(module, head, data, iterations: int, batch_size: int, seed: int, lr: float) -> list[float]:
-    """PyTorch's Adam on the batches train_recurrent draws (the same permutations)."""
+    """PyTorch's Adam on the batches train_iterations draws (the same permutations)."""
     import torch  # noqa: PLC0415 - optional
 
     optimizer = torch.optim.Adam(list(module.parameters()) + list(head.parameters()), lr=lr)
@@ -56,8 +57,8 @@ def test_bppsa_and_bp_training_give_the_same_losses(kind):
     for method, levels in (("blelloch", None), ("linear", None), ("hybrid", "auto")):
         model = classifier(kind)
         start = {key: value.copy() for key, value in model.state_dict().items()}
-        records = train_recurrent(model, data, Adam(model, lr=1e-2), iterations=12, batch_size=16,
-                                  method=method, levels=levels, seed=3)
+        records = train_iterations(model, data, Adam(model, lr=1e-2), iterations=12, batch_size=16,
+                                   method=method, levels=levels, seed=3)
         curves[method] = np.array([r["loss"] for r in records])
         weights[method] = model.state_dict()
     assert set(weights["linear"]) == {"fc.weight", "fc.bias", "rnn.weight_ih_l0", "rnn.weight_hh_l0",
@@ -74,7 +75,7 @@ def test_training_follows_pytorch_adam_on_the_same_batches(kind):
     data = Bitstream(steps=40, samples=64, seed=1)
     model = classifier(kind)
     module, head = torch_twin(model, kind)
-    records = train_recurrent(model, data, Adam(model, lr=1e-2), iterations=6, batch_size=8, seed=2)
+    records = train_iterations(model, data, Adam(model, lr=1e-2), iterations=6, batch_size=8, seed=2)
     expected = torch_curve(module, head, data, 6, 8, 2, 1e-2)
     np.testing.assert_allclose([r["loss"] for r in records], expected, rtol=1e-5)
 
@@ -85,8 +86,8 @@ def test_lstm_bitstream_curve_equals_pytorch_for_100_iterations():
     data = Bitstream(steps=50, samples=512, seed=3)
     model = classifier("lstm")
     module, head = torch_twin(model, "lstm")
-    records = train_recurrent(model, data, Adam(model, lr=1e-3), iterations=100, batch_size=16,
-                              method="blelloch", seed=4)
+    records = train_iterations(model, data, Adam(model, lr=1e-3), iterations=100, batch_size=16,
+                               method="blelloch", seed=4)
     expected = torch_curve(module, head, data, 100, 16, 4, 1e-3)
     losses = np.array([r["loss"] for r in records])
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
@@ -101,7 +102,7 @@ def test_gpu_training_gives_the_host_losses(kind):
     losses = {}
     for device in ("cpu", "gpu"):
         model = classifier(kind)
-        records = train_recurrent(model, data, Adam(model, lr=1e-2), iterations=3, batch_size=8,
-                                  device=device)
+        records = train_iterations(model, data, Adam(model, lr=1e-2), iterations=3, batch_size=8,
+                                   device=device)
         losses[device] = [record["loss"] for record in records]
     np.testing.assert_allclose(losses["gpu"], losses["cpu"], rtol=1e-4)  # float32

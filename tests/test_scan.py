@@ -276,7 +276,7 @@ def test_the_reference_backward_runs_no_scan_and_agrees_with_every_schedule(seed
     """``Sequential.reference_backward`` (what ``run --check`` compares the linear scan with):
     back-propagation through each layer's JT values by SciPy, a residual block's included, equal to
     every schedule's gradients, and computed without the engine's plans or executors."""
-    from sparse_scan import _model
+    from sparse_scan import _sequential as _model
     from sparse_scan.layers import Residual
 
     model, in_shape = random_chain(8, seed=seed, dtype=np.float64)

@@ -453,7 +453,7 @@ def test_module_imports_without_cupy():
     import subprocess
     import sys
 
-    code = "import sys, sparse_scan.engine._gpu, sparse_scan._model; print('cupy' in sys.modules)"
+    code = "import sys, sparse_scan.engine._gpu, sparse_scan._sequential; print('cupy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

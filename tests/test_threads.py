@@ -7,8 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from sparse_scan import _threads
-from sparse_scan._model import Sequential
+from sparse_scan import Sequential, _threads
 from sparse_scan._threads import cpu_threads, kernel_pool, step_pool, worker_pool
 from sparse_scan.engine import _cpu as host
 from sparse_scan.engine import _dense_cpu as dense_host

@@ -62,7 +62,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._model import Sequential, default_memory_budget
+from .._sequential import Sequential, default_memory_budget
 from ..engine.plan import ScanCostError
 from ..engine.products import PlanBudgetError
 from ._mpi import (
@@ -254,11 +254,15 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
     Raises
     ------
     ValueError
-        More ranks than layers, or a bad ``split``/``combine`` (on every rank alike).
+        A model that is not a :class:`~sparse_scan.Sequential`, more ranks than layers, or a bad
+        ``split``/``combine`` (on every rank alike).
     DistributedError
         A rank failed (:class:`RemoteRankError`) or did not answer in time
         (:class:`RankTimeoutError`); both name the rank.
     """
+    if not isinstance(model, Sequential):
+        raise ValueError(f"the distributed scan splits the layers of a Sequential, not a "
+                         f"{type(model).__name__} (whose scans run in one process)")
     if comm is None:
         comm = import_mpi().COMM_WORLD
     if combine not in COMBINES:

@@ -1,13 +1,14 @@
 """FLOP analysis of a model's backward pass: static (patterns and the scan plan, no values) and live.
 
-The symbolic half of the engine reports itself: per layer the JT's figures (paper Table 1,
-:func:`layer_stats`), per scan step its level, phase, kind, ``m·n·k`` and FLOPs (docs/design.md's
-FLOP counting) and whether it is on the critical path (the costliest step of its level), and in total
-back-propagation's FLOPs (one SpMV per layer), BPPSA's critical-path FLOPs and work, and peak memory.
-The scan's figures are the plan's own (the plan protocol,
-:class:`~sparse_scan.engine.figures.ScanPlanLike`); the layers' come from each layer's count of its
-pattern's entries (``Layer.pattern_nnz``) and the shapes alone, so no pattern is built where a layer
-can count its entries without one (a convolution can; VGG-11's patterns would take seconds).
+The symbolic half of the engine reports itself: per JT its figures (paper Table 1, :func:`layer_stats`),
+per scan step its level, phase, kind, ``m·n·k`` and FLOPs (docs/design.md's FLOP counting) and whether
+it is on the critical path (the costliest step of its level), and in total back-propagation's FLOPs (one
+SpMV per JT), BPPSA's critical-path FLOPs and work, and peak memory. Any
+:class:`~sparse_scan.model.Model` is analysed the same way: the scan's figures are its plan's own (the
+plan protocol, :class:`~sparse_scan.engine.figures.ScanPlanLike`), the JTs' come from the model's
+:meth:`~sparse_scan.model.Model.jacobian_sizes` (a layer counts its pattern's entries from the shapes
+alone where it can, so no pattern is built: VGG-11's would take seconds; a recurrent scan's ``T``
+dense blocks count every entry).
 
 Examples
 --------
@@ -23,7 +24,8 @@ Examples
 True
 
 :func:`live` counts the same steps on the non-zeros of a batch (the paper's Fig. 10 measure): a ReLU's
-off units and a max-pool's non-maximum entries are dropped from every product, per sample.
+off units and a max-pool's non-maximum entries are dropped from every product, per sample (a model
+whose JTs are dense blocks has no zeros to drop: it refuses).
 
 >>> x = np.random.default_rng(0).standard_normal((3, 1, 6, 6)).astype(np.float32)
 >>> figures = live(model, x, "blelloch")
@@ -41,16 +43,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .._model import Sequential
 from ..csr import choose_index_dtype
 from ..engine.figures import ScanPlanLike, critical_path
 from ..layers import Layer
-from ..recurrent import RecurrentClassifier
+from ..model import JacobianSize, Model
 from ._live import CONVENTIONS, LiveCounts, live_counts
 
 __all__ = ["CONVENTIONS", "analyse", "layer_stats", "live"]
 
 LAYER_KEYS = ("name", "type", "shape", "nnz", "sparsity", "csr_bytes", "dense_bytes")
+"""The keys of a report's ``layers[]`` row (a recurrent scan's adds ``blocks``, its count of JTs)."""
 STEP_KEYS = ("level", "phase", "kind", "method", "mnk", "flops", "flops_live", "out_nnz")
 
 
@@ -87,49 +89,47 @@ def layer_stats(layer: Layer, in_shape: Sequence[int], dtype: Any = np.float32,
     """
     in_shape = tuple(int(s) for s in in_shape)
     out_shape = tuple(layer.output_shape(in_shape))
-    nnz = layer.pattern_nnz(in_shape)
+    size = JacobianSize(name or layer.name or type(layer).__name__, type(layer).__name__,
+                        (math.prod(in_shape), math.prod(out_shape)), layer.pattern_nnz(in_shape))
+    return {**_jacobian_row(size, dtype), "in_shape": list(in_shape), "out_shape": list(out_shape),
+            "sample_independent": layer.sample_independent, "kind": layer.jacobian_kind}
+
+
+def _jacobian_row(size: JacobianSize, dtype: Any) -> dict[str, Any]:
+    """A ``layers[]`` row of one JT (:data:`LAYER_KEYS`): ``csr_bytes`` counts ``indptr + indices +
+    data``, ``dense_bytes`` the matrix stored dense; ``blocks`` where the row stands for several."""
     itemsize = np.dtype(dtype).itemsize
-    rows, cols = math.prod(in_shape), math.prod(out_shape)
+    (rows, cols), nnz = size.shape, size.nnz
     index_bytes = choose_index_dtype(nnz, cols).itemsize * (rows + 1 + nnz)  # indptr + indices
-    return {
-        "name": name or layer.name or type(layer).__name__,
-        "type": type(layer).__name__,
-        "in_shape": list(in_shape),
-        "out_shape": list(out_shape),
-        "shape": [rows, cols],
-        "nnz": nnz,
-        "sparsity": 1.0 - nnz / (rows * cols),
-        "csr_bytes": index_bytes + nnz * itemsize,
-        "dense_bytes": rows * cols * itemsize,
-        "sample_independent": layer.sample_independent,
-        "kind": layer.jacobian_kind,
-    }
+    return {"name": size.name, "type": size.type, "shape": [rows, cols], "nnz": nnz,
+            "sparsity": 1.0 - nnz / (rows * cols), "csr_bytes": index_bytes + nnz * itemsize,
+            "dense_bytes": rows * cols * itemsize} | ({"blocks": size.blocks} if size.blocks != 1 else {})
 
 
 def _plan_figures(plan: ScanPlanLike, batch: int, itemsize: int) -> tuple[list[dict[str, Any]],
                                                                            dict[str, int]]:
     """The step rows (each marked ``critical`` or not) and the totals of any plan kind."""
     on_path = set(critical_path(plan.steps))
-    steps = [{**{key: row[key] for key in STEP_KEYS}, "critical": index in on_path}
-             for index, row in enumerate(plan.report(batch, itemsize)["steps"])]
+    rows = plan.report(batch, itemsize)["steps"]  # a recurrent plan's rows name their scan too
+    steps = [{key: row[key] for key in STEP_KEYS} | {key: row[key] for key in ("scan",) if key in row}
+             | {"critical": index in on_path} for index, row in enumerate(rows)]
     totals = {"critical_flops": plan.critical_flops, "work_flops": plan.work_flops,
               "critical_steps": plan.critical_steps, "peak_bytes": plan.peak_bytes(batch, itemsize)}
     return steps, totals
 
 
-def analyse(model: Sequential | RecurrentClassifier, method: str = "auto", levels: int | str | None = None,
+def analyse(model: Model, method: str = "auto", levels: int | str | None = None,
             batch: int = 1, dtype: Any = np.float32, max_step_flops: int | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """FLOP and memory figures of ``model``'s backward pass under a scan schedule.
 
     Parameters
     ----------
-    model : Sequential or RecurrentClassifier
-        With ``input_shape`` set (a loaded spec has it). A recurrent classifier's report is its
-        plan's (:meth:`~sparse_scan.engine.dense_plan.SizedDenseScanPlan.report`): its blocks are
-        dense, so it has no per-layer sparsity.
+    model : Model
+        A :class:`~sparse_scan.model.Model` with ``input_shape`` set (a loaded spec has it). A
+        recurrent classifier's rows are its scans' dense blocks (``blocks`` of them each).
     method, levels
-        The schedule (as in :meth:`Sequential.backward`; ``auto`` chooses one).
+        The schedule (as in the model's ``backward``; ``auto`` chooses one, for ``batch``).
     batch : int
         Samples assumed for ``peak_bytes``.
     dtype : numpy dtype
@@ -142,8 +142,9 @@ def analyse(model: Sequential | RecurrentClassifier, method: str = "auto", level
     Returns
     -------
     dict
-        ``layers[]`` (``name, type, shape, nnz, sparsity, csr_bytes, dense_bytes``), ``steps[]``
-        (``level, phase, kind, method, mnk, flops, flops_live, out_nnz, critical``), ``totals``
+        ``layers[]`` (``name, type, shape, nnz, sparsity, csr_bytes, dense_bytes``, and ``blocks``
+        where a row stands for several JTs), ``steps[]`` (``level, phase, kind, method, mnk, flops,
+        flops_live, out_nnz, critical``, and the ``scan`` of a recurrent model's step), ``totals``
         (``bp_flops, critical_flops, work_flops, critical_steps, peak_bytes``), ``method`` and
         ``levels`` (the schedule planned: the one chosen for ``"auto"``), ``schedule``
         (:meth:`~sparse_scan.engine.plan.ScanPlan.explain`: the schedule, why, and the others
@@ -153,16 +154,12 @@ def analyse(model: Sequential | RecurrentClassifier, method: str = "auto", level
         raise ValueError("the model has no input_shape: build it with Sequential(..., input_shape=...) "
                          "or load it from a spec")
     itemsize = np.dtype(dtype).itemsize
-    if isinstance(model, RecurrentClassifier):  # dense blocks: the plan's report is the whole story
-        return model.plan(model.input_shape, method, levels, batch=batch).report(batch, itemsize)
-    layers, shape = [], tuple(model.input_shape)
-    for layer in model.layers:
-        row = layer_stats(layer, shape, dtype)
-        layers.append({key: row[key] for key in LAYER_KEYS})
-        shape = layer.output_shape(shape)
-    plan = model.plan(model.input_shape, method, levels, max_step_flops=max_step_flops, progress=progress)
+    sizes = model.jacobian_sizes(model.input_shape)
+    layers = [_jacobian_row(size, dtype) for size in sizes]
+    plan = model.plan(model.input_shape, method, levels, batch=batch, max_step_flops=max_step_flops,
+                      progress=progress)
     steps, totals = _plan_figures(plan, batch, itemsize)
-    totals["bp_flops"] = sum(2 * layer["nnz"] for layer in layers)
+    totals["bp_flops"] = sum(2 * size.nnz * size.blocks for size in sizes)
     return {"method": plan.method, "levels": plan.levels, "layers": layers, "steps": steps,
             "totals": {key: totals[key] for key in sorted(totals)},
             "schedule": plan.explain(batch, itemsize)}
@@ -175,7 +172,7 @@ def _spread(values: np.ndarray) -> dict[str, Any]:
             "samples": [int(value) for value in values]}
 
 
-def _live_report(counts: LiveCounts, model: Sequential, in_shape: tuple[int, ...],
+def _live_report(counts: LiveCounts, model: Model, in_shape: tuple[int, ...],
                  fill_flops: tuple[int, int]) -> dict[str, Any]:
     """The JSON-friendly report of :func:`live` (its Returns); ``fill_flops`` (the plan's JT fills,
     counted over their patterns) join the critical path and the work, static and live."""
@@ -206,7 +203,7 @@ def _live_report(counts: LiveCounts, model: Sequential, in_shape: tuple[int, ...
     return {"convention": counts.convention, "steps": steps, "bp": bp, "totals": totals}
 
 
-def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | str | None = None,
+def live(model: Model, x: np.ndarray, method: str = "auto", levels: int | str | None = None,
          convention: str = "ours", max_step_flops: int | None = None,
          progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """FLOPs of ``model``'s backward pass on the live entries of the batch ``x``, per step and sample.
@@ -220,11 +217,13 @@ def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | s
 
     Parameters
     ----------
-    model : Sequential
+    model : Model
+        A :class:`~sparse_scan.model.Model` whose JTs are sparse (a recurrent one's are dense blocks:
+        its :meth:`~sparse_scan.model.Model.transposed_jacobians` refuses, and so does this).
     x : ndarray, shape (B, *input_shape)
         The batch (host array).
     method, levels
-        The schedule (as in :meth:`Sequential.backward`; ``auto`` chooses one from static figures).
+        The schedule (as in the model's ``backward``; ``auto`` chooses one from static figures).
     convention : {"ours", "paper"}
         ``ours``: docs/design.md's, as the plan's static ``flops`` (an mv and an mm 2 per
         multiply-add, a scaling by a diagonal 1 per entry; back-propagation is the mv chain on the
@@ -253,15 +252,13 @@ def live(model: Sequential, x: np.ndarray, method: str = "auto", levels: int | s
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}; got {convention!r}")
-    if isinstance(model, RecurrentClassifier):
-        raise ValueError("live counts drop the zeros of sparse JTs; a recurrent model's blocks are dense "
-                         "(its static figures are its live ones)")
     if not isinstance(x, np.ndarray) or x.ndim < 1 or not len(x):
         raise ValueError("x: expected a NumPy array (B, *input_shape) of one sample or more")
     in_shape = tuple(int(s) for s in x.shape[1:])
     if model.input_shape is not None and in_shape != tuple(model.input_shape):
         raise ValueError(f"x: samples of shape {list(in_shape)}, the model takes {list(model.input_shape)}")
-    plan = model.plan(in_shape, method, levels, max_step_flops=max_step_flops, progress=progress)
+    plan = model.plan(in_shape, method, levels, batch=len(x), max_step_flops=max_step_flops,
+                      progress=progress)
     model.forward(x)
     jacobians = model.transposed_jacobians()[::-1]  # scan element j is the JT of layer n - j
     kinds = [layer.jacobian_kind for layer in reversed(model.layers)]

@@ -8,8 +8,10 @@ direction, :func:`sparse_scan.engine.run.dense_scan` with the sparse engine's sc
 blocks; the LSTM's ``(h, c)`` state gives ``(H_out+H)×(H_out+H)`` blocks), or, on back-propagation's
 schedule on the CPU, the blocks in factored form (no block filled).
 :class:`RecurrentClassifier` adds the paper's output layer (linear + softmax cross-entropy on the last
-hidden state; a model spec whose first layer is recurrent loads as one), :class:`RecurrentPlan` states
-its schedule, :class:`Bitstream` is the paper's synthetic task and :func:`train_recurrent` training.
+hidden state; a model spec whose first layer is recurrent loads as one), a
+:class:`~sparse_scan.model.Model` as a :class:`~sparse_scan.Sequential` is; :class:`RecurrentPlan`
+states its schedule and :class:`Bitstream` is the paper's synthetic task (trained with
+:func:`sparse_scan.train.train_iterations`, or split into a dataset for :func:`sparse_scan.train.train`).
 :class:`RNNCell`, :class:`GRUCell` and :class:`LSTMCell` are one step each; :class:`CellSequence`
 back-propagates a user's loop over a cell with the same scan.
 """
@@ -17,10 +19,10 @@ back-propagates a user's loop over a cell with the same scan.
 from ._base import chain_through_factors
 from ._bitstream import Bitstream
 from ._cells import CellSequence, GRUCell, LSTMCell, RNNCell
-from ._classifier import RecurrentClassifier, RecurrentPlan, train_recurrent
+from ._classifier import RecurrentClassifier, RecurrentPlan
 from ._gru import GRU
 from ._lstm import LSTM
 from ._rnn import RNN
 
 __all__ = ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell", "RNNCell",
-           "RecurrentClassifier", "RecurrentPlan", "chain_through_factors", "train_recurrent"]
+           "RecurrentClassifier", "RecurrentPlan", "chain_through_factors"]

@@ -1,28 +1,30 @@
 """The paper's recurrent classifier (§4.1): a recurrent layer, then softmax over a linear map of the
-last hidden state (or of the mean of the hidden states over time), trained with cross-entropy; its
-schedules and its training loop.
+last hidden state (or of the mean of the hidden states over time), trained with cross-entropy; and its
+schedules.
 
-:class:`RecurrentClassifier` has the calls of a :class:`~sparse_scan.Sequential` (``forward``,
-``backward`` returning the gradient w.r.t. every activation, ``parameter_gradients``, ``plan``,
-``state_dict``/``load_state_dict``, ``shapes``), so :func:`sparse_scan.train.train`,
-:func:`sparse_scan.train.evaluate` and :mod:`sparse_scan.optim` take it as they take a CNN; a model
-spec whose first layer is recurrent loads as one (:func:`sparse_scan.load_model`).
+:class:`RecurrentClassifier` is a :class:`~sparse_scan.model.Model`, as a
+:class:`~sparse_scan.Sequential` is (``forward``, ``backward`` returning the gradient w.r.t. every
+activation, ``parameter_gradients``, ``plan``, ``state_dict``/``load_state_dict``, ``shapes``,
+``train``/``eval``), so the command line, :mod:`sparse_scan.train`, :mod:`sparse_scan.flops` and
+:mod:`sparse_scan.optim` take it as they take a CNN; a model spec whose first layer is recurrent loads
+as one (:func:`sparse_scan.load_model`).
 
 Examples
 --------
 >>> import numpy as np
 >>> from sparse_scan.optim import Adam
 >>> from sparse_scan.recurrent import RNN, Bitstream
+>>> from sparse_scan.train import train_iterations
 >>> model = RecurrentClassifier(RNN(1, 8, rng=0), classes=10, rng=1)
 >>> sorted(model.state_dict())[:3]
 ['fc.bias', 'fc.weight', 'rnn.bias_hh_l0']
->>> records = train_recurrent(model, Bitstream(steps=30, samples=64), Adam(model, lr=1e-2), iterations=3,
-...                           batch_size=16)
+>>> records = train_iterations(model, Bitstream(steps=30, samples=64), Adam(model, lr=1e-2),
+...                            iterations=3, batch_size=16)
 >>> [r["iteration"] for r in records]
 [0, 1, 2]
 
-The Sequential-like calls: the gradient w.r.t. the input, every hidden state of the top layer and
-the logits, then the parameters'; ``plan`` states the schedule ``method="auto"`` runs.
+The model's calls: the gradient w.r.t. the input, every hidden state of the top layer and the
+logits, then the parameters'; ``plan`` states the schedule ``method="auto"`` runs.
 
 >>> x = Bitstream(steps=30, samples=4).batch(range(4))[0]
 >>> logits = model.forward(x)
@@ -36,6 +38,9 @@ the logits, then the parameters'; ``plan`` states the schedule ``method="auto"``
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -45,17 +50,16 @@ from .. import backend as _backend
 from .. import weights as _weights
 from .._checks import integer, is_int
 from .._types import Array
-from ..engine.dense_plan import auto_levels, build_dense_plan
-from ..engine.figures import critical_path
-from ..engine.plan import Candidate, ScheduleChoice
+from ..engine.dense_plan import DenseStep, SizedDenseScanPlan, auto_levels, build_dense_plan
+from ..engine.figures import totals
+from ..engine.plan import Candidate, ScanCostError, ScheduleChoice
 from ..engine.schedule import SCHEDULES, checked_levels, depth, schedule_at_depth
 from ..layers import Linear
 from ..layers._weighted import RngLike
-from ..loss import softmax_cross_entropy
-from ..optim import check_built_on
+from ..model import JacobianSize
 from ._module import RecurrentModule
 
-__all__ = ["REDUCTIONS", "RecurrentClassifier", "RecurrentPlan", "train_recurrent"]
+__all__ = ["REDUCTIONS", "RecurrentClassifier", "RecurrentPlan"]
 
 AUTO_CRITERION = ("the least modelled time (a fixed cost per level plus its FLOPs over the device's "
                   "throughput)")
@@ -64,14 +68,18 @@ AUTO_CRITERION = ("the least modelled time (a fixed cost per level plus its FLOP
 @dataclass(frozen=True)
 class RecurrentPlan:
     """The schedule of a :class:`RecurrentClassifier`'s backward: every layer and direction of its
-    recurrent layer is a scan of this schedule over its ``T`` time steps.
+    recurrent layer is a scan of this schedule over its ``T`` time steps, one scan after another.
+
+    A :class:`~sparse_scan.engine.figures.ScanPlanLike` (and so a
+    :class:`~sparse_scan.model.ModelPlan`): its ``steps`` are every scan's, levels numbered on across
+    the scans, and its figures their sums (the engine's convention on dense blocks).
 
     Attributes
     ----------
     method : {"linear", "blelloch", "hybrid"}
     levels : int or None
         Up-sweep levels of ``hybrid``.
-    steps : int
+    time_steps : int
         Time steps ``T``.
     state_size : int
         Size ``S`` of the ``S×S`` blocks.
@@ -90,7 +98,7 @@ class RecurrentPlan:
 
     method: str
     levels: int | None
-    steps: int
+    time_steps: int
     state_size: int
     scans: tuple[str, ...]
     affine: tuple[bool, ...]
@@ -100,70 +108,95 @@ class RecurrentPlan:
     def figures(self, method: str, levels: int | None) -> tuple[int, int, int]:
         """Critical-path FLOPs, work FLOPs (per sample) and sequential levels of every scan of
         ``method``/``levels``, one scan after another (the engine's convention on dense blocks)."""
-        plan = build_dense_plan(self.steps, method, levels)
-        sized = [plan.sized(self.state_size, affine) for affine in self.affine]
+        sized = self.sized(method, levels)
         return (sum(s.critical_flops for s in sized), sum(s.work_flops for s in sized),
                 sum(s.critical_steps for s in sized))
 
-    def factored(self) -> bool:
-        """Whether the backward applies the blocks in factored form (the CPU's back-propagation)."""
-        return self.device == "cpu" and (self.method == "linear" or self.levels == 0)
+    def sized(self, method: str | None = None, levels: int | None = None) -> list[SizedDenseScanPlan]:
+        """Every scan's dense plan with its block size, in order, for ``method``/``levels`` (by default
+        the plan's own)."""
+        if method is None:
+            method, levels = self.method, self.levels
+        plan = build_dense_plan(self.time_steps, method, levels)
+        return [plan.sized(self.state_size, affine) for affine in self.affine]
 
-    def peak_bytes(self, batch: int, itemsize: int) -> int:
-        """Peak bytes of one scan's live values (the scans run one after another): the blocks and
-        the scan's results, or only the ``T + 1`` total gradients where the blocks stay factored."""
-        if self.factored():
-            return (self.steps + 1) * batch * self.state_size * itemsize
-        plan = build_dense_plan(self.steps, self.method, self.levels)
-        return max(plan.sized(self.state_size, affine).peak_bytes(batch, itemsize) for affine in self.affine)
+    @property
+    def n(self) -> int:
+        """Elements of each scan's chain: the time steps ``T``."""
+        return self.time_steps
 
-    def explain(self, batch: int = 1, itemsize: int = 4) -> dict[str, Any]:
+    @functools.cached_property
+    def steps(self) -> tuple[DenseStep, ...]:
+        """Every step of every scan, in the order the scans run, levels numbered on across them."""
+        steps, offset = [], 0
+        for sized in self.sized():
+            steps += [dataclasses.replace(step, level=step.level + offset) for step in sized.steps]
+            offset += sized.critical_steps
+        return tuple(steps)
+
+    @property
+    def critical_flops(self) -> int:
+        """FLOPs on the critical path (one sample): every scan's, one after another."""
+        return self.figures(self.method, self.levels)[0]
+
+    @property
+    def work_flops(self) -> int:
+        """FLOPs of every step of every scan (one sample)."""
+        return self.figures(self.method, self.levels)[1]
+
+    @property
+    def critical_steps(self) -> int:
+        """Levels of every scan, one after another."""
+        return self.figures(self.method, self.levels)[2]
+
+    @property
+    def plan_bytes(self) -> int:
+        """0: dense blocks need no index structure."""
+        return 0
+
+    def factored(self, device: str | None = None) -> bool:
+        """Whether the backward applies the blocks in factored form (the CPU's back-propagation) on
+        ``device`` (by default the one planned for)."""
+        return (device or self.device) == "cpu" and (self.method == "linear" or self.levels == 0)
+
+    def peak_bytes(self, batch: int, itemsize: int, device: str | None = None) -> int:
+        """Peak bytes of one scan's live values on ``device`` (by default the one planned for; the
+        scans run one after another): the blocks and the scan's results, or only the ``T + 1`` total
+        gradients where the blocks stay factored."""
+        if self.factored(device):
+            return (self.time_steps + 1) * batch * self.state_size * itemsize
+        return max(sized.peak_bytes(batch, itemsize) for sized in self.sized())
+
+    def explain(self, batch: int = 1, itemsize: int = 4, device: str | None = None) -> dict[str, Any]:
         """The schedule and why, with the keys of :meth:`sparse_scan.ScanPlan.explain`: ``method``,
         ``levels``, ``requested``, ``reason``, ``critical_flops``, ``work_flops``, ``critical_steps``,
         ``plan_bytes`` (0: dense blocks need no index structure), ``peak_bytes`` (for ``batch``
-        samples of ``itemsize`` bytes), ``fill_flops`` (none: the blocks are filled from the cells'
-        values) and, for a chosen schedule, the ``candidates`` considered."""
+        samples of ``itemsize`` bytes on ``device``, by default the one planned for), ``fill_flops``
+        (none: the blocks are filled from the cells' values) and, for a chosen schedule, the
+        ``candidates`` considered."""
         critical, work, steps = self.figures(self.method, self.levels)
         out: dict[str, Any] = {
             "method": self.method, "levels": self.levels,
             "requested": self.method if self.choice is None else self.choice.requested,
             "reason": "as requested" if self.choice is None else self.choice.criterion,
             "critical_flops": critical, "work_flops": work, "critical_steps": steps, "plan_bytes": 0,
-            "peak_bytes": self.peak_bytes(batch, itemsize), "fill_flops": {"critical": 0, "work": 0}}
+            "peak_bytes": self.peak_bytes(batch, itemsize, device), "fill_flops": {"critical": 0, "work": 0}}
         if self.choice is not None:
             out["candidates"] = [c.as_dict() for c in self.choice.candidates]
         return out
 
-    def report(self, batch: int = 1, itemsize: int = 4) -> dict[str, Any]:
-        """Per-step figures and totals in the form of :func:`sparse_scan.flops.analyse`'s report
-        (JSON-friendly): ``method``, ``levels``, ``schedule`` (:meth:`explain`), ``layers[]`` (per
-        scan, the ``T`` blocks it scans: ``name`` (the scan's), ``type`` ``"dense"``, ``shape``,
-        ``nnz``, ``sparsity``, ``csr_bytes`` and ``dense_bytes`` of one block, ``blocks``),
-        ``steps[]`` (every step of every scan, levels numbered on across the scans, which run one
-        after another: a dense step's keys, its ``scan`` and whether it is ``critical``) and
-        ``totals`` (``bp_flops``: back-propagation's ``T`` matrix-vector products per scan,
-        ``critical_flops``, ``work_flops``, ``critical_steps``, ``peak_bytes``). FLOPs are per
+    def report(self, batch: int = 1, itemsize: int = 4, device: str | None = None) -> dict[str, Any]:
+        """Per-step figures and totals (JSON-friendly), as a sparse plan's: ``method``, ``levels``,
+        ``n``, ``steps`` (a dense step's keys and its ``scan``) and ``totals``
+        (:func:`~sparse_scan.engine.figures.totals`, ``peak_bytes`` on ``device``). FLOPs are per
         sample."""
-        plan = build_dense_plan(self.steps, self.method, self.levels)
-        linear = build_dense_plan(self.steps, "linear")
-        steps, offset = [], 0
-        for scan, affine in zip(self.scans, self.affine, strict=True):
-            sized = plan.sized(self.state_size, affine)
-            critical = set(critical_path(sized.steps))
-            steps += [step.as_dict() | {"level": step.level + offset, "scan": scan,
-                                        "critical": index in critical}
-                      for index, step in enumerate(sized.steps)]
-            offset += sized.critical_steps
-        schedule = self.explain(batch, itemsize)
-        bp = sum(linear.sized(self.state_size, affine).work_flops for affine in self.affine)
-        size = self.state_size
-        layers = [{"name": scan, "type": "dense", "shape": [size, size], "nnz": size * size, "sparsity": 0.0,
-                   "csr_bytes": size * size * (itemsize + 4) + (size + 1) * 4,
-                   "dense_bytes": size * size * itemsize, "blocks": self.steps} for scan in self.scans]
-        return {"method": self.method, "levels": self.levels, "schedule": schedule, "layers": layers,
-                "steps": steps,
-                "totals": {"bp_flops": bp} | {key: schedule[key] for key in (
-                    "critical_flops", "work_flops", "critical_steps", "peak_bytes")}}
+        steps = self.steps
+        per_scan = len(steps) // len(self.scans)
+        return {"method": self.method, "levels": self.levels, "n": self.n,
+                "steps": [step.as_dict() | {"scan": self.scans[index // per_scan]}
+                          for index, step in enumerate(steps)],
+                "totals": totals(self, batch, itemsize) | {"peak_bytes": self.peak_bytes(batch, itemsize,
+                                                                                         device)}}
 
 
 REDUCTIONS = ("last", "mean")
@@ -173,7 +206,7 @@ mean over time (``fc(out.mean(dim=1))``)."""
 
 class RecurrentClassifier:
     """``logits = fc(h_T)`` (or ``fc(mean_t h_t)``) after a recurrent layer ``rnn``; loss is softmax
-    cross-entropy.
+    cross-entropy. A :class:`~sparse_scan.model.Model`.
 
     Parameters
     ----------
@@ -202,6 +235,8 @@ class RecurrentClassifier:
         ``[recurrent, fc]``: what :mod:`sparse_scan.optim` and :mod:`sparse_scan.weights` walk.
     classes : int
     input_shape : (int, int) or None
+    plan_builds : int
+        How many plans were built (a cached one serves every later request for it).
     """
 
     def __init__(self, recurrent: RecurrentModule, classes: int | None = None, rng: RngLike = None, *,
@@ -232,6 +267,7 @@ class RecurrentClassifier:
         self._logits: Array | None = None
         self._gradients: tuple[list[Array], dict[str, Array]] | None = None
         self._plans: dict[tuple[Any, ...], RecurrentPlan] = {}
+        self.plan_builds = 0
 
     def _checked_shape(self, shape: Sequence[int], label: str) -> tuple[int, int]:
         values = tuple(shape)
@@ -250,6 +286,18 @@ class RecurrentClassifier:
         """Copy parameters in by :meth:`state_dict` name (:func:`sparse_scan.weights.load_state_dict`:
         a ``ValueError`` names the first bad key and changes nothing)."""
         _weights.load_state_dict(self, state, strict)
+
+    # mode (PyTorch's train/eval) --------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "RecurrentClassifier":
+        """Both layers in training mode (``mode=True``: the recurrent layer's dropout between its
+        layers applies) or eval mode, like PyTorch's ``module.train(mode)``; return self."""
+        for layer in self.layers:
+            layer.train(mode)
+        return self
+
+    def eval(self) -> "RecurrentClassifier":
+        """Both layers in eval mode (no dropout); return self."""
+        return self.train(False)
 
     # forward ----------------------------------------------------------------------------------------
     def shapes(self, in_shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -283,7 +331,9 @@ class RecurrentClassifier:
 
     # schedules --------------------------------------------------------------------------------------
     def plan(self, in_shape: Sequence[int] | None = None, method: str = "auto",
-             levels: int | str | None = None, batch: int = 1, device: str = "cpu") -> RecurrentPlan:
+             levels: int | str | None = None, *, batch: int = 1, device: str = "cpu",
+             max_step_flops: int | None = None,
+             progress: Callable[[str, int, int], None] | None = None) -> RecurrentPlan:
         """The schedule :meth:`backward` runs for ``method``/``levels`` (cached).
 
         ``method="auto"`` and ``hybrid`` without ``levels`` (or ``levels="auto"``) choose the hybrid
@@ -301,6 +351,11 @@ class RecurrentClassifier:
         batch : int
             Samples per backward (the cost model's and the peak memory's).
         device : {"cpu", "gpu"}
+        max_step_flops : int, optional
+            Refuse (:class:`~sparse_scan.ScanCostError`) a schedule with a step of more FLOPs (per
+            sample; a block product of ``S×S`` blocks is ``2S³``, plus ``2S²`` where it is affine).
+        progress : callable, optional
+            The protocol's planning progress; a recurrent plan is built at once, without calling it.
 
         Returns
         -------
@@ -327,10 +382,18 @@ class RecurrentClassifier:
         key = (steps, method, levels, batch if auto else None, device)
         if key not in self._plans:
             self._plans[key] = self._plan(steps, method, levels, batch, device, auto)
-        return self._plans[key]
+            self.plan_builds += 1
+        plan = self._plans[key]
+        if max_step_flops is not None:
+            costliest = max((step.flops for sized in plan.sized() for step in sized.steps), default=0)
+            if costliest > max_step_flops:
+                raise ScanCostError(f"RecurrentClassifier: a step of the {plan.method} scans needs "
+                                    f"{costliest:,} FLOPs, over the limit of {max_step_flops}")
+        return plan
 
-    def _plan(self, steps: int, method: str, levels: int | None, batch: int, device: str,
-              auto: bool) -> RecurrentPlan:
+    def _scans(self) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+        """The backward's scans in the order they run (layer by layer from the top, each direction),
+        and whether each carries direct gradients (:class:`RecurrentPlan`'s ``scans`` and ``affine``)."""
         recurrent = self.recurrent
         order = [(layer, direction) for layer in reversed(range(recurrent.num_layers))
                  for direction in range(recurrent.num_directions)]
@@ -339,6 +402,12 @@ class RecurrentClassifier:
         every_state = self.reduction == "mean"
         affine = tuple(layer < recurrent.num_layers - 1 or direction == 1 or every_state
                        for layer, direction in order)
+        return scans, affine
+
+    def _plan(self, steps: int, method: str, levels: int | None, batch: int, device: str,
+              auto: bool) -> RecurrentPlan:
+        recurrent = self.recurrent
+        scans, affine = self._scans()
         plan = RecurrentPlan(method, levels, steps, recurrent.state_size, scans, affine, device)
         if not auto:
             return plan
@@ -357,9 +426,11 @@ class RecurrentClassifier:
                              ScheduleChoice(method, criterion, tuple(candidates)))
 
     # backward ---------------------------------------------------------------------------------------
-    def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None) -> list[Array]:
+    def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
+                 device: str | None = None, timings: dict[str, float] | None = None) -> list[Array]:
         """Gradients w.r.t. the input, the recurrent layer's outputs and the logits, by a scan per
-        layer and direction of the recurrent layer.
+        layer and direction of the recurrent layer; every parameter's gradient comes out of the same
+        scans (:meth:`parameter_gradients`).
 
         Parameters
         ----------
@@ -369,6 +440,12 @@ class RecurrentClassifier:
             The scans' schedule (``auto``: :meth:`plan`'s choice).
         levels : int or "auto", optional
             Up-sweep levels of ``hybrid`` (None: ``"auto"``).
+        device : {"cpu", "gpu", "auto"}, optional
+            Where the forward ran (the scans read what it kept there), the default; another device
+            is an error.
+        timings : dict, optional
+            Receives ``backward_s``: the seconds of the whole backward, parameter gradients included
+            (on the GPU up to a synchronisation).
 
         Returns
         -------
@@ -380,7 +457,11 @@ class RecurrentClassifier:
         """
         if self._pooled is None:
             raise RuntimeError("RecurrentClassifier: call forward(x) before backward")
+        start = time.perf_counter()
         be = _backend.of(self._pooled)
+        if device is not None and _backend.get(device).name != be.name:
+            raise ValueError(f"RecurrentClassifier: device: the forward ran on the {be.name}, where its "
+                             f"saved values are; got device={device!r}")
         grad = be.asarray(grad_out)
         if tuple(grad.shape) != tuple(self._logits.shape) or grad.dtype.kind != "f":
             raise ValueError(f"grad_out: expected floats of shape {tuple(self._logits.shape)} (the logits), "
@@ -404,75 +485,48 @@ class RecurrentClassifier:
             parameters[f"{self.recurrent.name}.{key}"] = result[self.recurrent.layer_form_key(key)]
         grads = [result["x"], result["h"], grad]
         self._gradients = (grads, parameters)
+        if timings is not None:
+            be.synchronize()
+            timings["backward_s"] = time.perf_counter() - start
         return grads
 
-    def parameter_gradients(self, grads: Sequence[Array]) -> dict[str, Array]:
+    def parameter_gradients(self, grads: Sequence[Array],
+                            timings: dict[str, float] | None = None) -> dict[str, Array]:
         """Every parameter's gradient by state_dict name, summed over the batch like PyTorch's: those
         of the last :meth:`backward` (the recurrent layer's come out of its scans), whose result
-        ``grads`` must be."""
+        ``grads`` must be. ``timings`` receives nothing: their time is the backward's."""
         if self._gradients is None or grads is not self._gradients[0]:
             raise ValueError("RecurrentClassifier: parameter_gradients takes the list the last backward "
                              "returned")
         return dict(self._gradients[1])
 
-    def loss_and_gradients(self, x: Array, labels: Array, method: str = "blelloch",
-                           levels: int | str | None = None) -> tuple[float, dict[str, Array]]:
-        """Forward, loss and every parameter's gradient (the hidden-state chain by the scan).
+    def check_reference(self, method: str) -> str:
+        """What ``sparse-scan run --check`` compares the schedule ``method``'s gradients with:
+        ``linear``, back-propagation through time, or where ``method`` is back-propagation,
+        ``blelloch``."""
+        return "blelloch" if method == "linear" else "linear"
 
-        Returns
-        -------
-        loss : float
-            Mean cross-entropy over the batch.
-        grads : dict
-            By state_dict name, summed like PyTorch's (the loss is a mean).
-        """
-        logits = self.forward(x)
-        be = _backend.of(logits)
-        loss, grad_logits = softmax_cross_entropy(be.to_host(logits), be.to_host(labels))
-        return loss, self.parameter_gradients(self.backward(be.asarray(grad_logits), method, levels))
+    def check_backward(self, grad_out: Array, method: str) -> list[Array]:
+        """:meth:`backward`'s gradients by :meth:`check_reference` of ``method``;
+        :meth:`parameter_gradients` then gives that scan's parameter gradients."""
+        return self.backward(grad_out, self.check_reference(method))
 
+    # the scans' Jacobians ---------------------------------------------------------------------------
+    def jacobian_sizes(self, in_shape: Sequence[int] | None = None) -> list[JacobianSize]:
+        """The blocks of every scan for ``in_shape`` (by default :attr:`input_shape`): per layer and
+        direction of the recurrent layer (:class:`RecurrentPlan`'s ``scans``), ``T`` dense ``S×S``
+        transposed Jacobians of the state (type ``dense``)."""
+        if in_shape is None:
+            if self.input_shape is None:
+                raise ValueError("RecurrentClassifier: give in_shape (the model has no input_shape)")
+            in_shape = self.input_shape
+        steps, _ = self._checked_shape(in_shape, "in_shape")
+        size = self.recurrent.state_size
+        return [JacobianSize(scan, "dense", (size, size), size * size, steps) for scan in self._scans()[0]]
 
-def train_recurrent(model: RecurrentClassifier, data: Any, optimizer: Any, iterations: int, batch_size: int,
-                    method: str = "blelloch", levels: int | str | None = None, seed: int = 0,
-                    device: str = "cpu",
-                    progress: Callable[[int, int, float], None] | None = None) -> list[dict[str, Any]]:
-    """Mini-batch training; one record per iteration.
-
-    Parameters
-    ----------
-    model : RecurrentClassifier
-    data : Bitstream or any object with ``len(data)`` and ``data.batch(indices) -> (x, labels)``
-    optimizer : sparse_scan.optim.Optimizer
-        Built on ``model``.
-    iterations, batch_size : int
-    method, levels
-        Of the scan (``linear`` is back-propagation through time).
-    seed : int
-        Batch order (a permutation per pass over the data): the same seed gives the same batches.
-    device : {"cpu", "gpu", "auto"}
-        Where the forward and the scan run (parameters stay NumPy arrays for the optimizer).
-    progress : callable, optional
-        ``progress(iteration, iterations, loss)`` after each iteration.
-
-    Returns
-    -------
-    list of dict
-        ``{"iteration", "loss"}`` per iteration (the batch's loss before the update).
-    """
-    integer(iterations, "iterations", 0)
-    integer(batch_size, "batch_size", 1, len(data), note=" (the data's samples)")
-    check_built_on(optimizer, model)
-    be = _backend.get(device)
-    order = np.random.default_rng(seed)
-    permutation, position, records = order.permutation(len(data)), 0, []
-    for iteration in range(iterations):
-        if position + batch_size > len(permutation):
-            permutation, position = order.permutation(len(data)), 0
-        x, labels = data.batch(permutation[position:position + batch_size])
-        position += batch_size
-        loss, grads = model.loss_and_gradients(be.asarray(x), labels, method=method, levels=levels)
-        optimizer.step({key: be.to_host(value) for key, value in grads.items()})
-        records.append({"iteration": iteration, "loss": loss})
-        if progress is not None:
-            progress(iteration + 1, iterations, loss)
-    return records
+    def transposed_jacobians(self) -> list[Any]:
+        """Refused (ValueError): the blocks are dense, built inside the scans from the cells' values
+        (:meth:`jacobian_sizes` gives their sizes; every entry is live)."""
+        raise ValueError("RecurrentClassifier: its transposed Jacobians are dense blocks built inside its "
+                         "scans, not sparse JTs per layer; live counts drop the zeros of sparse JTs, and a "
+                         "recurrent model's blocks are dense (its static figures are its live ones)")

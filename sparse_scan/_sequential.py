@@ -46,6 +46,7 @@ from .engine.run import run_plan, through_inputs, through_weights
 from .engine.schedule import SCHEDULES, Element, checked_levels, depth, schedule_at_depth
 from .layers import Layer
 from .layers._base import scoped_name
+from .model import JacobianSize
 
 __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
 
@@ -116,7 +117,8 @@ def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_s
 
 
 class Sequential:
-    """A chain of layers ``x_0 -> x_1 -> ... -> x_n``; backward is a scan of their JTs.
+    """A chain of layers ``x_0 -> x_1 -> ... -> x_n``; backward is a scan of their JTs (a
+    :class:`~sparse_scan.model.Model`).
 
     Parameters
     ----------
@@ -213,16 +215,28 @@ class Sequential:
                 return layer.name
         return None
 
+    def _shape_or_input(self, in_shape: Sequence[int] | None) -> Sequence[int]:
+        """``in_shape``, or the model's :attr:`input_shape` for None."""
+        if in_shape is not None:
+            return in_shape
+        if self.input_shape is None:
+            raise ValueError("Sequential: give in_shape (the model has no input_shape)")
+        return self.input_shape
+
     def _require_forward(self) -> list[Array]:
         if self._activations is None:
             raise RuntimeError("call forward(x) before backward/transposed_jacobians")
         return self._activations
 
     # --- planning ------------------------------------------------------------------------------
-    def plan(self, in_shape: Sequence[int], method: str = "auto",
-             levels: int | str | None = None, max_step_flops: int | None = None,
+    def plan(self, in_shape: Sequence[int] | None = None, method: str = "auto",
+             levels: int | str | None = None, *, batch: int = 1, device: str = "cpu",
+             max_step_flops: int | None = None,
              progress: Callable[[str, int, int], None] | None = None) -> ScanPlan:
-        """The cached :class:`~sparse_scan.engine.plan.ScanPlan` for ``in_shape``, method and levels.
+        """The cached :class:`~sparse_scan.engine.plan.ScanPlan` for ``in_shape`` (by default
+        :attr:`input_shape`), method and levels. A plan serves every batch size and device: ``batch``
+        and ``device`` (the :class:`~sparse_scan.model.Model` protocol's) change no choice here, only
+        the figures the plan reports for them (:meth:`~sparse_scan.engine.plan.ScanPlan.explain`).
 
         ``method="auto"`` chooses among back-propagation (``linear``), the hybrids and ``blelloch``
         (hybrid depths ``0 .. depth(n) - 1``, whose schedules those are); ``hybrid`` with
@@ -245,7 +259,7 @@ class Sequential:
         while a plan is built: ``"sizes"`` and ``"patterns"`` (:meth:`chain_info`), ``"steps"`` and
         ``"product rows"`` (:func:`~sparse_scan.engine.plan.build_plan`).
         """
-        shape = tuple(int(s) for s in in_shape)
+        shape = tuple(int(s) for s in self._shape_or_input(in_shape))
         if method not in SCHEDULES:
             raise ValueError(f"method must be one of {', '.join(SCHEDULES)}; got {method!r}")
         if method == "hybrid" and levels is None:
@@ -385,7 +399,8 @@ class Sequential:
         _weights.load_state_dict(self, state, strict)
 
     # --- parameter gradients ---------------------------------------------------------------------
-    def parameter_gradients(self, grads: Sequence[Array]) -> dict[str, Array]:
+    def parameter_gradients(self, grads: Sequence[Array],
+                            timings: dict[str, float] | None = None) -> dict[str, Array]:
         """Gradients of every weight and bias (paper Eq. 2), summed over the batch like PyTorch.
 
         Parameters
@@ -393,6 +408,8 @@ class Sequential:
         grads : sequence of ndarray
             :meth:`backward`'s result for the last :meth:`forward`: ``grads[i + 1]`` is the gradient
             w.r.t. layer ``i``'s output.
+        timings : dict, optional
+            Receives ``parameter_grads_s``, the seconds they took (on the GPU up to a synchronisation).
 
         Returns
         -------
@@ -402,12 +419,40 @@ class Sequential:
         activations = self._require_forward()
         if len(grads) != len(activations):
             raise ValueError(f"expected {len(activations)} gradients (x_0 .. x_n), got {len(grads)}")
+        start = time.perf_counter()
         out = {}
         for index, layer in enumerate(self.layers):
             if hasattr(layer, "parameter_gradients"):
                 for name, value in layer.parameter_gradients(activations[index], grads[index + 1]).items():
                     out[scoped_name(str(layer.name), layer, name)] = value
+        if timings is not None:
+            _backend.of(activations[0]).synchronize()
+            timings["parameter_grads_s"] = time.perf_counter() - start
         return out
+
+    def check_reference(self, method: str) -> str:
+        """What ``sparse-scan run --check`` compares the schedule ``method``'s gradients with:
+        ``linear``, back-propagation by the linear scan, or where ``method`` is the linear scan,
+        ``layerwise``, back-propagation outside the engine (:meth:`reference_backward`)."""
+        return "layerwise" if method == "linear" else "linear"
+
+    def check_backward(self, grad_out: Array, method: str) -> list[Array]:
+        """:meth:`backward`'s gradients by :meth:`check_reference` of ``method``, on the forward's
+        device."""
+        if self.check_reference(method) == "linear":
+            return self.backward(grad_out, "linear")
+        be = _backend.of(self._require_forward()[0])
+        return [be.asarray(g) for g in self.reference_backward(grad_out)]
+
+    def jacobian_sizes(self, in_shape: Sequence[int] | None = None) -> list[JacobianSize]:
+        """Every layer's JT for one sample of ``in_shape`` (by default :attr:`input_shape`): its name,
+        class name, shape ``(in_size, out_size)`` and stored entries, counted without building a
+        pattern where the layer can (:meth:`~sparse_scan.layers.Layer.pattern_nnz`)."""
+        shapes = self.shapes(self._shape_or_input(in_shape))
+        return [JacobianSize(str(layer.name), type(layer).__name__,
+                             (math.prod(shapes[index]), math.prod(shapes[index + 1])),
+                             layer.pattern_nnz(shapes[index]))
+                for index, layer in enumerate(self.layers)]
 
     # --- backward ------------------------------------------------------------------------------
     def reference_backward(self, grad_out: Array) -> list[Array]:
