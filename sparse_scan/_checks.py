@@ -1,8 +1,10 @@
-"""Argument checks shared by the public entry points: exact types, no silent coercion.
+"""Argument checks shared by the public entry points (layers, recurrent modules, specs, schedules):
+exact types, no silent coercion.
 
 A bool is not an int here, a string is not a number, and ``"false"`` is not a truth value; each
 failure is a ValueError that starts with the argument's name (for layers, ``layer <label>: <field>``,
-which the spec loader turns into the file, layer and field).
+which the spec loader turns into the file, layer and field). NumPy is imported by the checks that need
+it, not by this module: the schedules' checks run before NumPy loads.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["MAX_SIZE", "flag", "integer", "is_int", "number"]
+from ._types import RngLike
+
+__all__ = ["MAX_SIZE", "as_float_dtype", "as_rng", "flag", "integer", "is_int", "number"]
 
 MAX_SIZE = 2**31 - 1
 """The largest size, count or offset an argument may hold (larger ones overflow index arithmetic)."""
@@ -56,3 +60,24 @@ def flag(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}: must be true or false, got {value!r}")
     return bool(value)
+
+
+def as_float_dtype(dtype: Any, label: str) -> Any:
+    """``dtype`` as a NumPy dtype, float32 (None, the default) or float64; a ValueError naming
+    ``layer <label>`` otherwise."""
+    import numpy as np  # noqa: PLC0415 - not at import: the schedules' checks run before NumPy loads
+
+    try:
+        resolved = np.dtype(np.float32 if dtype is None else dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in (np.dtype(np.float32), np.dtype(np.float64)):  # (None: float32)
+        raise ValueError(f"layer {label}: dtype: must be float32 or float64, got {dtype!r}")
+    return resolved
+
+
+def as_rng(rng: RngLike) -> Any:
+    """A NumPy ``Generator`` from a Generator (itself), a seed or None (fresh entropy)."""
+    import numpy as np  # noqa: PLC0415 - not at import: the schedules' checks run before NumPy loads
+
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)

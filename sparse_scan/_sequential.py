@@ -45,7 +45,6 @@ from .engine.products import ProductPlan
 from .engine.run import run_plan, through_inputs, through_weights
 from .engine.schedule import SCHEDULES, Element, checked_levels, depth, schedule_at_depth
 from .layers import Layer
-from .layers._base import scoped_name
 from .model import JacobianSize
 
 __all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
@@ -424,7 +423,7 @@ class Sequential:
         for index, layer in enumerate(self.layers):
             if hasattr(layer, "parameter_gradients"):
                 for name, value in layer.parameter_gradients(activations[index], grads[index + 1]).items():
-                    out[scoped_name(str(layer.name), layer, name)] = value
+                    out[_weights.scoped_name(str(layer.name), layer, name)] = value
         if timings is not None:
             _backend.of(activations[0]).synchronize()
             timings["parameter_grads_s"] = time.perf_counter() - start

@@ -100,7 +100,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ._checks import MAX_SIZE, flag, is_int
+from ._checks import MAX_SIZE, as_float_dtype, flag, is_int
 from ._sequential import Sequential
 from .layers import (
     ELU,
@@ -127,9 +127,7 @@ from .layers import (
     Softplus,
     Tanh,
 )
-from .layers._weighted import as_float_dtype
-from .recurrent import GRU, LSTM, RNN, RecurrentClassifier
-from .recurrent._classifier import REDUCTIONS
+from .recurrent import GRU, LSTM, REDUCTIONS, RNN, RecurrentClassifier
 from .weights import named_layers, read_npz
 
 __all__ = ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"]

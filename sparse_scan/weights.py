@@ -29,7 +29,21 @@ import numpy as np
 
 from ._types import Array
 
-__all__ = ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict", "write_npz_atomically"]
+__all__ = ["every_layer", "load_state_dict", "named_layers", "read_npz", "scoped_name", "state_dict",
+           "write_npz_atomically"]
+
+
+def scoped_name(name: str, layer: Any, key: str) -> str:
+    """How ``key`` (a parameter's name, or a path inside ``layer``) of the layer ``name`` is named in the
+    scope that holds the layer: ``"<name>.<key>"``, or ``key`` alone where the layer names what it holds
+    in that scope (``layer.scoped`` False: an inline residual block). :func:`named_layers` names the
+    layers by the same rule.
+
+    >>> from sparse_scan.layers import Linear
+    >>> scoped_name("fc", Linear(2, 2, rng=0), "weight")
+    'fc.weight'
+    """
+    return f"{name}.{key}" if getattr(layer, "scoped", True) else key
 
 
 def _walk(model: Any) -> Iterator[tuple[str, Any]]:

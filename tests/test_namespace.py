@@ -62,14 +62,15 @@ PUBLIC = {
     "sparse_scan.loss": ["softmax_cross_entropy"],
     "sparse_scan.model": ["JacobianSize", "Model", "ModelPlan"],
     "sparse_scan.optim": ["SGD", "Adam", "Optimizer", "check_built_on"],
-    "sparse_scan.recurrent": ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell",
-                              "RNNCell", "RecurrentClassifier", "RecurrentPlan", "chain_through_factors"],
+    "sparse_scan.recurrent": ["GRU", "LSTM", "REDUCTIONS", "RNN", "Bitstream", "CellSequence", "GRUCell",
+                              "LSTMCell", "RNNCell", "RecurrentClassifier", "RecurrentPlan",
+                              "chain_through_factors"],
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
     "sparse_scan.torch": ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
                           "train", "train_iterations"],
-    "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "state_dict",
-                            "write_npz_atomically"],
+    "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "scoped_name",
+                            "state_dict", "write_npz_atomically"],
 }
 """The documented public modules -> their ``__all__`` (``sparse_scan.spec``: the home of
 :func:`~sparse_scan.load_model`, named by the package docstring)."""

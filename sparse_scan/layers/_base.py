@@ -31,7 +31,7 @@ class Layer:
     jacobian_kind : {"general", "diagonal", "selection"}
         ``"diagonal"``: JT is diagonal (a product with it is a scaling); ``"selection"``: JT holds at
         most one non-zero per column (output) per sample, chosen by the input (a product with it is
-        a gather over those entries, :mod:`sparse_scan.selection`); ``"general"``
+        a gather over those entries, :mod:`sparse_scan.engine._selection`); ``"general"``
         otherwise. The scan planner uses this to avoid general SpGEMMs.
     sample_independent : bool
         Whether JT's values are the same for every sample (then ``data`` has shape ``(nnz,)``).
@@ -46,7 +46,7 @@ class Layer:
     scoped: bool = True
     """Whether the layers this one holds are named under its name, as PyTorch names a module's
     children (``"block.conv1"``); False for a :class:`Residual` written inline in a module's forward,
-    whose layers are named in the scope that holds the block (:func:`scoped_name`)."""
+    whose layers are named in the scope that holds the block (:func:`sparse_scan.weights.scoped_name`)."""
 
     def __init__(self) -> None:
         self.name: str | None = None
@@ -226,13 +226,6 @@ class Layer:
         :class:`ReLU` and 2x2 :class:`MaxPool2d` offer one, in one compiled pass
         (:mod:`sparse_scan.layers._kernels`)."""
         return None
-
-
-def scoped_name(name: str, layer: Any, key: str) -> str:
-    """How ``key`` (a parameter's name, or a path inside ``layer``) of the layer ``name`` is named in the
-    scope that holds the layer: ``"<name>.<key>"``, or ``key`` alone where the layer names what it holds
-    in that scope (``layer.scoped`` False: an inline residual block)."""
-    return f"{name}.{key}" if getattr(layer, "scoped", True) else key
 
 
 def diagonal_pattern(be: _backend.Backend, size: int, index_dtype: Any) -> Pattern:

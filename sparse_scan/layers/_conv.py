@@ -20,7 +20,7 @@ import scipy.sparse
 
 from .. import backend as _backend
 from .._checks import flag, integer
-from .._types import Array
+from .._types import Array, RngLike
 from ..csr import Pattern
 from ..engine.plan import WeightsPath
 from ._base import Shape
@@ -36,7 +36,7 @@ from ._conv_pruned import (
     weights_as_csr,
 )
 from ._geometry import ConvGeometry, IntPair, output_size, pair, window_extent
-from ._weighted import RngLike, WeightedLayer
+from ._weighted import WeightedLayer
 
 __all__ = ["Conv2d"]
 

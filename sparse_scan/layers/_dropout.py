@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
-from .._checks import number
-from .._types import Array
+from .._checks import as_rng, number
+from .._types import Array, RngLike
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
-from ._weighted import RngLike, as_rng
 
 __all__ = ["Dropout"]
 

@@ -8,11 +8,11 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import flag, integer
-from .._types import Array
+from .._types import Array, RngLike
 from ..csr import Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
 from ._base import Shape
-from ._weighted import RngLike, WeightedLayer
+from ._weighted import WeightedLayer
 
 __all__ = ["Linear"]
 

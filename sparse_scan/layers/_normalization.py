@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from .. import backend as _backend
-from .._checks import flag, integer, number
+from .._checks import as_float_dtype, flag, integer, number
 from .._types import Array
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape, diagonal_pattern
-from ._weighted import as_float_dtype, device_or_host
+from ._weighted import device_or_host
 
 __all__ = ["BatchNorm2d"]
 

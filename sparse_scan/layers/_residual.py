@@ -35,7 +35,8 @@ from ..csr import BatchedCSR, Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
 from ..engine.products import ProductPlan, plan_product
 from ..engine.run import multiply
-from ._base import Layer, Shape, diagonal_pattern, scoped_name
+from ..weights import scoped_name
+from ._base import Layer, Shape, diagonal_pattern
 
 __all__ = ["ChainProduct", "Residual", "plan_sum"]
 

@@ -13,32 +13,16 @@ from typing import Any, Hashable
 import numpy as np
 
 from .. import backend as _backend
-from .._types import Array
+from .._checks import as_float_dtype, as_rng
+from .._types import Array, RngLike
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
-
-RngLike = np.random.Generator | int | None
-
-def as_rng(rng: RngLike) -> np.random.Generator:
-    """Return a NumPy Generator from a Generator, a seed or None."""
-    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
 
 def device_or_host(value: Any) -> Array:
     """A parameter value as an array where it lives: a CuPy array as it is, anything else as NumPy."""
     be = _backend.of(value)
     return value if be.name == "gpu" else np.asarray(value)
-
-
-def as_float_dtype(dtype: Any, label: str) -> np.dtype:
-    """Validate a parameter dtype (float32 default, float64 allowed)."""
-    try:
-        resolved = np.dtype(np.float32 if dtype is None else dtype)
-    except TypeError:
-        resolved = None
-    if resolved is None or resolved not in FLOAT_DTYPES:  # (np.dtype(None) is float64: test None first)
-        raise ValueError(f"layer {label}: dtype: must be float32 or float64, got {dtype!r}")
-    return resolved
 
 
 class WeightedLayer(Layer):

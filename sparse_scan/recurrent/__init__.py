@@ -19,10 +19,10 @@ back-propagates a user's loop over a cell with the same scan.
 from ._base import chain_through_factors
 from ._bitstream import Bitstream
 from ._cells import CellSequence, GRUCell, LSTMCell, RNNCell
-from ._classifier import RecurrentClassifier, RecurrentPlan
+from ._classifier import REDUCTIONS, RecurrentClassifier, RecurrentPlan
 from ._gru import GRU
 from ._lstm import LSTM
 from ._rnn import RNN
 
-__all__ = ["GRU", "LSTM", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell", "RNNCell",
+__all__ = ["GRU", "LSTM", "REDUCTIONS", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell", "RNNCell",
            "RecurrentClassifier", "RecurrentPlan", "chain_through_factors"]

@@ -30,10 +30,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import backend as _backend
-from .._checks import flag, integer
-from .._types import Array
+from .._checks import as_float_dtype, as_rng, flag, integer
+from .._types import Array, RngLike
 from ..engine.schedule import checked_levels
-from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ._base import Cell, Run, resolve_levels
 from ._gru import GRUSteps
 from ._lstm import LSTMSteps

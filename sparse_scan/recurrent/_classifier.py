@@ -49,13 +49,12 @@ import numpy as np
 from .. import backend as _backend
 from .. import weights as _weights
 from .._checks import integer, is_int
-from .._types import Array
+from .._types import Array, RngLike
 from ..engine.dense_plan import DenseStep, SizedDenseScanPlan, auto_levels, build_dense_plan
 from ..engine.figures import totals
 from ..engine.plan import Candidate, ScanCostError, ScheduleChoice
 from ..engine.schedule import SCHEDULES, checked_levels, depth, schedule_at_depth
 from ..layers import Linear
-from ..layers._weighted import RngLike
 from ..model import JacobianSize
 from ._module import RecurrentModule
 

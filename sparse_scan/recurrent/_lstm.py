@@ -41,8 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .._types import Array
-from ..layers._weighted import RngLike
+from .._types import Array, RngLike
 from ._base import Cell, compiled_back_propagation, fill_blocks
 from ._gru import sigmoid
 from ._kernels import lstm_backward

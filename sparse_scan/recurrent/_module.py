@@ -27,10 +27,9 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import backend as _backend
-from .._checks import flag, integer, number
-from .._types import Array
+from .._checks import as_float_dtype, as_rng, flag, integer, number
+from .._types import Array, RngLike
 from ..engine.schedule import checked_levels
-from ..layers._weighted import RngLike, as_float_dtype, as_rng
 from ._base import Cell, Run, resolve_levels
 
 __all__ = ["RecurrentModule", "as_real_array", "copy_parameters", "legacy_alias"]

@@ -25,8 +25,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .._types import Array
-from ..layers._weighted import RngLike
+from .._types import Array, RngLike
 from ._base import Cell, compiled_back_propagation
 from ._kernels import elman_backward
 from ._module import RecurrentModule
