@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ._types import Array
+from .engine.figures import ScanPlanLike
 
 if TYPE_CHECKING:
     from .csr import BatchedCSR
-    from .engine.figures import StepFigures
 
 __all__ = ["JacobianSize", "Model", "ModelPlan"]
 
@@ -72,40 +72,17 @@ class JacobianSize:
 
 
 @runtime_checkable
-class ModelPlan(Protocol):
+class ModelPlan(ScanPlanLike, Protocol):
     """A model's planned backward: :class:`~sparse_scan.engine.plan.ScanPlan` (a
-    :class:`~sparse_scan.Sequential`'s) or :class:`~sparse_scan.recurrent.RecurrentPlan`. Both are
-    :class:`~sparse_scan.engine.figures.ScanPlanLike`: the same figures in the same units."""
-
-    @property
-    def method(self) -> str:
-        """The schedule: ``linear``, ``blelloch`` or ``hybrid`` (the one chosen, for ``auto``)."""
-
-    @property
-    def levels(self) -> int | None:
-        """Up-sweep levels of a ``hybrid`` plan, else None."""
-
-    @property
-    def steps(self) -> Sequence[StepFigures]:
-        """Every step of the backward's scans, levels numbered through them."""
-
-    @property
-    def critical_flops(self) -> int:
-        """FLOPs on the critical path (one sample)."""
-
-    @property
-    def work_flops(self) -> int:
-        """FLOPs of every step (one sample)."""
-
-    @property
-    def critical_steps(self) -> int:
-        """Levels: the steps that run one after another."""
+    :class:`~sparse_scan.Sequential`'s) or :class:`~sparse_scan.recurrent.RecurrentPlan`: a
+    :class:`~sparse_scan.engine.figures.ScanPlanLike` (the same figures in the same units) that says
+    what it is for a device, and why it was chosen."""
 
     def peak_bytes(self, batch: int, itemsize: int, device: str | None = None) -> int:
         """Most bytes of scan values live at once, for ``batch`` samples on ``device``."""
 
     def report(self, batch: int = 1, itemsize: int = 4, device: str | None = None) -> dict[str, Any]:
-        """Per-step figures and totals (JSON-friendly)."""
+        """Per-step figures and totals (JSON-friendly), ``peak_bytes`` on ``device``."""
 
     def explain(self, batch: int = 1, itemsize: int = 4, device: str | None = None) -> dict[str, Any]:
         """The schedule and why (JSON-friendly): ``method``, ``levels``, ``requested``, ``reason``,

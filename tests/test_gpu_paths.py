@@ -119,7 +119,7 @@ def test_the_1024_thread_chain_launch(request):
 PARAMETER_UPLOADS = ("sparse_scan/backend.py", "in asarray"), ("sparse_scan/recurrent/_base.py",
                                                               "in _parameters_on")
 """Where a warm backward may wait for the host: parameters live on the host as NumPy arrays, and each
-GPU backward uploads the ones it uses (README, GPU section)."""
+GPU backward uploads the ones it uses (docs/gpu.md, host synchronisation)."""
 MAX_POOL_NAN_CHECK = ("sparse_scan/layers/_pooling_jt.py", "in _max_selection_gpu")
 """... and each max-pool checks its input for NaN (one flag read per layer, before its JT is used)."""
 
