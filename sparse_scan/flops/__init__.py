@@ -151,8 +151,7 @@ def analyse(model: Model, method: str = "auto", levels: int | str | None = None,
         considered).
     """
     if model.input_shape is None:
-        raise ValueError("the model has no input_shape: build it with Sequential(..., input_shape=...) "
-                         "or load it from a spec")
+        raise ValueError("the model has no input_shape: build it with input_shape=... or load it from a spec")
     itemsize = np.dtype(dtype).itemsize
     sizes = model.jacobian_sizes(model.input_shape)
     layers = [_jacobian_row(size, dtype) for size in sizes]
