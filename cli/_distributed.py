@@ -3,7 +3,9 @@
 Every rank parses the same options and loads the same spec and arrays (so bad input fails on every
 rank alike); rank 0 alone prints (the other ranks' stderr is silenced) and writes ``--out``. A rank
 that fails tells the others (:mod:`sparse_scan.distributed`); a rank that is stuck makes the others
-time out, and rank 0 then ends the job with ``MPI_Abort``.
+time out, and rank 0 then ends the job with ``MPI_Abort``. With ``--device gpu`` every rank runs its
+slice on a GPU (:class:`GPURanks`: the transport and the device), and rank 0 brings the gradients to
+the host to print and write them.
 
 Importing this module costs only click: :mod:`sparse_scan.distributed` (NumPy, mpi4py) is imported
 inside the functions, so that ``sparse-scan run`` can import this module before ``--threads`` is read.
@@ -15,6 +17,7 @@ import json
 import os
 import pathlib
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import click
@@ -24,7 +27,17 @@ from ._common import check_line, echo_error, fail, plural, schedule_label, write
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["parse_split", "run_distributed", "world"]
+__all__ = ["GPURanks", "parse_split", "run_distributed", "world"]
+
+
+@dataclass(frozen=True)
+class GPURanks:
+    """Where the ranks run: ``device`` (``cpu`` or ``gpu``), and on GPU ranks ``--transport`` and
+    ``--gpu-device`` (None: local rank modulo the visible devices)."""
+
+    device: str
+    transport: str = "auto"
+    gpu_device: int | None = None
 
 
 def world() -> Any:
@@ -68,21 +81,26 @@ def _abort(comm: Any, message: str) -> NoReturn:
 def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.ndarray,
                     upstream: Callable[[np.ndarray], tuple[np.ndarray, float | None]], method: str,
                     levels: Any, dtype: str, split: list[int] | None, combine: str, timeout: float,
-                    check: bool, out: pathlib.Path | None, as_json: bool) -> None:
+                    check: bool, out: pathlib.Path | None, as_json: bool,
+                    ranks: GPURanks = GPURanks("cpu")) -> None:
     """Run the distributed backward pass and report on rank 0 (arguments as ``sparse-scan run``)."""
-    from sparse_scan import distributed  # noqa: PLC0415 - imports NumPy
+    from sparse_scan import backend, distributed  # noqa: PLC0415 - imports NumPy
 
     rank, size = comm.Get_rank(), comm.Get_size()
     losses: list[float | None] = []
+    host = backend.get("cpu").asarray
 
-    def grad_out(output: np.ndarray) -> np.ndarray:
-        grad, loss = upstream(output)
+    def grad_out(output: Any) -> np.ndarray:
+        grad, loss = upstream(host(output))
         losses.append(loss)
         return grad
 
     try:
         result = distributed.backward(network, x if rank == 0 else None, grad_out, comm, split, method,
-                                      levels, combine, timeout)
+                                      levels, combine, timeout, device=ranks.device,
+                                      transport=ranks.transport, gpu_device=ranks.gpu_device)
+    except distributed.TransportUnavailableError as error:
+        fail(f"--transport {ranks.transport}: {error}")
     except distributed.DistributedError as error:
         stuck = isinstance(error, distributed.RankTimeoutError) or getattr(error, "timed_out", False)
         if rank == 0 and stuck:
@@ -95,11 +113,14 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
              else f"{model_path}: {type(error).__name__}: {error}")
     if rank != 0:
         return
+    result.grads = [host(g) for g in result.grads]
+    result.parameters = {name: host(g) for name, g in result.parameters.items()}
+    transport = result.stats["transport"]
     report: dict[str, Any] = {
-        "model": str(model_path), "method": method, "levels": levels, "device": "cpu", "dtype": dtype,
+        "model": str(model_path), "method": method, "levels": levels, "device": ranks.device, "dtype": dtype,
         "batch": int(x.shape[0]), "distributed": {
-            "ranks": size, "combine": combine, "layers": [list(bound) for bound in result.bounds],
-            "per_rank": result.stats["ranks"]}}
+            "ranks": size, "combine": combine, "transport": transport,
+            "layers": [list(bound) for bound in result.bounds], "per_rank": result.stats["ranks"]}}
     if losses and losses[0] is not None:
         report["loss"] = losses[0]
     if check:
@@ -116,14 +137,16 @@ def run_distributed(comm: Any, model_path: pathlib.Path, network: Any, x: np.nda
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"{model_path}: {schedule_label(method, levels)} on {plural(size, 'MPI rank')} ({combine}), "
-               f"batch {x.shape[0]}, {dtype}")
+    where = "" if ranks.device == "cpu" else f", GPU ranks, {transport} transport"
+    click.echo(f"{model_path}: {schedule_label(method, levels)} on {plural(size, 'MPI rank')} "
+               f"({combine}{where}), batch {x.shape[0]}, {dtype}")
     for stats in result.stats["ranks"]:
         times = stats["timings"]
         first, last = stats["layers"]
         click.echo(f"  rank {stats['rank']}: layers {first}..{last - 1}, "
                    + ", ".join(f"{name[:-2]} {value * 1e3:.2f} ms" for name, value in times.items())
-                   + f", sent {stats['sent_bytes']} B")
+                   + f", sent {stats['sent_bytes']} B"
+                   + ("" if ranks.device == "cpu" else f" ({stats['device']})"))
     if "loss" in report:
         click.echo(f"  loss {report['loss']:.6g}")
     if check:

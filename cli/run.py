@@ -52,6 +52,8 @@ from ._progress import Progress, plan_status
 COMBINES = ("chain", "exscan", "relay")
 """``--combine`` choices: :data:`sparse_scan.distributed.COMBINES` (repeated here, where NumPy is not
 imported yet; a test keeps them equal)."""
+TRANSPORTS = ("auto", "cuda-aware", "nccl", "staging")
+"""``--transport`` choices: :data:`sparse_scan.distributed.TRANSPORTS` (repeated likewise)."""
 
 
 TIMING_LABELS = {"forward_s": "forward", "plan_s": "plan", "values_s": "JT values", "scan_s": "scan",
@@ -144,26 +146,30 @@ def _upstream(output: Any, grad_path: pathlib.Path | None,
               help="--distributed: how slices combine across ranks")
 @click.option("--timeout", type=FiniteFloat(0), default=300.0, show_default=True,
               help="--distributed: seconds to wait for another rank before giving up")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True,
+              help="--distributed --device gpu: how device arrays move between ranks (auto: the first "
+              "available of cuda-aware MPI, NCCL, host staging)")
+@click.option("--gpu-device", type=click.IntRange(0), default=None,
+              help="--distributed --device gpu: this rank's GPU (default: local rank % visible GPUs)")
 def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: pathlib.Path | None,
         random: int | None, seed: int,
         grad_path: pathlib.Path | None, labels_path: pathlib.Path | None, method: str,
         levels: str | None, max_step_flops: float, device: str, dtype: str, check: bool,
         out: pathlib.Path | None, force: bool, as_json: bool, quiet: bool, distributed: bool,
-        split: str | None, combine: str, timeout: float) -> None:
+        split: str | None, combine: str, timeout: float, transport: str, gpu_device: int | None) -> None:
     """Gradients of MODEL's loss w.r.t. its input, every layer output and every parameter.
 
-    With --distributed, under `mpirun -n P`, each rank holds a slice of the layers; the outputs are
-    those of one process, printed and written by rank 0.
+    With --distributed, under `mpirun -n P`, each rank holds a slice of the layers (on a GPU with
+    --device gpu); the outputs are those of one process, printed and written by rank 0.
     """
     import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
 
     from sparse_scan import load_model  # noqa: PLC0415
 
     comm = _distributed.world() if distributed else None
-    if comm is None and (split is not None or combine != "chain"):
-        fail("--split and --combine apply to --distributed only")
-    if comm is not None and device == "gpu":
-        fail("--distributed runs on the CPU (--device cpu or auto)")
+    if comm is None and (split is not None or combine != "chain" or transport != "auto"
+                         or gpu_device is not None):
+        fail("--split, --combine, --transport and --gpu-device apply to --distributed only")
     if (input_path is None) == (random is None):
         fail("give exactly one of --input X.npy and --random N")
     if grad_path is not None and labels_path is not None:
@@ -171,7 +177,9 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
     check_outputs(force, out=out)
     levels_value = parse_levels(levels)
     split_counts = _distributed.parse_split(split)
-    be = backend_or_fail("cpu" if comm is not None else device)
+    be = backend_or_fail(device)
+    if comm is not None and be.name == "cpu" and (transport != "auto" or gpu_device is not None):
+        fail("--transport and --gpu-device apply to GPU ranks only (--device gpu)")
     with Progress(quiet or comm is not None) as progress:
         progress.show(f"loading {model}")
         with model_errors(model):
@@ -186,7 +194,7 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
             _distributed.run_distributed(comm, model, network, x,
                                          lambda output: _upstream(output, grad_path, labels_path), method,
                                          levels_value, dtype, split_counts, combine, timeout, check, out,
-                                         as_json)
+                                         as_json, _distributed.GPURanks(be.name, transport, gpu_device))
             return
         report, grads, parameters = _backward(model, network, be, x, grad_path, labels_path, method,
                                               levels_value, max_step_flops, dtype, check, progress)

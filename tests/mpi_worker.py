@@ -1,10 +1,14 @@
 """Run by the distributed tests under ``mpirun -n P``: a distributed backward pass, written by rank 0.
 
 ``python tests/mpi_worker.py MODEL OUT.npz [--combine C] [--method M] [--split 1,2,3]
-[--fail-rank R] [--hang-rank R] [--timeout S]``: ``MODEL`` is a spec path, ``random:SEED``
-(:func:`random_chain`) or ``mlp:SEED`` (:func:`random_mlp`). Rank 0 writes ``grad.<i>`` (w.r.t.
-``x_i``), ``param.<name>``, ``sent_bytes`` and ``products`` (each rank's slice product non-zeros, -1
-for none) to ``OUT.npz``. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes
+[--fail-rank R] [--hang-rank R] [--timeout S] [--device gpu] [--transport T]``: ``MODEL`` is a spec
+path, ``random:SEED`` (:func:`random_chain`), ``mlp:SEED`` (:func:`random_mlp`) or ``rnn:SEED``
+(:func:`random_rnn`). Rank 0 writes ``grad.<i>`` (w.r.t. ``x_i``), ``param.<name>``, ``sent_bytes``,
+``products`` (each rank's slice product non-zeros, -1 for none) and, with ``--device gpu``,
+``transport_sent``/``transport_received`` (each rank's device bytes moved by the transport) and
+``transport`` (its name) to ``OUT.npz``, gradients on the host. With ``--device gpu`` run it as
+``python -m cupy_standin tests/mpi_worker.py ...`` where no GPU is usable: every rank on the CuPy
+stand-in. ``--fail-rank`` makes that rank's first layer raise, ``--hang-rank`` makes
 it sleep; a :class:`~sparse_scan.distributed.DistributedError` is printed, and a timeout ends every
 rank (:func:`sparse_scan.distributed.abort`). With ``--hang-rank`` every rank first runs the whole
 forward pass once (its kernels loaded) and then waits at a barrier, so that the ranks start the
@@ -21,7 +25,7 @@ import time
 import numpy as np
 
 import sparse_scan
-from sparse_scan import Sequential
+from sparse_scan import Sequential, backend
 from sparse_scan.layers import Conv2d, Flatten, LeakyReLU, Linear, MaxPool2d, ReLU, Sigmoid, Tanh
 
 BATCH = 3
@@ -60,11 +64,24 @@ def random_mlp(seed: int) -> Sequential:
     return Sequential(*layers, input_shape=(widths[0],))
 
 
+def random_rnn(seed: int, steps: int = 6, hidden: int = 5) -> Sequential:
+    """A small Elman RNN unrolled over ``steps`` (float64): ``h_t = tanh(W h_{t-1} + b)``, the same
+    ``W`` and ``b`` at every step (each step's Linear seeded alike): the chain of dense ``H×H`` JTs
+    that the scaling model's RNN stands for."""
+    layers: list = []
+    for _ in range(steps):
+        layers += [Linear(hidden, hidden, dtype=np.float64, rng=seed), Tanh()]
+    return Sequential(*layers, input_shape=(hidden,))
+
+
+MODELS = {"random": random_chain, "mlp": random_mlp, "rnn": random_rnn}
+
+
 def load(model: str) -> Sequential:
-    """A spec path (float64), ``random:SEED`` (:func:`random_chain`) or ``mlp:SEED`` (:func:`random_mlp`)."""
-    if model.startswith(("random:", "mlp:")):
-        kind, seed = model.split(":")
-        return (random_chain if kind == "random" else random_mlp)(int(seed))
+    """A spec path (float64), or ``KIND:SEED`` of :data:`MODELS` (``random``, ``mlp``, ``rnn``)."""
+    kind, _, seed = model.partition(":")
+    if kind in MODELS:
+        return MODELS[kind](int(seed))
     return sparse_scan.load_model(model, dtype=np.float64)
 
 
@@ -86,6 +103,8 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("--hang-rank", type=int)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--transport", default="auto")
     args = parser.parse_args()
     from mpi4py import MPI
 
@@ -96,7 +115,8 @@ def main() -> None:
     x, grad = inputs(model)
     split = None if args.split is None else [int(c) for c in args.split.split(",")]
     if args.hang_rank is not None:
-        model.forward(x)  # warm: the timed pass below runs no first-call compilation or loading
+        # warm: the timed pass below runs no first-call compilation or loading
+        model.forward(backend.get(args.device).asarray(x))
         comm.Barrier()
     if comm.rank in (args.fail_rank, args.hang_rank):
         first = distributed.slices(model, comm.size, split, model.input_shape)[comm.rank][0]
@@ -110,17 +130,24 @@ def main() -> None:
         layer.forward = broken
     try:
         result = distributed.backward(model, x if comm.rank == 0 else None, grad if comm.rank == 0 else None,
-                                      comm, split, args.method, combine=args.combine, timeout=args.timeout)
+                                      comm, split, args.method, combine=args.combine, timeout=args.timeout,
+                                      device=args.device, transport=args.transport)
     except distributed.DistributedError as error:
         print(f"rank {comm.rank}: {error}", file=sys.stderr, flush=True)
         if isinstance(error, distributed.RankTimeoutError) or getattr(error, "timed_out", False):
             distributed.abort(comm, 3)  # a stuck rank would never exit: end them all
         raise SystemExit(3) from None
     if comm.rank == 0:
-        arrays = {f"grad.{i}": g for i, g in enumerate(result.grads)}
-        arrays.update({f"param.{name}": g for name, g in result.parameters.items()})
-        arrays["sent_bytes"] = np.array([stats["sent_bytes"] for stats in result.stats["ranks"]])
-        arrays["products"] = np.array([stats.get("product_nnz", -1) for stats in result.stats["ranks"]])
+        host = backend.get("cpu").asarray
+        arrays = {f"grad.{i}": host(g) for i, g in enumerate(result.grads)}
+        arrays.update({f"param.{name}": host(g) for name, g in result.parameters.items()})
+        ranks = result.stats["ranks"]
+        arrays["sent_bytes"] = np.array([stats["sent_bytes"] for stats in ranks])
+        arrays["products"] = np.array([stats.get("product_nnz", -1) for stats in ranks])
+        arrays["transport"] = np.array([stats["transport"] for stats in ranks])
+        arrays["devices"] = np.array([stats["device"] for stats in ranks])
+        arrays["transport_sent"] = np.array([stats.get("transport_sent_bytes", 0) for stats in ranks])
+        arrays["transport_received"] = np.array([stats.get("transport_received_bytes", 0) for stats in ranks])
         np.savez(args.out, **arrays)
 
 

@@ -132,11 +132,11 @@ def test_threads_option_sets_the_blas_pool_and_the_engine(monkeypatch):
     assert result.exit_code == 2 and "--threads" in result.output
 
 
-def test_the_combine_choices_are_the_librarys():
+def test_the_combine_and_transport_choices_are_the_librarys():
     from sparse_scan.cli import run
-    from sparse_scan.distributed import COMBINES
+    from sparse_scan.distributed import COMBINES, TRANSPORTS
 
-    assert run.COMBINES == COMBINES
+    assert run.COMBINES == COMBINES and run.TRANSPORTS == TRANSPORTS
 
 
 CLI = pathlib.Path(app.__file__).resolve().parent

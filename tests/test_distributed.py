@@ -168,7 +168,10 @@ def test_cli_needs_a_launcher_or_mpi4py(monkeypatch):
 def test_cli_distributed_options_need_distributed():
     result = CliRunner().invoke(app.main, ["run", str(DATA / "tiny.yaml"), "--random", "2", "--split", "3,4"])
     assert result.exit_code == 2
-    assert "--split and --combine apply to --distributed only" in result.output
+    assert "--split, --combine, --transport and --gpu-device apply to --distributed only" in result.output
+    for option in (["--transport", "staging"], ["--gpu-device", "1"]):
+        result = CliRunner().invoke(app.main, ["run", str(DATA / "tiny.yaml"), "--random", "2", *option])
+        assert result.exit_code == 2 and "apply to --distributed only" in result.output
 
 
 # --- under mpirun ---------------------------------------------------------------------------------

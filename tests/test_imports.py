@@ -51,10 +51,7 @@ SUBPACKAGES = ("sparse_scan.engine", "sparse_scan.layers", "sparse_scan.recurren
                "sparse_scan.flops", "sparse_scan.torch", "sparse_scan.cli")
 """The packages whose private modules are theirs alone."""
 
-PRIVATE_USERS = {
-    ("sparse_scan.distributed._slices", "sparse_scan.engine._cpu"):
-        "the chain's SpMV with a slice product runs on the host, and the dispatch (run) has no matvec",
-}
+PRIVATE_USERS: dict[tuple[str, str], str] = {}
 """Modules outside a subpackage that import one of its private modules: (importer, imported) -> why."""
 
 KNOWN: set[tuple[str, str, str]] = set()

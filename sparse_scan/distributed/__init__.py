@@ -30,6 +30,11 @@ Every wait polls against ``timeout`` and checks for failure notices, so a failed
 ends the others with a :class:`DistributedError` naming it instead of a hang (a command-line program
 should then end every rank with :func:`abort`; ``sparse-scan run --distributed`` does).
 
+With ``device="gpu"`` each rank runs its slice on a GPU (``local rank % visible devices`` unless
+``gpu_device`` says which), with CuPy arrays end to end, and the messages' device arrays move by the
+transport chosen with every rank (:mod:`~sparse_scan.distributed._transport`: CUDA-aware MPI, NCCL or
+host staging through pinned buffers; ``transport`` forces one). The steps above are the same.
+
 Examples
 --------
 Under ``mpirun -n 2 python script.py``::
@@ -62,6 +67,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import backend as _backend
 from .._sequential import Sequential, default_memory_budget
 from ..engine.plan import ScanCostError
 from ..engine.products import PlanBudgetError
@@ -77,14 +83,17 @@ from ._mpi import (
     launcher,
 )
 from ._slices import SliceMatrix, SliceProduct, apply, combine
+from ._transport import GPU_TRANSPORTS, TransportUnavailableError, connect
 
 __all__ = ["CHAIN_PRODUCT_FACTOR", "COMBINES", "DistributedError", "DistributedResult", "MPIUnavailableError",
-           "RankTimeoutError", "RemoteRankError", "abort", "backward", "balanced_split", "import_mpi",
-           "launched", "launcher", "layer_costs", "slices"]
+           "RankTimeoutError", "RemoteRankError", "TRANSPORTS", "TransportUnavailableError", "abort",
+           "backward", "balanced_split", "import_mpi", "launched", "launcher", "layer_costs", "slices"]
 
 COMBINES = ("chain", "exscan", "relay")
+TRANSPORTS = ("auto",) + GPU_TRANSPORTS
+"""``transport`` choices of GPU ranks (``"auto"``: the first available of the others, in this order)."""
 CHAIN_PRODUCT_FACTOR = 32  # chain: a slice product may cost this many times BP's FLOPs (module doc)
-TAG_ACTIVATION, TAG_OUTPUT, TAG_GRAD_OUT, TAG_VECTOR, TAG_GATHER = 1, 2, 3, 4, 5
+TAG_ACTIVATION, TAG_OUTPUT, TAG_GRAD_OUT, TAG_VECTOR, TAG_GATHER, TAG_EXSCAN = 1, 2, 3, 4, 5, 10
 
 
 @dataclass
@@ -97,17 +106,19 @@ class DistributedResult:
     bounds : list of tuple of int
         ``(a_r, b_r)`` of every rank: it holds layers ``a_r .. b_r - 1`` (0-based).
     output : ndarray or None
-        The model output (rank 0).
+        The model output (rank 0), on the rank's device (a CuPy array on GPU ranks).
     grads : list of ndarray or None
         Rank 0: the gradients w.r.t. ``x_0 .. x_n``, as :meth:`Sequential.backward`; other ranks:
-        those of their slice, ``x_{a_r} .. x_{b_r}``.
+        those of their slice, ``x_{a_r} .. x_{b_r}``. On the rank's device.
     parameters : dict
         Rank 0: every parameter gradient (as :meth:`Sequential.parameter_gradients`); other ranks:
-        those of their slice.
+        those of their slice. On the rank's device.
     stats : dict
-        This rank's ``timings`` (seconds per phase), ``sent_bytes`` (array payload sent),
-        ``messages``, ``product_flops`` and ``product_nnz`` (its slice product, middle ranks);
-        on rank 0 also ``ranks``: every rank's stats.
+        This rank's ``timings`` (seconds per phase), ``device`` (``cpu`` or ``gpu:N``),
+        ``transport`` (``mpi`` on CPU ranks: arrays inside the pickled messages), ``sent_bytes``
+        (array payload sent), ``messages``, ``product_flops`` and ``product_nnz`` (its slice product,
+        middle ranks); on GPU ranks ``transport_sent_bytes`` and ``transport_received_bytes`` (the
+        device arrays' bytes the transport moved); on rank 0 also ``ranks``: every rank's stats.
     """
 
     rank: int
@@ -220,7 +231,8 @@ def _op(earlier: Any, later: Any) -> Any:
 
 def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: Sequence[int] | None = None,
              method: str = "blelloch", levels: int | str | None = None, combine: str = "chain",
-             timeout: float = 300.0, gather: bool = True) -> DistributedResult:
+             timeout: float = 300.0, gather: bool = True, *, device: str = "cpu", transport: str = "auto",
+             gpu_device: int | None = None) -> DistributedResult:
     """Gradients w.r.t. every activation and parameter, with the layers split over MPI ranks.
 
     Call it on every rank of ``comm`` with the same model, split and options.
@@ -246,6 +258,13 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
         Seconds any wait on another rank may take before :class:`RankTimeoutError`.
     gather : bool
         Collect every gradient on rank 0 (otherwise each rank keeps its slice's).
+    device : {"cpu", "gpu"}
+        Where each rank runs its slice: ``"gpu"`` needs a usable GPU on every rank (else
+        :class:`~sparse_scan.backend.GPUUnavailableError`; no rank falls back to the CPU).
+    transport : {"auto", "cuda-aware", "nccl", "staging"}
+        GPU ranks: how device arrays move (:data:`TRANSPORTS`; the module docstring).
+    gpu_device : int, optional
+        GPU ranks: this rank's device (default: its local rank modulo the devices it sees).
 
     Returns
     -------
@@ -255,7 +274,8 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
     ------
     ValueError
         A model that is not a :class:`~sparse_scan.Sequential`, more ranks than layers, or a bad
-        ``split``/``combine`` (on every rank alike).
+        ``split``/``combine``/``device`` (on every rank alike); a ``transport`` that is not available
+        (:class:`TransportUnavailableError`, on every rank alike, naming why).
     DistributedError
         A rank failed (:class:`RemoteRankError`) or did not answer in time
         (:class:`RankTimeoutError`); both name the rank.
@@ -267,6 +287,11 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
         comm = import_mpi().COMM_WORLD
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {', '.join(COMBINES)}; got {combine!r}")
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be cpu or gpu; got {device!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    be = _backend.get(device)
     if model.input_shape is None:
         raise ValueError("the model has no input_shape: set it (Sequential(..., input_shape=...)) so that "
                          "every rank knows its slice's shapes")
@@ -274,7 +299,10 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
     bounds = slices(model, comm.Get_size(), split, in_shape)
     channel = Channel(comm, timeout)
     try:
-        result = _run(model, x, grad_out, channel, bounds, in_shape, method, levels, combine, gather)
+        if be.name == "gpu":
+            channel.transport = connect(comm, be.xp, transport, gpu_device,
+                                        lambda obj: channel.allgather(obj, "the transport's facts"))
+        result = _run(model, x, grad_out, channel, bounds, in_shape, method, levels, combine, gather, be)
         channel.flush()
     except RemoteRankError:
         raise
@@ -285,8 +313,8 @@ def backward(model: Sequential, x: Any, grad_out: Any, comm: Any = None, split: 
 
 
 def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: list[tuple[int, int]],
-         in_shape: tuple[int, ...], method: str, levels: Any, combine_with: str,
-         gather: bool) -> DistributedResult:
+         in_shape: tuple[int, ...], method: str, levels: Any, combine_with: str, gather: bool,
+         be: _backend.Backend) -> DistributedResult:
     rank, size = channel.rank, channel.size
     last = size - 1
     a, b = bounds[rank]
@@ -300,7 +328,7 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
 
     # 1. forward, slice by slice
     inputs = x if rank == 0 else channel.recv(rank - 1, TAG_ACTIVATION, "activations")
-    output = local.forward(np.asarray(inputs))
+    output = local.forward(be.asarray(inputs))
     if rank < last:
         channel.send(output, rank + 1, TAG_ACTIVATION, "activations")
     lap("forward_s")
@@ -310,7 +338,7 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
         channel.send(output, 0, TAG_OUTPUT, "the model output")
     if rank == 0:
         model_output = output if last == 0 else channel.recv(last, TAG_OUTPUT, "the model output", hops=last)
-        g_n = np.asarray(grad_out(model_output) if callable(grad_out) else grad_out)
+        g_n = be.asarray(grad_out(model_output) if callable(grad_out) else grad_out)
         if g_n.shape != model_output.shape:
             raise ValueError(f"grad_out has shape {g_n.shape}; the output has {model_output.shape}")
         if last > 0:
@@ -319,7 +347,10 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
         g_n = channel.recv(0, TAG_GRAD_OUT, "the output gradient")
     lap("output_grad_s")
     # 2. contributions: the last rank's local scan (a vector), the middle ranks' slice products
-    stats: dict[str, Any] = {"rank": rank, "layers": [a, b], "timings": timings}
+    transport = channel.transport
+    stats: dict[str, Any] = {"rank": rank, "layers": [a, b], "timings": timings,
+                             "device": "cpu" if be.name == "cpu" else f"gpu:{be.xp.cuda.Device().id}",
+                             "transport": "mpi" if transport is None else transport.name}
     grads = local.backward(g_n, method, levels) if rank == last else None
     product = None
     if 0 < rank < last and combine_with != "relay":
@@ -331,7 +362,7 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
         if rank < last:
             g_b = channel.recv(rank + 1, TAG_VECTOR, "the gradient of its slice output", hops=last - rank)
             if rank > 0 and product is None:  # relay: the local scan first
-                grads = local.backward(np.asarray(g_b).reshape(output.shape), method, levels)
+                grads = local.backward(be.asarray(g_b).reshape(output.shape), method, levels)
                 vector = grads[0].reshape(len(g_b), -1)
             elif rank > 0:  # chain: one SpMV with the slice product, the local scan after
                 vector = apply(product, g_b.reshape(len(g_b), -1))
@@ -342,11 +373,14 @@ def _run(model: Sequential, x: Any, grad_out: Any, channel: Channel, bounds: lis
     lap("combine_s")
     # 4. finish the slice locally
     if rank < last and grads is None:
-        g_b = np.asarray(g_b).reshape(output.shape)
+        g_b = be.asarray(g_b).reshape(output.shape)
         grads = local.backward(g_b, method, levels)
     parameters = local.parameter_gradients(grads)
     lap("finish_s")
     stats.update(sent_bytes=channel.sent_bytes, messages=channel.messages)
+    if transport is not None:
+        stats.update(transport_sent_bytes=transport.sent_bytes,
+                     transport_received_bytes=transport.received_bytes)
     result = DistributedResult(rank, size, bounds, model_output, grads, parameters, stats)
     if gather:
         _gather(channel, result)
@@ -386,36 +420,28 @@ def _slice_product(local: Sequential, model: Sequential, in_shape: tuple[int, ..
 
 
 def _exscan(channel: Channel, mine: Any) -> Any:
-    """mpi4py's exscan over the ranks in reverse order, with ``◇``; counts the bytes each rank sends."""
-    comm = channel.comm
-    channel.barrier("entering the exscan")  # a polled barrier: no rank waits in the collective alone
-    reverse = comm.Split(0, channel.size - 1 - channel.rank)
-    try:
-        prefix = reverse.exscan(_Counted(mine, channel), op=_counted_op)
-        return prefix.value if isinstance(prefix, _Counted) else prefix
-    finally:
-        reverse.Free()
+    """The exclusive scan of the ranks' contributions in reverse rank order, under ``◇``.
 
-
-class _Counted:
-    """A value that, when pickled to be sent, adds its payload to the sending rank's count."""
-
-    channel: Channel | None = None
-
-    def __init__(self, value: Any, channel: Channel | None = None) -> None:
-        self.value = value
-        if channel is not None:
-            _Counted.channel = channel
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        if _Counted.channel is not None:
-            _Counted.channel.count(self.value)
-        return _Counted, (self.value,)
-
-
-def _counted_op(earlier: Any, later: Any) -> Any:
-    unwrap = [item.value if isinstance(item, _Counted) else item for item in (earlier, later)]
-    return _Counted(_op(*unwrap))
+    Recursive doubling over the channel's polled messages (``ceil(log2 P)`` rounds, mpi4py's own
+    algorithm for an object ``exscan``), so that a wait can time out and device arrays move by the
+    transport. Returns None on the last rank (nothing comes before it).
+    """
+    rank = channel.size - 1 - channel.rank  # the scan's order: the last rank first
+    result, partial, mask, rounds = None, mine, 1, 0
+    while mask < channel.size:
+        target = rank ^ mask
+        if target < channel.size:
+            other = channel.size - 1 - target
+            channel.send(partial, other, TAG_EXSCAN + rounds, "a partial scan")
+            received = channel.recv(other, TAG_EXSCAN + rounds, "a partial scan")
+            if rank > target:
+                partial = _op(received, partial)
+                result = received if result is None else _op(received, result)
+            else:
+                partial = _op(partial, received)
+        mask <<= 1
+        rounds += 1
+    return result
 
 
 def _gather(channel: Channel, result: DistributedResult) -> None:

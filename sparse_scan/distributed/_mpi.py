@@ -2,7 +2,8 @@
 
 Every wait polls a nonblocking probe or request against a deadline, and checks for a failure notice
 from any rank meanwhile, so that a failed or stuck rank ends the others with an error naming it
-instead of a hang. ``mpi4py`` is imported only here, lazily.
+instead of a hang. ``mpi4py`` is imported only here, lazily. On GPU ranks a message's device arrays
+follow it by the run's transport (:mod:`sparse_scan.distributed._transport`), polled alike.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._transport import Transport, join, slots, split
+
 __all__ = ["Channel", "DistributedError", "MPIUnavailableError", "RankTimeoutError", "RemoteRankError",
            "abort", "import_mpi", "launched", "launcher", "payload_bytes"]
 
 TAG_ERROR = 99
+TAG_GATHER_IN, TAG_GATHER_OUT = 98, 97  # the polled allgather
+DATA_TAG = 100  # a message's device arrays follow it with its tag plus this
 ABORT_GRACE_S = 1.0  # time for the launcher to forward what was printed before MPI_Abort kills it
 INSTALL_HINT = "pip install 'sparse-scan[mpi]' (mpi4py and the mpich wheel)"
 # set by MPICH's hydra and PMI launchers, Open MPI's mpirun and PMIx launchers such as srun
@@ -114,24 +119,28 @@ def payload_bytes(obj: Any) -> int:
 class Channel:
     """Polled point-to-point messages on ``comm`` with a per-wait ``timeout`` (seconds).
 
+    With a ``transport`` (GPU ranks), the CuPy arrays of a message are taken out of it and move by
+    the transport after it (:func:`~sparse_scan.distributed._transport.split`).
+
     Attributes
     ----------
     sent_bytes : int
-        Array payload bytes sent by this rank (:func:`payload_bytes`), collectives included when
-        they count through :meth:`count`.
+        Array payload bytes sent by this rank (:func:`payload_bytes`), device arrays included.
     messages : int
         Messages sent.
+    transport : Transport or None
     """
 
-    def __init__(self, comm: Any, timeout: float) -> None:
+    def __init__(self, comm: Any, timeout: float, transport: Transport | None = None) -> None:
         self.comm = comm
         self._any_source = import_mpi().ANY_SOURCE
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.timeout = float(timeout)
+        self.transport = transport
         self.sent_bytes = 0
         self.messages = 0
-        self._pending: list[tuple[Any, int, str]] = []
+        self._pending: list[tuple[Callable[[], bool], int, str]] = []
 
     def count(self, obj: Any) -> None:
         """Account for one message of ``obj`` sent by this rank."""
@@ -141,7 +150,13 @@ class Channel:
     def send(self, obj: Any, dest: int, tag: int, what: str) -> None:
         """Start sending ``obj`` to ``dest``; :meth:`flush` waits for completion."""
         self.count(obj)
-        self._pending.append((self.comm.isend(obj, dest=dest, tag=tag), dest, what))
+        if self.transport is None:
+            self._pending.append((self.comm.isend(obj, dest=dest, tag=tag).Test, dest, what))
+            return
+        skeleton, arrays = split(obj)
+        self._pending.append((self.comm.isend(skeleton, dest=dest, tag=tag).Test, dest, what))
+        for array in arrays:
+            self._pending.append((self.transport.send(array, dest, tag + DATA_TAG).test, dest, what))
 
     def _poll(self, ready: Callable[[], Any], rank: int, what: str, hops: int = 1) -> Any:
         deadline = time.monotonic() + self.timeout * hops
@@ -166,26 +181,35 @@ class Channel:
         """
         message = self._poll(lambda: self.comm.improbe(source=source, tag=tag), source,
                              f"receiving {what} from", hops)
-        return message.recv()
+        obj = message.recv()
+        if self.transport is None:
+            return obj
+        arrays = []
+        for slot in slots(obj):
+            moved = self.transport.recv(slot.shape, slot.dtype, source, tag + DATA_TAG)
+            arrays.append(self._poll(lambda moved=moved: moved.value if moved.test() else None, source,
+                                     f"receiving {what} (its arrays) from"))
+        return join(obj, arrays)
 
     def flush(self) -> None:
         """Wait (polled) until every started send completed."""
         while self._pending:
-            request, dest, what = self._pending[0]
-            self._poll(lambda request=request: True if request.Test() else None, dest, f"sending {what} to")
+            test, dest, what = self._pending[0]
+            self._poll(lambda test=test: True if test() else None, dest, f"sending {what} to")
             self._pending.pop(0)
 
-    def barrier(self, what: str) -> None:
-        """A polled barrier (a star through rank 0), so that no rank enters a collective alone."""
+    def allgather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank: a polled star through rank 0 (host objects
+        only), so that no rank waits in a collective alone."""
         if self.rank == 0:
+            gathered = [obj] + [self.recv(rank, TAG_GATHER_IN, what) for rank in range(1, self.size)]
             for rank in range(1, self.size):
-                self.recv(rank, 98, what)
-            for rank in range(1, self.size):
-                self.send(None, rank, 97, what)
+                self.send(gathered, rank, TAG_GATHER_OUT, what)
         else:
-            self.send(None, 0, 98, what)
-            self.recv(0, 97, what)
+            self.send(obj, 0, TAG_GATHER_IN, what)
+            gathered = self.recv(0, TAG_GATHER_OUT, what)
         self.flush()
+        return gathered
 
     def check_failures(self) -> None:
         """Raise :class:`RemoteRankError` if another rank reported a failure."""
@@ -208,3 +232,4 @@ class Channel:
         while requests and time.monotonic() < deadline:
             requests = [request for request in requests if not request.Test()]
             time.sleep(1e-3)
+

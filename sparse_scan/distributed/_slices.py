@@ -4,7 +4,9 @@ A process holding layers ``a+1 .. b`` of a chain contributes one matrix to a sca
 ``S = JT_{a+1} · JT_{a+2} ··· JT_b`` (so that ``g_a = S g_b``). It is reduced by a balanced tree of
 planned sparse products (:func:`sparse_scan.engine.products.plan_product`: scalings, gathers, dense
 channel blocks or general products, as in the scan), ``ceil(log2 m)`` levels for ``m`` layers,
-computed through the engine's dispatch (:func:`sparse_scan.engine.run.multiply`).
+computed through the engine's dispatch (:func:`sparse_scan.engine.run.multiply`), on the device of the
+JTs' values: NumPy arrays on the host, CuPy arrays on a GPU. A slice matrix applied to a batch of
+vectors (:func:`apply`) is one more planned product, with the vectors as a column's values.
 
 Examples
 --------
@@ -24,9 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
+from .. import backend
 from .._types import Array
 from ..csr import BatchedCSR, Pattern
-from ..engine._cpu import matvec  # the host SpMV: the engine's dispatch (run) has no matvec to offer
 from ..engine.plan import ScanCostError
 from ..engine.products import ProductPlan, count_multiply_adds, plan_product
 from ..engine.run import multiply
@@ -65,8 +69,23 @@ def combine(a: SliceMatrix, b: SliceMatrix, channels: tuple[int, int, int] | Non
 
 
 def apply(matrix: SliceMatrix, vectors: Array) -> Array:
-    """``matrix @ v`` for a batch of vectors ``(B, cols)``; returns ``(B, rows)``."""
-    return matvec(matrix.pattern, matrix.data, vectors)
+    """``matrix @ v`` for a batch of vectors ``(B, cols)``; returns ``(B, rows)`` on their device.
+
+    The product of ``matrix`` with a dense column (the vectors as its values, ``(B, cols)``), planned
+    on the spot (``O(nnz)`` on the host) and computed through the engine's dispatch; rows of the
+    matrix without entries are zeros.
+    """
+    rows, cols = matrix.shape
+    column = Pattern(np.arange(cols + 1), np.zeros(cols, dtype=matrix.pattern.indices.dtype), (cols, 1))
+    plan = plan_product(matrix.pattern, column, matrix.kind, "general")
+    values = multiply(plan, matrix.data, vectors)
+    filled = np.flatnonzero(np.diff(np.asarray(plan.out.indptr)))
+    if filled.size == rows:
+        return values
+    be = backend.of(values)
+    out = be.xp.zeros((values.shape[0], rows), dtype=values.dtype)
+    out[:, be.asarray(filled)] = values
+    return out
 
 
 class SliceProduct:

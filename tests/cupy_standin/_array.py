@@ -326,8 +326,9 @@ class ndarray:
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: Any = None) -> Any:
         """The memory shared with a consumer (PyTorch's ``from_dlpack``): the NumPy array's capsule, so
-        the consumer sees this very memory, as on a GPU it sees the device buffer."""
-        return self._array.__dlpack__()
+        the consumer sees this very memory, as on a GPU it sees the device buffer (in the capsule version
+        the consumer asks for: mpi4py's buffers ask for a versioned one)."""
+        return self._array.__dlpack__(max_version=max_version)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._array.__dlpack_device__()
