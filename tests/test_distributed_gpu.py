@@ -5,8 +5,11 @@ Every rank runs its slice on a GPU: here, where none is usable, each rank of ``m
 arrays move between the ranks by the host-staging transport (plain MPI of pinned buffers) or, where the
 test asserts a CUDA-aware MPI (``SPARSE_SCAN_CUDA_AWARE_MPI=1``), by mpi4py from the arrays' own memory
 (the stand-in's device memory is the host's, so MPICH reads it as a CUDA-aware MPI reads a device
-buffer). On a machine with a GPU the same tests run on it. The transport's choice (forced, refused,
-detected) is tested without MPI too, from the facts the ranks gather.
+buffer), or by NCCL where the stand-in is given a device per rank and its NCCL
+(``SPARSE_SCAN_STANDIN_DEVICES``, ``SPARSE_SCAN_STANDIN_NCCL``: its ``send``/``recv`` move the bytes by
+MPI). On a machine with a GPU the same tests run on it (those that assert a transport the machine may
+lack are the stand-in's only). The transport's choice (forced, refused, detected) is tested without MPI
+too, from the facts the ranks gather.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ LIMIT_S = 240
 PYTHON = [sys.executable, "-m", "cupy_standin"] if STANDIN else [sys.executable]
 """How a GPU rank starts: through the CuPy stand-in where no GPU is usable."""
 TINY, LENET5 = str(DATA / "tiny.yaml"), str(DATA / "lenet5.yaml")
+CUDA_AWARE = {"SPARSE_SCAN_CUDA_AWARE_MPI": "1"}
+NCCL = {"SPARSE_SCAN_STANDIN_NCCL": "1", "SPARSE_SCAN_STANDIN_DEVICES": "3"}  # a device per rank, and NCCL
 
 
 def mpirun(ranks: int, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -163,8 +168,7 @@ def test_gpu_ranks_through_host_staging_equal_one_process(tmp_path, ranks, model
 
 @needs_mpi
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport, env", [("staging", {}),
-                                            ("cuda-aware", {"SPARSE_SCAN_CUDA_AWARE_MPI": "1"})])
+@pytest.mark.parametrize("transport, env", [("staging", {}), ("cuda-aware", CUDA_AWARE), ("nccl", NCCL)])
 def test_each_transport_moves_the_bytes_of_the_cpu_ranks_messages(tmp_path, transport, env):
     """The same run on CPU ranks (arrays pickled in the messages) and on GPU ranks: every rank sends the
     same payload, the device part of it through the transport."""
@@ -177,6 +181,8 @@ def test_each_transport_moves_the_bytes_of_the_cpu_ranks_messages(tmp_path, tran
     with np.load(tmp_path / "cpu.npz") as one, np.load(tmp_path / "gpu.npz") as other:
         np.testing.assert_array_equal(other["sent_bytes"], one["sent_bytes"])
         assert list(other["transport"]) == [transport] * 3 and list(one["transport"]) == ["mpi"] * 3
+        devices_used = ["gpu:0", "gpu:1", "gpu:2"] if transport == "nccl" else ["gpu:0"] * 3
+        assert list(other["devices"]) == devices_used  # local rank modulo the devices
         assert other["transport_sent"].sum() == other["transport_received"].sum()
         middle = one["products"][1]  # the middle rank's slice product: its values on the device
         assert middle > 0 and other["sent_bytes"][1] - other["transport_sent"][1] > 0
@@ -192,11 +198,18 @@ def test_auto_detects_the_transport_and_reports_it(tmp_path):
         pytest.skip("asserting a CUDA-aware MPI is for the stand-in, whose device memory is the host's")
     plain = worker(2, TINY, tmp_path / "a.npz")
     assert plain.returncode == 0, plain.stderr
-    aware = worker(2, TINY, tmp_path / "b.npz", env={"SPARSE_SCAN_CUDA_AWARE_MPI": "1"})
+    aware = worker(2, TINY, tmp_path / "b.npz", env={**CUDA_AWARE, **NCCL})
     assert aware.returncode == 0, aware.stderr
-    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
-        assert list(a["transport"]) == ["staging"] * 2  # MPICH without CUDA, no NCCL in the stand-in
-        assert list(b["transport"]) == ["cuda-aware"] * 2
+    nccl = worker(2, TINY, tmp_path / "c.npz", env=NCCL)
+    assert nccl.returncode == 0, nccl.stderr
+    shared = worker(2, TINY, tmp_path / "d.npz", env={"SPARSE_SCAN_STANDIN_NCCL": "1"})  # one device
+    assert shared.returncode == 0, shared.stderr
+    found = []
+    for name in "abcd":
+        with np.load(tmp_path / f"{name}.npz") as got:
+            found.append(list(got["transport"]))
+    # MPICH without CUDA, no NCCL: staging; then the first of cuda-aware, nccl, staging that can run
+    assert found == [["staging"] * 2, ["cuda-aware"] * 2, ["nccl"] * 2, ["staging"] * 2]
 
 
 @needs_mpi
@@ -225,18 +238,33 @@ def test_the_cli_on_gpu_ranks_writes_what_one_process_writes(tmp_path):
 
 @needs_mpi
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport, reason", [
-    ("nccl", "CuPy has no usable NCCL on rank 0 (cupy.cuda.nccl.available is False)"),
-    ("cuda-aware", "the MPI library of rank 0 is not CUDA-aware")])
-def test_the_cli_refuses_a_transport_that_is_not_there_in_one_line(transport, reason):
+@pytest.mark.parametrize("transport, env, reason", [
+    ("nccl", {}, "CuPy has no usable NCCL on rank 0 (cupy.cuda.nccl.available is False)"),
+    ("nccl", {"SPARSE_SCAN_STANDIN_NCCL": "1"}, "NCCL needs a device per rank; ranks 0 and 1 share device 0"),
+    ("cuda-aware", {}, "the MPI library of rank 0 is not CUDA-aware")])
+def test_the_cli_refuses_a_transport_that_is_not_there_in_one_line(transport, env, reason):
     if not STANDIN:
         pytest.skip("which transports a GPU machine lacks depends on it")
     result = cli(2, TINY, "--random", "2", "--distributed", "--device", "gpu", "--transport", transport,
-                 env={"SPARSE_SCAN_CUDA_AWARE_MPI": "0"})
+                 env={"SPARSE_SCAN_CUDA_AWARE_MPI": "0", **env})
     assert result.returncode == 2 and result.stdout == ""
     line = result.stderr.strip()
     assert "\n" not in line and line.startswith(f"sparse-scan: error: --transport {transport}: transport "
                                                 f"'{transport}' is not available: {reason}")
+
+
+@needs_mpi
+@pytest.mark.gpu
+def test_gpu_device_puts_a_rank_on_the_device_asked_for():
+    if not STANDIN:
+        pytest.skip("the stand-in is given two devices")
+    result = cli(2, TINY, "--random", "2", "--distributed", "--device", "gpu", "--gpu-device", "1", "--json",
+                 env={"SPARSE_SCAN_STANDIN_DEVICES": "2"})
+    assert result.returncode == 0, result.stderr
+    assert [r["device"] for r in json.loads(result.stdout)["distributed"]["per_rank"]] == ["gpu:1"] * 2
+    result = cli(2, TINY, "--random", "2", "--distributed", "--device", "gpu", "--gpu-device", "2")
+    assert result.returncode == 2
+    assert "rank 0 asked for device 2 but sees 1 device(s)" in result.stderr
 
 
 @needs_mpi

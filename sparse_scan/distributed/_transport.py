@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -180,7 +181,9 @@ def _cuda_aware_mpi() -> bool:
 def _nccl(xp: Any) -> Any:
     """CuPy's NCCL module where it is usable, else None."""
     try:
-        from cupy.cuda import nccl  # noqa: PLC0415 - only on GPU ranks
+        with warnings.catch_warnings():  # CuPy warns where the NCCL library is missing: available says so
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl  # noqa: PLC0415 - only on GPU ranks
     except ImportError:
         return None
     return nccl if getattr(nccl, "available", False) and xp.cuda.is_available() else None

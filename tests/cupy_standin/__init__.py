@@ -1,11 +1,12 @@
 """A strict, test-only stand-in for CuPy: the GPU path's Python glue and CUDA sources run on the CPU.
 
-:func:`install` puts modules named ``cupy``, ``cupy.cuda``, ``cupy.cuda.runtime``, ``cupyx``,
-``cupyx.scipy``, ``cupyx.scipy.sparse`` and ``cupyx.scipy.special`` into ``sys.modules``. The code under
-test then imports them as it imports CuPy on a GPU machine: its arrays are :class:`~._array.ndarray`
-(NumPy underneath, recognised as CuPy arrays), its ``RawModule``/``RawKernel`` build the
-``rawkernels/*.cu`` sources with g++ and launch them with CuPy's calling convention (:mod:`._raw`),
-and ``cupy.cuda`` has one device.
+:func:`install` puts modules named ``cupy``, ``cupy.cuda``, ``cupy.cuda.runtime``, ``cupy.cuda.nccl``,
+``cupyx``, ``cupyx.scipy``, ``cupyx.scipy.sparse`` and ``cupyx.scipy.special`` into ``sys.modules``.
+The code under test then imports them as it imports CuPy on a GPU machine: its arrays are
+:class:`~._array.ndarray` (NumPy underneath, recognised as CuPy arrays), its
+``RawModule``/``RawKernel`` build the ``rawkernels/*.cu`` sources with g++ and launch them with CuPy's
+calling convention (:mod:`._raw`), and ``cupy.cuda`` has one device (more, and an NCCL, on request:
+:mod:`._cuda`).
 
 It is at least as strict as CuPy where a test could otherwise pass here and fail on a GPU: host arrays
 in device calls, functions, methods and keywords the installed CuPy lacks (its API is read from the
@@ -35,8 +36,8 @@ from ._reference import ReferenceUnavailable
 
 __all__ = ["AVAILABLE", "STATS", "ReferenceUnavailable", "available", "install", "ndarray"]
 
-_MODULE_NAMES = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "cupyx", "cupyx.scipy", "cupyx.scipy.sparse",
-                 "cupyx.scipy.special")
+_MODULE_NAMES = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "cupy.cuda.nccl", "cupyx", "cupyx.scipy",
+                 "cupyx.scipy.sparse", "cupyx.scipy.special")
 
 
 def _memoize(for_each_device: bool = False) -> Any:
@@ -142,5 +143,5 @@ def install() -> None:
     _array.REFERENCE = _reference.load()
     cuda = _cuda.module()
     cupy = _cupy_module(cuda)
-    modules = dict(zip(_MODULE_NAMES, (cupy, cuda, cuda.runtime, *_cupyx_module()), strict=True))
+    modules = dict(zip(_MODULE_NAMES, (cupy, cuda, cuda.runtime, cuda.nccl, *_cupyx_module()), strict=True))
     sys.modules.update(modules)

@@ -1,19 +1,30 @@
-"""The stand-in's ``cupy.cuda``: one device, one stream, events, pinned memory and the runtime's probes.
+"""The stand-in's ``cupy.cuda``: its devices, one stream, events, pinned memory, the runtime's probes
+and NCCL.
 
 Work runs when it is launched, so there is nothing to wait for; what would wait on a GPU is still
 recorded in :data:`~._array.STATS` (``Stream.synchronize``, ``Event.synchronize``,
 ``Device.synchronize``, ``runtime.deviceSynchronize``). ``Event.done`` asks without waiting, as
 ``cudaEventQuery`` does.
+
+One device by default; ``SPARSE_SCAN_STANDIN_DEVICES=N`` makes ``N`` (all of them the host's memory:
+which one is current only names it). ``cupy.cuda.nccl`` is what CuPy has without the NCCL library
+(``available`` False), unless ``SPARSE_SCAN_STANDIN_NCCL=1``: then its point-to-point ``send`` and
+``recv`` move the bytes between the processes of ``MPI.COMM_WORLD`` (mpi4py), in the order they were
+posted per pair, as NCCL matches them; a ``recv`` completes when it is launched, as all work here.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import types
 from typing import Any
 
 import numpy as np
 
 from ._array import STATS, pin, timer
+
+DEVICES = max(1, int(os.environ.get("SPARSE_SCAN_STANDIN_DEVICES", "1")))
 
 AVAILABLE = {"value": False}
 """Whether ``is_available()`` says yes: the conftest turns the device on for ``gpu`` tests only, so
@@ -35,33 +46,39 @@ def is_available() -> bool:
 
 
 class Device:
-    """``cupy.cuda.Device``: only device 0 exists."""
+    """``cupy.cuda.Device``: ``DEVICES`` of them (one by default); no argument names the current one."""
 
     def __init__(self, device: Any = None) -> None:
-        device = 0 if device is None else int(device)
-        if device != 0:
-            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal (the stand-in has one)")
+        device = _CURRENT_DEVICE["id"] if device is None else int(device)
+        if not 0 <= device < DEVICES:
+            raise CUDARuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal (the stand-in has "
+                                   f"{DEVICES})")
         self.id = device
 
     compute_capability = property(lambda self: "90")
 
     def __enter__(self) -> "Device":
+        self._previous = _CURRENT_DEVICE["id"]
+        _CURRENT_DEVICE["id"] = self.id
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        _CURRENT_DEVICE["id"] = self._previous
 
     def synchronize(self) -> None:
         STATS.sync("Device.synchronize")
 
     def use(self) -> None:
-        return None
+        _CURRENT_DEVICE["id"] = self.id
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Device) and other.id == self.id
 
     def __hash__(self) -> int:
         return hash(("Device", self.id))
+
+
+_CURRENT_DEVICE = {"id": 0}
 
 
 class Stream:
@@ -95,6 +112,10 @@ class Stream:
         event = event or Event()
         event.record(self)
         return event
+
+    def wait_event(self, event: "Event") -> None:
+        """Order this stream after ``event`` (work is done at launch: nothing to wait for)."""
+        return None
 
 
 class ExternalStream(Stream):
@@ -181,8 +202,8 @@ def _runtime() -> types.ModuleType:
     runtime = types.ModuleType("cupy.cuda.runtime")
     runtime.is_hip = False
     runtime.CUDARuntimeError = CUDARuntimeError
-    runtime.getDeviceCount = lambda: 1
-    runtime.getDevice = lambda: 0
+    runtime.getDeviceCount = lambda: DEVICES
+    runtime.getDevice = lambda: _CURRENT_DEVICE["id"]
     runtime.runtimeGetVersion = lambda: 13000
     runtime.driverGetVersion = lambda: 13000
 
@@ -198,10 +219,54 @@ def _runtime() -> types.ModuleType:
     return runtime
 
 
+NCCL_UINT8 = 1  # ncclUint8, as cupy.cuda.nccl names it
+
+
+class NcclCommunicator:
+    """``cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank)`` over ``MPI.COMM_WORLD`` (a duplicate of it:
+    made by every rank together, as NCCL's communicators are); ``send`` and ``recv`` of ``count`` items of
+    ``datatype`` (bytes only) from and to device pointers."""
+
+    def __init__(self, ndev: int, commId: tuple, rank: int) -> None:  # noqa: N803 - CuPy's names
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD.Dup()
+        if (self._comm.Get_size(), self._comm.Get_rank()) != (ndev, rank):
+            raise RuntimeError("NCCL error: ndev and rank must be COMM_WORLD's size and rank here")
+        if not (isinstance(commId, tuple) and len(commId) == 128):
+            raise TypeError("commId must be the tuple of get_unique_id()")
+        self._sends: list[tuple[Any, bytes]] = []
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        if datatype != NCCL_UINT8:
+            raise NotImplementedError("the stand-in's NCCL moves bytes (NCCL_UINT8) only")
+        data = ctypes.string_at(sendbuf, count)  # the bytes now: work is done at launch
+        self._sends = [(request, kept) for request, kept in self._sends if not request.Test()]
+        self._sends.append((self._comm.Isend([data, self._mpi.BYTE], dest=peer, tag=0), data))
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        if datatype != NCCL_UINT8:
+            raise NotImplementedError("the stand-in's NCCL moves bytes (NCCL_UINT8) only")
+        target = (ctypes.c_char * count).from_address(recvbuf)
+        self._comm.Recv([target, self._mpi.BYTE], source=peer, tag=0)
+
+
+def _nccl() -> types.ModuleType:
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = os.environ.get("SPARSE_SCAN_STANDIN_NCCL") == "1"
+    if nccl.available:
+        nccl.NCCL_UINT8 = NCCL_UINT8
+        nccl.NcclCommunicator = NcclCommunicator
+        nccl.get_unique_id = lambda: tuple(int(b) for b in os.urandom(128))
+    return nccl
+
+
 def module() -> types.ModuleType:
     """The ``cupy.cuda`` module of the stand-in."""
     cuda = types.ModuleType("cupy.cuda")
     cuda.runtime = _runtime()
+    cuda.nccl = _nccl()
     for value in (is_available, Device, Stream, ExternalStream, Event, get_current_stream, get_elapsed_time,
                   MemoryPool,
                   set_allocator, set_pinned_memory_allocator, PinnedMemoryPointer, alloc_pinned_memory):
