@@ -9,6 +9,14 @@ the same work (forward, ``Sequential.backward``, parameter gradients), with the 
 with the linear scan (back-propagation): a rank's local scan covers fewer layers than one process's, so
 it may plan a cheaper Blelloch schedule (fewer deep products) as well as run in parallel.
 
+**GPU ranks** (``--device gpu``): ``mpiexec -n P`` ranks that share or split the machine's GPUs (local
+rank modulo the devices), for each transport of ``--transports`` (``staging``, ``cuda-aware``, ``nccl``;
+one that cannot run here is a row saying why): the median wall time of a distributed pass, each
+rank's phases and bytes (those the transport moved too), rank 0's single-process time on its GPU for
+the same work, and the largest relative error of every gradient (activations and parameters) against
+that one process, in float64 by default; then a ping-pong between ranks 0 and 1 through the transport
+(8 B and 16 MiB messages): its latency and bandwidth, the link figures of the model below.
+
 **Modelled** (no run): for ``P = 1, 2, 4, ..., 1024`` ranks, steps on the critical path, the largest
 per-rank memory and the largest per-rank communication per batch, for
 
@@ -27,12 +35,16 @@ then the local scans; ``exscan``: the same with ``ceil(log2 P)`` rounds
 (recursive doubling, as mpi4py's) instead of the ``P - 2`` hops; the paper's bound ``n/P + log2 P``.
 Memory per rank: its JTs, activations and parameters, plus its slice product (exact for a slice with
 at most one non-diagonal layer, else the dense bound ``in × out``: products of convolution JTs fill in).
+Time on the wire per batch, per transport of GPU ranks: ``messages on the critical path × latency +
+largest per-rank communication / bandwidth``, from :data:`GPU_LINKS` (documented placeholders, marked
+``measured: false``) or from a GPU run's ping-pong (``--links ROWS.jsonl``, ``measured: true``).
 GPipe-style pipeline model: ``M = 4P`` micro-batches of the same per-step batch (GPipe's guideline for
 a bubble under ~20 %), every stage keeping its layers' activations for all of them (no
 re-materialisation): ``(n/P) · 4P = 4n`` activations per stage, constant in ``P``, and
 ``(M + P - 1) · n/P`` steps.
 
-Prints JSON; ``--out`` and ``--plot`` write it and the figure (never over a file without ``--force``).
+Prints JSON; ``--out`` and ``--plot`` write it and the figure (never over a file without ``--force``);
+``--rows`` appends each measured row as it is measured (bench/common.py's ``Rows``).
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ import time
 from typing import Any
 
 import numpy as np
-from common import machine
+from common import Rows, machine, read_rows
 
 from sparse_scan import backend, load_model
 from sparse_scan.distributed import COMBINES, balanced_split, launcher, layer_costs
@@ -60,6 +72,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL_PS = [2**k for k in range(11)]
 ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 MEASURED = [("lenet5.yaml", 16, "blelloch", COMBINES), ("vgg11-pruned.yaml", 4, "linear", ("relay",))]
+PING_BYTES = (8, 16 * 2**20)  # the ping-pong's messages: latency, then bandwidth
+GPU_LINKS: dict[str, dict[str, Any]] = {
+    "staging": {"latency_s": 30e-6, "bandwidth_bytes_per_s": 10e9, "measured": False,
+                "source": "placeholder: two pinned PCIe copies (~25 GB/s each) and MPI's host loopback"},
+    "cuda-aware": {"latency_s": 15e-6, "bandwidth_bytes_per_s": 20e9, "measured": False,
+                   "source": "placeholder: a CUDA-aware MPI over PCIe peer copies"},
+    "nccl": {"latency_s": 20e-6, "bandwidth_bytes_per_s": 100e9, "measured": False,
+             "source": "placeholder: NCCL point-to-point over NVLink"},
+}
+"""Per transport, the link the model assumes until a GPU run measures it (``--links``)."""
 
 
 # --- measured ---------------------------------------------------------------------------------------
@@ -145,6 +167,141 @@ def measure(repeats: int, ranks: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+# --- GPU ranks --------------------------------------------------------------------------------------
+def gpu_worker(args: argparse.Namespace) -> None:
+    """Under mpiexec, GPU ranks: time distributed passes through ``args.transport``, rank 0 checks them
+    against one process on its GPU and times that, then ranks 0 and 1 ping-pong; rank 0 prints JSON."""
+    from mpi4py import MPI
+
+    from sparse_scan import distributed
+    from sparse_scan.distributed._mpi import Channel
+    from sparse_scan.distributed._transport import connect
+
+    comm = MPI.COMM_WORLD
+    be = backend.get("gpu")
+    model = load_model(ROOT / "data" / args.model, dtype=np.dtype(args.dtype))
+    x = np.random.default_rng(0).standard_normal((args.batch,) + model.input_shape).astype(args.dtype)
+    times = []
+    try:
+        for _ in range(args.repeats + 1):
+            comm.Barrier()
+            start = time.perf_counter()
+            result = distributed.backward(model, x if comm.rank == 0 else None, be.xp.ones_like, comm,
+                                          method=args.method, combine=args.combine, device="gpu",
+                                          transport=args.transport)
+            comm.Barrier()
+            times.append(time.perf_counter() - start)
+    except distributed.TransportUnavailableError as error:
+        if comm.rank == 0:
+            print(json.dumps({"unavailable": str(error)}))
+        return
+    row: dict[str, Any] = {}
+    if comm.rank == 0:
+        ranks = result.stats["ranks"]
+        row.update(wall_s=statistics.median(times[1:]), layers=[r["layers"] for r in ranks],
+                   devices=[r["device"] for r in ranks], transport=ranks[0]["transport"],
+                   sent_bytes=[r["sent_bytes"] for r in ranks],
+                   transport_sent_bytes=[r["transport_sent_bytes"] for r in ranks],
+                   messages=[r["messages"] for r in ranks], timings=[r["timings"] for r in ranks])
+        row.update(_one_process_on_the_gpu(model, be.asarray(x), args, result))
+    comm.Barrier()  # rank 1 waits while rank 0 times one process
+    channel = Channel(comm, 60.0)
+    channel.transport = connect(comm, be.xp, args.transport, None,
+                                lambda obj: channel.allgather(obj, "the transport's facts"))
+    link = _ping_pong(channel, be, args.repeats)
+    if comm.rank == 0:
+        row["link"] = link
+        print(json.dumps(row))
+
+
+def _one_process_on_the_gpu(model: Any, x: Any, args: argparse.Namespace, result: Any) -> dict[str, Any]:
+    """Rank 0: one process's gradients on its GPU (the linear scan: back-propagation), their largest
+    relative difference from the distributed pass's, and the median time of the same work."""
+    be = backend.get("gpu")
+
+    def step() -> tuple[list[Any], dict[str, Any]]:
+        y = model.forward(x)
+        grads = model.backward(be.xp.ones_like(y), args.method)
+        parameters = model.parameter_gradients(grads)
+        be.synchronize()
+        return grads, parameters
+
+    times = []
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    model.forward(x)
+    reference = model.backward(be.xp.ones_like(model.forward(x)), "linear")
+    pairs = list(zip(result.grads, reference, strict=True))
+    parameters = model.parameter_gradients(reference)
+    pairs += [(result.parameters[name], value) for name, value in parameters.items()]
+    error = max(float(abs(got - want).max()) / max(float(abs(want).max()), 1e-30) for got, want in pairs)
+    return {"single_process_gpu_s": statistics.median(times[1:]), "max_rel_error_vs_one_process": error,
+            "compared": len(pairs)}
+
+
+def _ping_pong(channel: Any, be: Any, repeats: int) -> dict[str, Any]:
+    """Ranks 0 and 1: median round trips of one device array through the transport, per size."""
+    figures: dict[str, Any] = {}
+    for size in PING_BYTES:
+        array = be.xp.zeros(size, dtype=np.uint8)
+        trips = []
+        for _ in range(repeats + 1):
+            be.synchronize()
+            start = time.perf_counter()
+            if channel.rank == 0:
+                channel.send(array, 1, 20, "a ping")
+                channel.recv(1, 21, "a pong")
+            elif channel.rank == 1:
+                channel.send(channel.recv(0, 20, "a ping"), 0, 21, "a pong")
+            channel.flush()
+            be.synchronize()
+            trips.append(time.perf_counter() - start)
+        figures[str(size)] = statistics.median(trips[1:])
+    small, large = (figures[str(size)] for size in PING_BYTES)
+    return {"round_trip_s": figures, "latency_s": small / 2,
+            "bandwidth_bytes_per_s": PING_BYTES[1] / max(large / 2 - small / 2, 1e-12)}
+
+
+def measure_gpu(args: argparse.Namespace, log: Rows) -> list[dict[str, Any]]:
+    """GPU ranks under ``mpiexec -n P`` for each transport of ``--transports``."""
+    mpiexec = launcher()
+    rows = []
+    for size in [int(p) for p in args.ranks.split(",")]:
+        for transport in args.transports.split(","):
+            command = [mpiexec, "-n", str(size), *args.rank_command.split(), __file__, "--gpu-worker",
+                       "--model", args.model, "--batch", str(args.batch), "--method", args.method,
+                       "--combine", args.combine, "--repeats", str(args.repeats), "--dtype", args.dtype,
+                       "--transport", transport]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+            row = {"model": args.model, "batch": args.batch, "method": args.method, "combine": args.combine,
+                   "dtype": args.dtype, "ranks": size, "transport_asked": transport}
+            if done.returncode != 0:
+                row["failed"] = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            else:
+                row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(row)
+            log.add(row)
+            print(f"measured GPU ranks {args.model} P={size} {transport}: "
+                  + (f"{row['wall_s'] * 1e3:.1f} ms" if "wall_s" in row else str(row)), file=sys.stderr)
+    return rows
+
+
+def links(path: pathlib.Path | None) -> dict[str, dict[str, Any]]:
+    """:data:`GPU_LINKS`, with the figures a GPU run measured (``--links``: its rows file) in place of
+    the placeholders."""
+    figures = {name: dict(link) for name, link in GPU_LINKS.items()}
+    if path is None:
+        return figures
+    report = read_rows(path)
+    for row in report["rows"]:
+        if "link" in row and row.get("transport") in figures:
+            figures[row["transport"]] = {**row["link"], "measured": True,
+                                         "source": f"{path}: {report['machine'].get('gpu')}"}
+    return figures
+
+
 # --- modelled ---------------------------------------------------------------------------------------
 def chain_figures(model_name: str, batch: int, itemsize: int) -> dict[str, Any]:
     """Per-layer figures of a spec from its linear plan and patterns."""
@@ -186,8 +343,10 @@ def _product_bytes(figures: dict[str, Any], a: int, b: int, batch: int, itemsize
     return figures["sizes"][a] * figures["sizes"][b] * batch * itemsize, False
 
 
-def model_rows(figures: dict[str, Any], batch: int, itemsize: int) -> list[dict[str, Any]]:
-    """Steps, per-rank memory and communication for P = 1 .. 1024 (up to the number of layers)."""
+def model_rows(figures: dict[str, Any], batch: int, itemsize: int,
+               gpu_links: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Steps, per-rank memory and communication for P = 1 .. 1024 (up to the number of layers); with
+    ``gpu_links`` (per transport: latency and bandwidth), the seconds on the wire per batch too."""
     n, rows = figures["n"], []
     shared = figures.get("shared_param_bytes", 0)
     for size in sorted(set(MODEL_PS) | ({n} if n < MODEL_PS[-1] else set())):
@@ -246,6 +405,12 @@ def model_rows(figures: dict[str, Any], batch: int, itemsize: int) -> list[dict[
                                "gpipe_m4p": max(gpipe_memory), "slice_products_exact": exact},
             "max_rank_comm_bytes": {"chain_or_relay": max(chain_comm), "exscan": max(exscan_comm),
                                     "gpipe_m4p": micro * max(chain_comm)}})
+        if gpu_links is not None:  # seconds on the wire per batch, on the critical path, per transport
+            paths = (("chain", last, "chain_or_relay"), ("exscan", rounds, "exscan"))
+            row["gpu_comm_s"] = {name: {
+                combine: messages * link["latency_s"] + row["max_rank_comm_bytes"][key]
+                / link["bandwidth_bytes_per_s"] for combine, messages, key in paths}
+                for name, link in gpu_links.items()}
     return rows
 
 
@@ -291,6 +456,18 @@ def plot(report: dict[str, Any], path: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: measure GPU ranks (--ranks, --transports) instead of CPU ranks")
+    parser.add_argument("--transports", default="staging,cuda-aware",
+                        help="--device gpu: the transports to measure (comma-separated)")
+    parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float64", help="--device gpu: the model's dtype")
+    parser.add_argument("--rank-command", default=sys.executable,
+                        help="--device gpu: what starts a rank's Python (e.g. 'python -m cupy_standin')")
+    parser.add_argument("--links", type=pathlib.Path,
+                        help="a GPU run's rows file: its measured links replace the placeholders")
+    parser.add_argument("--rows", type=pathlib.Path, help="append each measured row here as it is measured")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="lenet5.yaml")
     parser.add_argument("--batch", type=int, default=16)
@@ -304,8 +481,8 @@ def main() -> None:
     parser.add_argument("--plot", type=pathlib.Path, help="write the figure (PNG)")
     parser.add_argument("--force", action="store_true", help="overwrite --out/--plot")
     args = parser.parse_args()
-    if args.worker or args.baseline:
-        (worker if args.worker else baseline)(args)
+    if args.worker or args.baseline or args.gpu_worker:
+        (worker if args.worker else gpu_worker if args.gpu_worker else baseline)(args)
         return
     for path in (args.out, args.plot):
         if path is not None and path.exists() and not args.force:
@@ -313,13 +490,19 @@ def main() -> None:
     itemsize = 4
     report: dict[str, Any] = {"benchmark": "distributed", "model_batch": args.model_batch,
                               "itemsize": itemsize}
-    if not args.no_measure:
+    if args.device == "gpu":  # this process stays off the GPU: the ranks hold it
+        log = Rows(args.rows, "distributed", machine(backend.get("cpu"), with_torch=False), device="gpu")
+        report["measured_gpu"] = [] if args.no_measure else measure_gpu(args, log)
+        log.finish()
+    elif not args.no_measure:
         report["measured"] = measure(args.repeats, [int(p) for p in args.ranks.split(",")])
     report["machine"] = machine(backend.get("cpu"))  # after measuring: it imports torch
     figures = [chain_figures(name, args.model_batch, itemsize)
                for name in ("vgg11.yaml", "vgg11-pruned.yaml")]
     figures.append(rnn_figures(30000, 20, args.model_batch, itemsize))
-    report["model"] = {f["name"]: model_rows(f, args.model_batch, itemsize) for f in figures}
+    report["gpu_links"] = links(args.links)
+    report["model"] = {f["name"]: model_rows(f, args.model_batch, itemsize, report["gpu_links"])
+                       for f in figures}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

@@ -24,6 +24,7 @@ import pytest
 from conftest import STANDIN
 from mpi_worker import load
 from test_distributed import DATA, MPIEXEC, ROOT, WORKER, _compare, needs_mpi
+from test_gpu_run import read_rows
 
 from sparse_scan import backend, distributed, load_model
 from sparse_scan.distributed import _transport
@@ -303,3 +304,39 @@ def test_a_stuck_gpu_rank_times_out_instead_of_hanging(tmp_path):
                     "staging")
     assert result.returncode != 0
     assert "rank 2: receiving activations from rank 1 did not complete within 10 s" in result.stderr
+
+
+@needs_mpi
+@pytest.mark.gpu
+def test_the_benchmark_measures_gpu_ranks_and_their_links(tmp_path):
+    """bench/distributed.py --device gpu, as tools/gpu_run.sh runs it, at a small size: a row per
+    transport (one that cannot run says why), equal to one process, its link measured; the model then
+    takes the measured link in place of the placeholder."""
+    rows = tmp_path / "rows.jsonl"
+    command = [sys.executable, str(ROOT / "bench" / "distributed.py"), "--device", "gpu", "--ranks", "2",
+               "--transports", "staging,nccl", "--model", "tiny.yaml", "--batch", "2", "--repeats", "1",
+               "--rank-command", " ".join(PYTHON), "--rows", str(rows)]
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT_S, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    staging, nccl = report["measured_gpu"]
+    assert staging["transport"] == "staging" and staging["max_rel_error_vs_one_process"] < 1e-10
+    assert staging["compared"] == 8 + 6 and staging["wall_s"] > 0 and staging["single_process_gpu_s"] > 0
+    assert staging["sent_bytes"] == staging["transport_sent_bytes"]
+    assert staging["link"]["latency_s"] > 0 and staging["link"]["bandwidth_bytes_per_s"] > 0
+    if STANDIN:
+        assert nccl["unavailable"].startswith("transport 'nccl' is not available")
+    assert report["gpu_links"]["staging"]["measured"] is False  # placeholders until --links
+    saved = read_rows(rows)
+    assert saved["finished"] and saved["rows"] == report["measured_gpu"]
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "distributed.py"), "--no-measure",
+                            "--links", str(rows)], capture_output=True, text=True, timeout=LIMIT_S, env=env,
+                           cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    linked = json.loads(again.stdout)["gpu_links"]
+    assert linked["staging"]["measured"] is True and linked["nccl"]["measured"] is False
+    assert linked["staging"]["latency_s"] == staging["link"]["latency_s"]
+    rnn = json.loads(again.stdout)["model"]["rnn-T30000-H20"][-1]
+    assert set(rnn["gpu_comm_s"]) == {"staging", "cuda-aware", "nccl"}
