@@ -29,7 +29,8 @@ SCRIPT = ROOT / "tools" / "gpu_run.sh"
 BENCH = ROOT / "bench"
 MAX_FILES = 8
 BUDGET_S = {"one": 400, "sanitizer": 240}  # of command time, inside the 15 minutes (docs/gpu.md)
-PART_ONE = ["env", "probe", "install", "tests", "rnn-1000", "rnn-30000", "spgemm", "scan", "lstm", "bridge"]
+PART_ONE = ["env", "probe", "install", "tests", "distributed", "rnn-1000", "rnn-30000", "spgemm", "scan",
+            "lstm", "bridge"]
 
 
 def dry_run(*args: str, env: dict[str, str] | None = None) -> str:
@@ -73,6 +74,12 @@ def test_part_one_runs_its_steps_in_the_order_of_their_value():
         assert f"--rows $OUT/{script}-$GPU.jsonl" in steps[name]  # flushed row by row
     assert "bench/bridge.py --device gpu" in steps["bridge"]
     assert "--rows $OUT/lstm-$GPU.jsonl" in steps["bridge"]  # the LSTM's file: part one keeps 8 files
+    # P = 2 GPU ranks sharing the GPU, host staging and CUDA-aware MPI (where the MPI is), in the
+    # scan's file; the tests step leaves the mpirun tests of GPU ranks to it
+    distributed = steps["distributed"]
+    assert "bench/distributed.py --device gpu --ranks 2 --transports staging,cuda-aware" in distributed
+    assert "--rows $OUT/scan-$GPU.jsonl" in distributed
+    assert "--ignore=tests/test_distributed_gpu.py" in tests
     assert steps["probe"].split()[3] == steps["install"].split()[3] == "always"  # the gates
 
 

@@ -39,15 +39,19 @@
 # so in parts.txt and stops.
 #
 #   one        env, probe, install; every test marked gpu (SPARSE_SCAN_REQUIRE_GPU=1: a missing GPU
-#              fails them); RNN backward vs cuDNN at T=1000 and at the paper's largest point T=30000
+#              fails them) but the mpirun ones of tests/test_distributed_gpu.py; P=2 GPU ranks sharing
+#              the GPU through host staging and, where the MPI is CUDA-aware, CUDA-aware MPI, equal to
+#              one process, timed, with each transport's latency and bandwidth (bench/distributed.py
+#              --device gpu; its rows go to the scan's file); RNN backward vs cuDNN at T=1000 and at the
+#              paper's largest point T=30000
 #              (B=16, H=20); the planned SpGEMM vs cupyx (cuSPARSE), 97%-pruned VGG-11; the whole
 #              97%-pruned VGG-11 backward vs PyTorch autograd on CUDA; the LSTM backward vs cuDNN; a
 #              training iteration of the paper's LSTM classifier through sparse_scan.torch.bppsa vs
 #              cuDNN autograd (bench/bridge.py; its rows go to the LSTM's file).
 #              Files (8): env.txt parts.txt gpu-tests.log rnn-<gpu>.jsonl spgemm-<gpu>.jsonl
 #              scan-<gpu>.jsonl lstm-<gpu>.jsonl bench.log
-#              Limits (s): env 20, probe 15, install 25, tests 160, rnn-1000 25, rnn-30000 45, spgemm 30,
-#              scan 40, lstm 25, bridge 15 = 400.
+#              Limits (s): env 20, probe 15, install 25, tests 150, distributed 35, rnn-1000 20,
+#              rnn-30000 40, spgemm 25, scan 35, lstm 20, bridge 15 = 400.
 #   sanitizer  env, probe, install, the compute-sanitizer probe; memcheck over the kernel-launching gpu
 #              tests at small sizes (CuPy's memory pool off: SPARSE_SCAN_NO_MEMPOOL=1); racecheck over
 #              the kernels with barriers (the dense scan's tiled and chain kernels).
@@ -126,17 +130,20 @@ case $part in
     one)
         TOTAL_S=${TOTAL_S:-400}
         bench="--device gpu"
-        step tests 160 - "\$OUT/gpu-tests.log" "gpu-tests.log" "$pytest_gpu --durations=15 \
->> \$OUT/gpu-tests.log 2>&1"
-        step rnn-1000 25 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 1000 \
+        step tests 150 - "\$OUT/gpu-tests.log" "gpu-tests.log" "$pytest_gpu --durations=15 \
+--ignore=tests/test_distributed_gpu.py >> \$OUT/gpu-tests.log 2>&1"
+        step distributed 35 - "\$OUT/bench.log" "scan-\$GPU.jsonl bench.log" "$PYTHON bench/distributed.py \
+$bench --ranks 2 --transports staging,cuda-aware --model lenet5.yaml --batch 16 --repeats 5 \
+--rank-command $PYTHON --rows \$OUT/scan-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
+        step rnn-1000 20 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 1000 \
 --batches --gru --no-jax --rows \$OUT/rnn-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step rnn-30000 45 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 30000 \
+        step rnn-30000 40 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 30000 \
 --batches --gru --no-jax --rows \$OUT/rnn-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step spgemm 30 - "\$OUT/bench.log" "spgemm-\$GPU.jsonl bench.log" "$PYTHON bench/spgemm.py $bench --repeats 5 \
+        step spgemm 25 - "\$OUT/bench.log" "spgemm-\$GPU.jsonl bench.log" "$PYTHON bench/spgemm.py $bench --repeats 5 \
 --no-dense --rows \$OUT/spgemm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step scan 40 - "\$OUT/bench.log" "scan-\$GPU.jsonl bench.log" "$PYTHON bench/scan.py $bench --repeats 5 \
+        step scan 35 - "\$OUT/bench.log" "scan-\$GPU.jsonl bench.log" "$PYTHON bench/scan.py $bench --repeats 5 \
 --no-dense --rows \$OUT/scan-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step lstm 25 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/lstm.py --device gpu --steps 1000 \
+        step lstm 20 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/lstm.py --device gpu --steps 1000 \
 --batches --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step bridge 15 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/bridge.py --device gpu \
 --repeats 5 --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
@@ -233,7 +240,7 @@ import importlib
 import sys
 
 print("python", sys.version.replace("\n", " "), flush=True)
-for name in ("numpy", "numba", "scipy", "cupy", "setuptools", "pytest", "pytest_timeout", "torch"):
+for name in ("numpy", "numba", "scipy", "cupy", "mpi4py", "setuptools", "pytest", "pytest_timeout", "torch"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "(no __version__)"), flush=True)
     except Exception as error:  # missing, or failing to import: say which
