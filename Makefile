@@ -17,7 +17,8 @@ help:
 	@echo "make test-gpu     install offline (no deps, no build isolation), run only the tests marked gpu"
 	@echo "make test-gpu-standin  install, run every gpu test on the CPU through the CuPy stand-in (none may"
 	@echo "                  skip), then report the GPU glue's line coverage (at least $(GPU_COVERAGE_MIN) %)"
-	@echo "make test-mpi     install, then run the scan-across-processes tests (mpirun -n 2 and -n 3)"
+	@echo "make test-mpi     install, then run the scan-across-processes tests (mpirun -n 2 and -n 3; GPU ranks"
+	@echo "                  on the CuPy stand-in where no GPU is usable)"
 	@echo "make bench        install, then run the Jacobian benchmark and print JSON (BENCH_ARGS=...)"
 	@echo "make bench-distributed  install, then measure P = 1, 2, 3 ranks and model P up to 1024 (JSON)"
 	@echo "make lint         ruff check (skipped with a note where ruff is not installed)"
@@ -46,7 +47,7 @@ test-gpu-standin: install
 
 # the MPI tests fail instead of skipping when mpi4py or mpiexec is missing
 test-mpi: install
-	SPARSE_SCAN_REQUIRE_MPI=1 $(PYTHON) -m pytest tests/test_distributed.py $(PYTEST_ARGS)
+	SPARSE_SCAN_REQUIRE_MPI=1 $(PYTHON) -m pytest tests/test_distributed.py tests/test_distributed_gpu.py $(PYTEST_ARGS)
 
 bench-distributed: install
 	$(PYTHON) bench/distributed.py $(BENCH_ARGS)

@@ -31,6 +31,10 @@ from sparse_scan.distributed import _transport
 from sparse_scan.distributed._slices import SliceProduct, apply
 from sparse_scan.distributed._transport import Rank, TransportUnavailableError, choose, devices
 
+gpu_ranks = pytest.mark.skipif(not (STANDIN or backend.gpu_usable()),
+                               reason="no usable GPU, and the CuPy stand-in cannot run here")
+"""The mpirun tests: on the stand-in or a GPU. Not marked ``gpu``: their ranks are processes of their own,
+which the stand-in's ``gpu`` session (under coverage) would only run a second time."""
 LIMIT_S = 240
 """Seconds any mpirun may take: the slowest run here takes 7 s with both cores of a 2-core machine busy
 (a stand-in rank compiles its kernels with g++ once, then reads them from its cache)."""
@@ -98,7 +102,7 @@ def test_cuda_awareness_is_asked_of_the_mpi_library_or_asserted(monkeypatch):
     assert _transport._cuda_aware_mpi() is False  # no MPI library loaded in this process
 
 
-def test_the_library_refuses_a_bad_device_or_transport_on_every_rank():
+def test_the_library_refuses_a_bad_device_or_transport():
     model = load_model(DATA / "tiny.yaml")
     for kwargs, message in [({"device": "tpu"}, "device must be cpu or gpu"),
                             ({"transport": "tcp"}, "transport must be one of auto, cuda-aware, nccl")]:
@@ -147,7 +151,7 @@ def test_a_slice_product_applies_on_the_device_as_on_the_host(model):
 
 # --- under mpirun, every rank on a GPU --------------------------------------------------------------
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("model", [TINY, LENET5, "rnn:0"])
 @pytest.mark.parametrize("combine", ["chain", "exscan", "relay"])
@@ -168,7 +172,7 @@ def test_gpu_ranks_through_host_staging_equal_one_process(tmp_path, ranks, model
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 @pytest.mark.parametrize("transport, env", [("staging", {}), ("cuda-aware", CUDA_AWARE), ("nccl", NCCL)])
 def test_each_transport_moves_the_bytes_of_the_cpu_ranks_messages(tmp_path, transport, env):
     """The same run on CPU ranks (arrays pickled in the messages) and on GPU ranks: every rank sends the
@@ -193,7 +197,7 @@ def test_each_transport_moves_the_bytes_of_the_cpu_ranks_messages(tmp_path, tran
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 def test_auto_detects_the_transport_and_reports_it(tmp_path):
     if not STANDIN:
         pytest.skip("asserting a CUDA-aware MPI is for the stand-in, whose device memory is the host's")
@@ -214,7 +218,7 @@ def test_auto_detects_the_transport_and_reports_it(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 def test_the_cli_on_gpu_ranks_writes_what_one_process_writes(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "x.npy", rng.standard_normal((3, 1, 28, 28)))
@@ -238,7 +242,7 @@ def test_the_cli_on_gpu_ranks_writes_what_one_process_writes(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 @pytest.mark.parametrize("transport, env, reason", [
     ("nccl", {}, "CuPy has no usable NCCL on rank 0 (cupy.cuda.nccl.available is False)"),
     ("nccl", {"SPARSE_SCAN_STANDIN_NCCL": "1"}, "NCCL needs a device per rank; ranks 0 and 1 share device 0"),
@@ -255,7 +259,7 @@ def test_the_cli_refuses_a_transport_that_is_not_there_in_one_line(transport, en
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 def test_gpu_device_puts_a_rank_on_the_device_asked_for():
     if not STANDIN:
         pytest.skip("the stand-in is given two devices")
@@ -286,7 +290,7 @@ def test_the_cli_refuses_gpu_ranks_without_a_gpu_and_transport_options_on_cpu_ra
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 @pytest.mark.parametrize("failing", [0, 1, 2])
 def test_a_failed_gpu_rank_is_named(tmp_path, failing):
     result = worker(3, LENET5, tmp_path / "g.npz", "--fail-rank", str(failing), "--transport", "staging")
@@ -296,7 +300,7 @@ def test_a_failed_gpu_rank_is_named(tmp_path, failing):
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 def test_a_stuck_gpu_rank_times_out_instead_of_hanging(tmp_path):
     """As on CPU ranks (tests/test_distributed.py), with a 10 s timeout: rank 2 names rank 1 after
     10 s, while rank 0, two hops away, would wait 20 s."""
@@ -307,7 +311,7 @@ def test_a_stuck_gpu_rank_times_out_instead_of_hanging(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.gpu
+@gpu_ranks
 def test_the_benchmark_measures_gpu_ranks_and_their_links(tmp_path):
     """bench/distributed.py --device gpu, as tools/gpu_run.sh runs it, at a small size: a row per
     transport (one that cannot run says why), equal to one process, its link measured; the model then

@@ -39,7 +39,7 @@
 # so in parts.txt and stops.
 #
 #   one        env, probe, install; every test marked gpu (SPARSE_SCAN_REQUIRE_GPU=1: a missing GPU
-#              fails them) but the mpirun ones of tests/test_distributed_gpu.py; P=2 GPU ranks sharing
+#              fails them); P=2 GPU ranks sharing
 #              the GPU through host staging and, where the MPI is CUDA-aware, CUDA-aware MPI, equal to
 #              one process, timed, with each transport's latency and bandwidth (bench/distributed.py
 #              --device gpu; its rows go to the scan's file); RNN backward vs cuDNN at T=1000 and at the
@@ -131,7 +131,7 @@ case $part in
         TOTAL_S=${TOTAL_S:-400}
         bench="--device gpu"
         step tests 150 - "\$OUT/gpu-tests.log" "gpu-tests.log" "$pytest_gpu --durations=15 \
---ignore=tests/test_distributed_gpu.py >> \$OUT/gpu-tests.log 2>&1"
+>> \$OUT/gpu-tests.log 2>&1"
         step distributed 35 - "\$OUT/bench.log" "scan-\$GPU.jsonl bench.log" "$PYTHON bench/distributed.py \
 $bench --ranks 2 --transports staging,cuda-aware --model lenet5.yaml --batch 16 --repeats 5 \
 --rank-command $PYTHON --rows \$OUT/scan-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"

@@ -3,7 +3,7 @@
 A message of :class:`~sparse_scan.distributed._mpi.Channel` is a Python object; on CPU ranks its NumPy
 arrays travel inside the pickled message (``"mpi"``). On GPU ranks every CuPy array in it is taken out
 (:func:`split`), the rest is pickled as before, and the arrays follow by the run's transport, chosen
-once per communicator and device (:func:`choose`), in the order of preference:
+once per run with every rank (:func:`connect`, :func:`choose`), in the order of preference:
 
 - ``"cuda-aware"``: mpi4py passes the device buffers to a CUDA-aware MPI (``Isend``/``Irecv`` of CuPy
   arrays through ``__cuda_array_interface__``), where every rank's MPI says it is one
