@@ -107,8 +107,8 @@ def _auto_verdict(estimate: ScanPlan, best_s: float, batch: int, model: CostMode
                     f"({max_step_flops:,} FLOPs)"), True
         alone = _step_seconds(costliest, estimate, batch, model)
         if alone > AUTO_ESTIMATE_SLACK * best_s:
-            return (f"not built: a product of ~{alone:.2g} s predicted alone, over {AUTO_ESTIMATE_SLACK:g}x "
-                    "the best so far"), True
+            return (f"not built: a product of ~{1e3 * alone:.3g} ms predicted alone, over "
+                    f"{AUTO_ESTIMATE_SLACK:g}x the best so far"), True
     planning = predicted_plan_seconds(estimate.symbolic_work, model)
     if planning > AUTO_PLAN_SECONDS:
         return (f"not built: building it would take ~{planning:.2g} s (~{estimate.symbolic_work:.2g} pattern "
@@ -118,8 +118,8 @@ def _auto_verdict(estimate: ScanPlan, best_s: float, batch: int, model: CostMode
                 f"budget ({budget / 2**20:,.0f} MiB)"), True
     predicted = estimate.predicted_seconds(batch, model)
     if predicted > AUTO_ESTIMATE_SLACK * best_s:
-        return (f"not built: its predicted time (~{predicted:.2g} s) is over {AUTO_ESTIMATE_SLACK:g}x the "
-                "best so far"), False
+        return (f"not built: its predicted time (~{1e3 * predicted:.3g} ms) is over {AUTO_ESTIMATE_SLACK:g}x "
+                "the best so far"), False
     return None, False
 
 

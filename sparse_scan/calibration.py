@@ -1,7 +1,8 @@
 """Calibration of the cost model: the backend's constants measured on this machine (issue 38).
 
-:func:`calibrate` times the backward of a fixed set of small models (:func:`workloads`: a deep narrow
-and a wider MLP, a pruned MLP, a small CNN, an RNN), each under several schedules and at batch 1 and
+:func:`calibrate` times the backward of a fixed set of small models (:func:`workloads`: a chain of
+activations, deep narrow, wide and pruned MLPs, two small CNNs, three RNNs and an LSTM), each under
+several schedules and at batch 1 and
 16, and fits the seconds per unit of every feature (:mod:`sparse_scan.engine.cost`) to those times by
 non-negative least squares on the relative error, so that a prediction errs by a ratio, not by a
 number of seconds. It takes a few seconds; :func:`sparse_scan.engine.cost.save` caches the result per
@@ -27,7 +28,7 @@ from ._sequential import Sequential
 from .engine.cost import DEFAULTS, FEATURES, CostModel, current
 from .layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
 from .model import Model
-from .recurrent import RNN, RecurrentClassifier
+from .recurrent import LSTM, RNN, RecurrentClassifier
 
 __all__ = ["Measurement", "calibrate", "fit", "measure", "workloads"]
 
@@ -66,10 +67,10 @@ def _mlp(width: int, blocks: int, activation: Callable[[], Any], prune: float = 
     return Sequential(*layers, input_shape=(width,))
 
 
-def _cnn() -> Sequential:
-    return Sequential(Conv2d(3, 8, 3, padding=1, rng=0), ReLU(), MaxPool2d(2),
-                      Conv2d(8, 16, 3, padding=1, rng=1), ReLU(), MaxPool2d(2), Flatten(),
-                      Linear(16 * 4 * 4, 10, rng=2), input_shape=(3, 16, 16))
+def _cnn(channels: int = 8, size: int = 16) -> Sequential:
+    return Sequential(Conv2d(3, channels, 3, padding=1, rng=0), ReLU(), MaxPool2d(2),
+                      Conv2d(channels, 2 * channels, 3, padding=1, rng=1), ReLU(), MaxPool2d(2), Flatten(),
+                      Linear(2 * channels * (size // 4) ** 2, 10, rng=2), input_shape=(3, size, size))
 
 
 def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
@@ -86,7 +87,12 @@ def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
             ("cnn 3x16x16", _cnn(), (("linear", None), ("hybrid", 1), ("hybrid", 2), ("blelloch", None))),
             ("rnn T=200 H=16", rnn, (("linear", None), ("hybrid", 2), ("blelloch", None))),
             ("rnn T=100 H=64", RecurrentClassifier(RNN(1, 64, rng=2), 4, rng=3, input_shape=(100, 1)),
-             (("linear", None), ("blelloch", None)))]
+             (("linear", None), ("blelloch", None))),
+            ("rnn T=2000 H=20", RecurrentClassifier(RNN(1, 20, rng=4), 4, rng=5, input_shape=(2000, 1)),
+             (("linear", None),)),
+            ("lstm T=200 H=12", RecurrentClassifier(LSTM(1, 12, rng=6), 4, rng=7, input_shape=(200, 1)),
+             (("linear", None), ("hybrid", 2), ("blelloch", None))),
+            ("cnn 8x32x32", _cnn(8, 32), (("linear", None), ("hybrid", 1), ("blelloch", None)))]
 
 
 def measure(model: Model, method: str, levels: int | None, batch: int, repeats: int = 5,

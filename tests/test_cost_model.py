@@ -69,7 +69,7 @@ def test_the_recurrent_plans_prediction_weighs_its_scans_features():
     costs = CostModel("cpu", 2, (("factored_step", 1e-6), ("factored_sample", 1e-7), ("dense_level", 1e-5),
                                  ("dense_flops", 1e-9), ("block_fill", 1e-4), ("block_fill_values", 1e-9)))
     linear, blelloch = model.plan(method="linear"), model.plan(method="blelloch")
-    assert linear.features(8) == {"call": 1, "dense_flops": 8 * linear.work_flops, "factored_step": 20,
+    assert linear.features(8) == {"call": 1, "factored_flops": 8 * linear.work_flops, "factored_step": 20,
                                   "factored_sample": 160}
     features = blelloch.features(8)
     assert features["block_fill_values"] == 20 * 8 * 16 and features["block_fill"] == 1

@@ -16,7 +16,8 @@ time, times the backend's seconds per unit of it (:class:`CostModel`):
   ``mm_gather`` (a max-pool's selection), ``mm_block`` (dense channel blocks), ``mm_general``
   (stored multiply-adds, ``rowwise`` included), ``fill`` (JT entries whose values a run fills; and
   ``fill_flops``, a residual block's products inside its fill), ``dense_flops`` (block products and
-  mvs of a recurrent scan), ``block_fill_values`` (the blocks' entries);
+  mvs of a recurrent scan), ``factored_flops`` (back-propagation's mvs with the blocks factored),
+  ``block_fill_values`` (the blocks' entries);
 - the backend's parallelism: the steps of one level run side by side on the CPU's threads (the GPU's
   lanes), so a step of a level of ``s`` steps adds ``1 / min(threads, s)`` of its features.
 
@@ -61,7 +62,8 @@ __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "P
 FEATURES = ("call", "layer", "level", "mv_step", "mm_step", "mm_sample", "mv_spmv", "mv_gemm", "mv_scale",
             "mm_scale", "mm_gather",
             "mm_block", "mm_general", "fill", "fill_flops", "dense_level", "dense_chain_step",
-            "factored_step", "factored_sample", "dense_flops", "block_fill", "block_fill_values", "plan_unit")
+            "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
+            "block_fill_values", "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
 COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
@@ -78,16 +80,17 @@ PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
 :data:`MAX_PLAN_SECONDS`); the command line's way to raise it."""
 
 _CPU_DEFAULTS = (
-    ("call", 9.5e-5), ("layer", 2.0e-6), ("level", 9.0e-6), ("mv_step", 0.0), ("mm_step", 1.2e-4),
-    ("mm_sample", 6.3e-8), ("mv_spmv", 1.1e-9), ("mv_gemm", 2.5e-11), ("mv_scale", 1.0e-9),
-    ("mm_scale", 1.5e-9), ("mm_gather", 3.0e-9), ("mm_block", 8.6e-11), ("mm_general", 1.0e-9),
-    ("fill", 4.1e-9), ("fill_flops", 4.0e-10), ("dense_level", 3.2e-5), ("dense_chain_step", 4.4e-6),
-    ("factored_step", 0.0), ("factored_sample", 1.6e-6), ("dense_flops", 2.9e-11), ("block_fill", 4.7e-5),
-    ("block_fill_values", 5.5e-9), ("plan_unit", 3.0e-7))
+    ("call", 1.6e-4), ("layer", 2.0e-6), ("level", 1.6e-5), ("mv_step", 0.0), ("mm_step", 2.0e-4),
+    ("mm_sample", 6.3e-8), ("mv_spmv", 7.2e-10), ("mv_gemm", 2.4e-11), ("mv_scale", 1.0e-9),
+    ("mm_scale", 3.7e-9), ("mm_gather", 3.0e-9), ("mm_block", 1.1e-10), ("mm_general", 8.7e-10),
+    ("fill", 3.0e-9), ("fill_flops", 4.0e-10), ("dense_level", 1.6e-5), ("dense_chain_step", 1.4e-5),
+    ("factored_step", 0.0), ("factored_sample", 0.0), ("factored_flops", 1.6e-10), ("dense_flops", 1.0e-10),
+    ("block_fill", 4.9e-5), ("block_fill_values", 3.7e-9), ("plan_unit", 3.0e-7))
 # CPU: `sparse-scan calibrate` on the 2-core development machine (OPENBLAS_NUM_THREADS=1, 2026-11-28),
-# rounded; mv_scale, mm_scale, mm_gather and fill_flops, which its workloads did not tell apart from the
-# fixed costs, are hand-set (1e9 entries/s and so on), plan_unit is AUTO_SYMBOLIC_WORK's measured
-# 160-470 ns per pattern entry or multiply-add.
+# rounded; mv_scale, mm_gather and fill_flops, which its workloads did not tell apart from the fixed
+# costs, are hand-set (about 1e9 entries/s), dense_flops from its RNN's Blelloch scan at batch 16 (52
+# MFLOP of batched 16x16 block products in about 5 ms), plan_unit the 160-470 ns per pattern entry or
+# multiply-add measured of building plans.
 # GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
@@ -97,7 +100,8 @@ _GPU_DEFAULTS = (
     ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11),
     ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11), ("fill", 1.0e-11),
     ("fill_flops", 2.0e-12), ("dense_level", 5.0e-6), ("dense_chain_step", 2.0e-6),
-    ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8), ("dense_flops", 2.0e-13),
+    ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8), ("factored_flops", 2.0e-13),
+    ("dense_flops", 2.0e-13),
     ("block_fill", 5.0e-5), ("block_fill_values", 1.0e-11), ("plan_unit", 3.0e-7))
 
 
@@ -256,16 +260,15 @@ def dense_features(level_flops: Sequence[int], chained: Iterable[int], batch: in
     """The features of one recurrent scan: per level of ``level_flops`` (FLOPs for one sample), a
     ``dense_chain_step`` where the level is in a chain (``chained``: a run of single mvs in one tight
     loop) else a ``dense_level``, and its FLOPs times ``batch``. ``factored_steps``: back-propagation
-    with the blocks left factored (those steps instead, no levels); ``filled_values``: the blocks'
-    entries filled first (a ``block_fill`` and its values)."""
+    with the blocks left factored (those steps instead, no levels, and their FLOPs as
+    ``factored_flops``: the cell's own loop, not batched block products); ``filled_values``: the
+    blocks' entries filled first (a ``block_fill`` and its values)."""
     chained = set(chained)
-    features: dict[str, float] = {"dense_flops": sum(level_flops) * batch}
-    if factored_steps:
-        features["factored_step"] = factored_steps
-        features["factored_sample"] = factored_steps * batch
-    else:
-        features["dense_chain_step"] = len(chained)
-        features["dense_level"] = len(level_flops) - len(chained)
+    if factored_steps:  # one mv per step and sample, in the cell's own loop: its own throughput
+        return {"factored_step": factored_steps, "factored_sample": factored_steps * batch,
+                "factored_flops": sum(level_flops) * batch}
+    features: dict[str, float] = {"dense_flops": sum(level_flops) * batch, "dense_chain_step": len(chained),
+                                  "dense_level": len(level_flops) - len(chained)}
     if filled_values:
         features["block_fill"] = 1
         features["block_fill_values"] = filled_values
