@@ -208,7 +208,9 @@ def model_errors(model: pathlib.Path) -> Iterator[None]:
     except (SpecError, DataError) as error:
         fail(str(error))
     except ScanCostError as error:
-        fail(f"{model}: {error} (raise --max-step-flops, or use --method linear or auto, the default)")
+        # the planning limit's message says how to raise it; the FLOP limit's is this command's option
+        limit = "" if "SPARSE_SCAN_MAX_PLAN_SECONDS" in str(error) else "raise --max-step-flops, or "
+        fail(f"{model}: {error} ({limit}use --method linear or auto, the default)")
     except (ScanMemoryError, ValueError) as error:
         fail(f"{model}: {error}")
     except MemoryError as error:

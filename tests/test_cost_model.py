@@ -8,6 +8,7 @@ live calibration: no verdict depends on this machine or its load.
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 
 import numpy as np
@@ -25,6 +26,8 @@ from sparse_scan.engine.plan import ScanCostError
 from sparse_scan.engine.schedule import depth
 from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU, Tanh
 from sparse_scan.recurrent import RNN, RecurrentClassifier
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 
 
 def test_a_prediction_is_the_features_weighed_by_their_seconds():
@@ -198,3 +201,17 @@ def test_calibrate_command_writes_and_shows_the_constants(tmp_path, monkeypatch)
     unwritable = runner.invoke(app.main, ["calibrate", "--output", str(tmp_path / "a-file" / "x.json"),
                                           "--quiet"])
     assert unwritable.exit_code == 2 and "cannot write the calibration" in unwritable.output
+
+
+def test_the_command_line_refuses_a_schedule_over_the_planning_limit_in_one_line(monkeypatch):
+    # VGG-11's hybrid 1 enumerates ~2.3e8 pattern entries and multiply-adds: ~70 s by the defaults
+    monkeypatch.setenv(cost.PLAN_SECONDS_VARIABLE, "10")
+    start = time.perf_counter()
+    result = CliRunner().invoke(app.main, ["flops", str(DATA / "vgg11.yaml"), "--method", "hybrid",
+                                           "--levels", "1", "--quiet"])
+    assert result.exit_code == 2 and time.perf_counter() - start < 30
+    line = result.output.strip()
+    assert "\n" not in line and "vgg11.yaml: planning hybrid 1 would take ~" in line
+    assert "over the planning limit of 10 s (raise it with max_plan_seconds= or " \
+           "SPARSE_SCAN_MAX_PLAN_SECONDS)" in line
+    assert "--max-step-flops" not in line  # not the limit that refused it
