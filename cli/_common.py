@@ -20,7 +20,8 @@ from ._progress import end_line
 
 __all__ = ["CHECKS", "INTERRUPTED", "backend_or_fail", "check_line", "check_outputs", "echo_error", "fail",
            "load_dataset_for", "load_npy", "load_weights", "model_errors", "parse_levels", "plural", "pyplot",
-           "schedule_label", "schedule_lines", "size_text", "write_gradients", "write_or_fail"]
+           "schedule_label", "schedule_lines", "seconds_text", "size_text", "write_gradients",
+           "write_or_fail"]
 
 INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT, as shells report it)."""
@@ -207,7 +208,9 @@ def model_errors(model: pathlib.Path) -> Iterator[None]:
     except (SpecError, DataError) as error:
         fail(str(error))
     except ScanCostError as error:
-        fail(f"{model}: {error} (raise --max-step-flops, or use --method linear or auto, the default)")
+        # the planning limit's message says how to raise it; the FLOP limit's is this command's option
+        limit = "" if "SPARSE_SCAN_MAX_PLAN_SECONDS" in str(error) else "raise --max-step-flops, or "
+        fail(f"{model}: {error} ({limit}use --method linear or auto, the default)")
     except (ScanMemoryError, ValueError) as error:
         fail(f"{model}: {error}")
     except MemoryError as error:
@@ -288,7 +291,7 @@ def schedule_lines(schedule: dict[str, Any]) -> list[str]:
     lines = [f"  schedule: {label} ({why})",
              f"    critical path {schedule['critical_flops']:,} FLOPs in {schedule['critical_steps']} "
              f"steps, work {schedule['work_flops']:,} FLOPs, peak memory {size_text(schedule['peak_bytes'])} "
-             f"+ plan {size_text(schedule['plan_bytes'])}"]
+             f"+ plan {size_text(schedule['plan_bytes'])}, predicted {seconds_text(schedule['predicted_s'])}"]
     fill = schedule["fill_flops"]
     if fill["work"]:
         lines.append(f"    of which JT fills (residual blocks' own products, before the scan): critical path "
@@ -297,6 +300,19 @@ def schedule_lines(schedule: dict[str, Any]) -> list[str]:
         if candidate["verdict"] == "chosen":
             continue
         estimated = "~" if candidate["estimated"] else ""
+        predicted = candidate.get("predicted_s")
+        time = "" if predicted is None else f", predicted {estimated}{seconds_text(predicted)}"
         lines.append(f"    {schedule_label(candidate['method'], candidate['levels']):10} critical path "
-                     f"{estimated}{candidate['critical_flops']:.3g} FLOPs: {candidate['verdict']}")
+                     f"{estimated}{candidate['critical_flops']:.3g} FLOPs{time}: {candidate['verdict']}")
     return lines
+
+
+def seconds_text(seconds: float) -> str:
+    """A duration in ms (s from 10 s), three significant digits.
+
+    Examples
+    --------
+    >>> seconds_text(0.000123), seconds_text(0.25), seconds_text(42.0)
+    ('0.123 ms', '250 ms', '42 s')
+    """
+    return f"{seconds:.3g} s" if seconds >= 10 else f"{1e3 * seconds:.3g} ms"

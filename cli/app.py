@@ -1,12 +1,12 @@
 """The ``sparse-scan`` click group.
 
-Each subcommand lives in its own module (``run``, ``flops``, ``train``, ``evaluate``), which only reads
-its input, calls :mod:`sparse_scan` and prints the result. The group loads a subcommand's module the
-first time the command is asked for (to run it, or for its line of ``--help``) and registers it with
-``main.add_command``; the modules import click, :mod:`._common` and :mod:`._options` only (and
-:data:`sparse_scan.SCHEDULES`, which needs no NumPy), the library inside the command functions, so
-``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy. Nothing here imports a
-subcommand at import time, and no subcommand imports this module.
+Each subcommand lives in its own module (``run``, ``flops``, ``train``, ``evaluate``, ``calibrate``),
+which only reads its input, calls :mod:`sparse_scan` and prints the result. The group loads a
+subcommand's module the first time the command is asked for (to run it, or for its line of
+``--help``) and registers it with ``main.add_command``; the modules import click, :mod:`._common` and
+:mod:`._options` only (and :data:`sparse_scan.SCHEDULES`, which needs no NumPy), the library inside
+the command functions, so ``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy.
+Nothing here imports a subcommand at import time, and no subcommand imports this module.
 
 Errors are one line on stderr and exit code 2 (:func:`._common.fail`), never a traceback; Ctrl-C, at
 any point, is ``sparse-scan: interrupted`` and exit code 130 (:data:`._common.INTERRUPTED`; ``train``
@@ -38,7 +38,7 @@ from ._progress import end_line
 __all__ = ["SUBCOMMANDS", "main"]
 
 SUBCOMMANDS = {"run": ("run", "run"), "flops": ("flops", "flops"), "train": ("train", "train_command"),
-               "eval": ("evaluate", "eval_command")}
+               "eval": ("evaluate", "eval_command"), "calibrate": ("calibrate", "calibrate_command")}
 """Command name -> (module of :mod:`sparse_scan.cli`, attribute): loaded on first use."""
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -86,7 +86,8 @@ def main() -> None:
 
     Models are YAML specs (see README): `sparse-scan run MODEL.yaml` computes the gradients of a
     batch by a scan, `sparse-scan flops MODEL.yaml` analyses the backward pass statically,
-    `sparse-scan train` and `eval` train and evaluate a classifier. Threads: --threads N on run,
+    `sparse-scan train` and `eval` train and evaluate a classifier, `sparse-scan calibrate` measures
+    the cost model that `--method auto` chooses by. Threads: --threads N on run,
     train and eval, or the SPARSE_SCAN_THREADS environment variable.
     """
     threads = os.environ.get("SPARSE_SCAN_THREADS", "").strip()

@@ -9,7 +9,8 @@ protocol both model kinds implement and the command line, flops and training tak
 classifier), :mod:`sparse_scan.engine` (the scan engine
 itself: schedules, plans and their executors), :mod:`sparse_scan.optim`, :mod:`sparse_scan.train`,
 :mod:`sparse_scan.weights`, :mod:`sparse_scan.loss`, :mod:`sparse_scan.flops`,
-:mod:`sparse_scan.distributed` and :mod:`sparse_scan.torch` (PyTorch models in: :func:`export_torch`,
+:mod:`sparse_scan.distributed`, :mod:`sparse_scan.calibration` (the cost model's constants measured
+on this machine) and :mod:`sparse_scan.torch` (PyTorch models in: :func:`export_torch`,
 imported only when used). Every other
 module is private by name (``_...``).
 
@@ -24,12 +25,12 @@ from ._lazy import lazy_attributes
 from ._version import __version__
 
 __all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
-           "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "cpu_threads",
-           "csr", "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "model",
-           "optim", "recurrent", "torch", "train", "weights"]
+           "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "calibration",
+           "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops", "layers", "load_model",
+           "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
 
-_MODULES = ("backend", "csr", "distributed", "engine", "flops", "layers", "loss", "model", "optim",
-            "recurrent", "torch", "train", "weights")
+_MODULES = ("backend", "calibration", "csr", "distributed", "engine", "flops", "layers", "loss", "model",
+            "optim", "recurrent", "torch", "train", "weights")
 _NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "torch._export", "Sequential": "_sequential",
           "Model": "model",
           "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",

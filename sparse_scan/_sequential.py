@@ -29,6 +29,7 @@ from . import weights as _weights
 from ._layerwise import layerwise_backward
 from ._types import Array
 from .csr import BatchedCSR, Pattern
+from .engine.cost import PLAN_SECONDS_VARIABLE, CostModel, current, max_plan_seconds, predicted_plan_seconds
 from .engine.plan import (
     Candidate,
     ChainInfo,
@@ -37,6 +38,7 @@ from .engine.plan import (
     ScanMemoryError,
     ScanPlan,
     ScheduleChoice,
+    Step,
     build_plan,
     estimate_plan,
     operands_needing_patterns,
@@ -47,20 +49,19 @@ from .engine.schedule import SCHEDULES, Element, checked_levels, depth, schedule
 from .layers import Layer
 from .model import JacobianSize
 
-__all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_SYMBOLIC_WORK", "Sequential", "default_memory_budget"]
+__all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_PLAN_SECONDS", "Sequential", "default_memory_budget"]
 
-AUTO_SYMBOLIC_WORK = 1e7
-"""The most symbolic work (JT pattern entries plus general products' multiply-adds, as estimated by
-:func:`~sparse_scan.engine.plan.estimate_plan`) that ``method="auto"`` spends on a deeper schedule: 1-5 s of
-planning on a 2-core machine (measured: 160-470 ns per unit, pruned convolutions' patterns the
-slowest). An explicit method or depth plans whatever it costs."""
+AUTO_PLAN_SECONDS = 1.0
+"""The most predicted planning time (:func:`~sparse_scan.engine.cost.predicted_plan_seconds` of an
+estimate's symbolic work: JT pattern entries plus general products' multiply-adds) that
+``method="auto"`` spends on a deeper schedule, so that choosing stays fast."""
 
 AUTO_ESTIMATE_SLACK = 2.0
-"""``method="auto"`` builds no depth whose estimated critical path exceeds the best built one's by this
-factor, and deepens no further past an estimated product this much costlier than that critical path;
-an explicit schedule with an estimated product this much over ``max_step_flops`` is refused before
-anything is built (estimates of products of layer pairs are within a few percent on the bundled
-models, ResNet-20-pruned's costliest 7.12e9 FLOPs against 7.65e9 counted; deeper ones are
+"""``method="auto"`` builds no depth whose estimated predicted time exceeds the best built one's by this
+factor, and deepens no further past an estimated product whose time alone does (deeper plans repeat
+it); an explicit schedule with an estimated product this much over ``max_step_flops`` is refused
+before anything is built (estimates of products of layer pairs are within a few percent on the
+bundled models, ResNet-20-pruned's costliest 7.12e9 FLOPs against 7.65e9 counted; deeper ones are
 over-estimates)."""
 
 Shape = tuple[int, ...]
@@ -78,41 +79,73 @@ def default_memory_budget(fraction: float = 0.5) -> int:
     return int(4 * 2**30 * fraction)
 
 
-def _limit_name(limit: int, max_step_flops: int | None) -> str:
-    which = "--max-step-flops" if limit == max_step_flops else "the best critical path so far"
-    return f"{which} ({limit:,} FLOPs)"
+def _costliest_product(plan: ScanPlan) -> Step | None:
+    """The general product (no scaling) of the most FLOPs, or None."""
+    return max((step for step in plan.steps if step.kind == "mm" and not step.scaling),
+               key=lambda step: step.flops, default=None)
 
 
-def _auto_verdict(estimate: ScanPlan, best: ScanPlan, limit: int, max_step_flops: int | None,
+def _step_seconds(step: Step, plan: ScanPlan, batch: int, model: CostModel) -> float:
+    """Predicted seconds of one step of ``plan`` alone, spread over every thread."""
+    alone = dataclasses.replace(plan, steps=[dataclasses.replace(step, level=0)], n=0, fill_flops=(0, 0))
+    features = alone.features(batch, 1)
+    return model.predict({name: features.get(name, 0.0) for name in _WORK}) / model.threads
+
+
+_WORK = ("mv_spmv", "mv_gemm", "mv_scale", "mm_scale", "mm_gather", "mm_block", "mm_general")
+
+
+def _auto_verdict(estimate: ScanPlan, best_s: float, batch: int, model: CostModel, max_step_flops: int | None,
                   budget: int) -> tuple[str | None, bool]:
     """Whether ``method="auto"`` sets a deeper schedule aside from its estimate: ``(why, stops)``,
     ``why`` None to build it; ``stops`` when no deeper schedule should be built either (they repeat
     its up-sweep products)."""
-    costliest = max((step.flops for step in estimate.steps if step.kind == "mm" and not step.scaling),
-                    default=0)
-    if costliest > AUTO_ESTIMATE_SLACK * limit:
-        return (f"not built: a product of ~{costliest:.3g} FLOPs, over "
-                f"{_limit_name(limit, max_step_flops)}"), True
-    if estimate.symbolic_work > AUTO_SYMBOLIC_WORK:
-        return (f"not built: its symbolic work (~{estimate.symbolic_work:.2g} pattern entries and "
-                f"multiply-adds) is over auto's {AUTO_SYMBOLIC_WORK:.2g}"), True
+    costliest = _costliest_product(estimate)
+    if costliest is not None:
+        if max_step_flops is not None and costliest.flops > AUTO_ESTIMATE_SLACK * max_step_flops:
+            return (f"not built: a product of ~{costliest.flops:.3g} FLOPs, over --max-step-flops "
+                    f"({max_step_flops:,} FLOPs)"), True
+        alone = _step_seconds(costliest, estimate, batch, model)
+        if alone > AUTO_ESTIMATE_SLACK * best_s:
+            return (f"not built: a product of ~{1e3 * alone:.3g} ms predicted alone, over "
+                    f"{AUTO_ESTIMATE_SLACK:g}x the best so far"), True
+    planning = predicted_plan_seconds(estimate.symbolic_work, model)
+    if planning > AUTO_PLAN_SECONDS:
+        return (f"not built: building it would take ~{planning:.2g} s (~{estimate.symbolic_work:.2g} pattern "
+                f"entries and multiply-adds), over auto's {AUTO_PLAN_SECONDS:g} s"), True
     if estimate.plan_bytes > budget:
         return (f"not built: its plan (~{estimate.plan_bytes / 2**20:,.0f} MiB) is over the memory "
                 f"budget ({budget / 2**20:,.0f} MiB)"), True
-    if estimate.critical_flops > AUTO_ESTIMATE_SLACK * best.critical_flops:
-        return f"not built: its critical path is over {AUTO_ESTIMATE_SLACK:g}x the best so far", False
+    predicted = estimate.predicted_seconds(batch, model)
+    if predicted > AUTO_ESTIMATE_SLACK * best_s:
+        return (f"not built: its predicted time (~{1e3 * predicted:.3g} ms) is over {AUTO_ESTIMATE_SLACK:g}x "
+                "the best so far"), False
     return None, False
 
 
-def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_step_flops: int) -> None:
-    """:class:`ScanCostError` for a schedule with a product whose estimate (:func:`estimate_plan`,
-    the JTs' shapes and ``nnz`` alone) is over :data:`AUTO_ESTIMATE_SLACK` times ``max_step_flops``;
-    :func:`build_plan` still counts every product exactly before building it."""
-    for step in estimate_plan(chain, method, levels).steps:
-        if step.kind == "mm" and not step.scaling and step.flops > AUTO_ESTIMATE_SLACK * max_step_flops:
-            raise ScanCostError(f"{chain.describe_step(step)}, needs ~{step.flops:.3g} FLOPs (estimated from "
-                                "the JTs' sizes, before building anything), over the limit of "
-                                f"{max_step_flops}")
+def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_step_flops: int | None,
+                        max_plan_seconds: float, model: CostModel) -> None:
+    """:class:`ScanCostError` for a schedule whose estimate (:func:`estimate_plan`, the JTs' shapes and
+    ``nnz`` alone, nothing built) has a product over :data:`AUTO_ESTIMATE_SLACK` times
+    ``max_step_flops``, or would take more than ``max_plan_seconds`` to build
+    (:func:`~sparse_scan.engine.cost.predicted_plan_seconds`); :func:`build_plan` still counts every
+    product exactly before building it."""
+    estimate = estimate_plan(chain, method, levels)
+    costliest = _costliest_product(estimate)
+    if costliest is None:
+        return
+    if max_step_flops is not None and costliest.flops > AUTO_ESTIMATE_SLACK * max_step_flops:
+        raise ScanCostError(f"{chain.describe_step(costliest)}, needs ~{costliest.flops:.3g} FLOPs "
+                            "(estimated from the JTs' sizes, before building anything), over the limit of "
+                            f"{max_step_flops}")
+    planning = predicted_plan_seconds(estimate.symbolic_work, model)
+    if planning > max_plan_seconds:
+        raise ScanCostError(
+            f"planning {method}{'' if levels is None else f' {levels}'} would take ~{planning:,.0f} s "
+            f"(~{estimate.symbolic_work:.2g} pattern entries and multiply-adds to enumerate, estimated from "
+            f"the JTs' sizes before building anything; the costliest, {chain.describe_step(costliest)}, "
+            f"~{costliest.flops / 2:.2g} multiply-adds), over the planning limit of {max_plan_seconds:g} s "
+            f"(raise it with max_plan_seconds= or {PLAN_SECONDS_VARIABLE})")
 
 
 class Sequential:
@@ -131,10 +164,16 @@ class Sequential:
     plan_builds : int
         How many scan plans were built (symbolic work); a cached plan is reused for every batch and
         batch size with the same per-sample input shape, method and levels.
+    memory_budget : int or None
+        Bytes one product's plan may hold (None: half the memory available when planning).
+    max_plan_seconds : float or None
+        The longest predicted planning time of an explicit schedule
+        (:func:`~sparse_scan.engine.cost.max_plan_seconds`: None for ``SPARSE_SCAN_MAX_PLAN_SECONDS``
+        or 60 s); a costlier one is refused before anything is built.
     """
 
     def __init__(self, *layers: Layer, memory_budget: int | None = None,
-                 input_shape: Sequence[int] | None = None) -> None:
+                 input_shape: Sequence[int] | None = None, max_plan_seconds: float | None = None) -> None:
         if not layers:
             raise ValueError("Sequential needs at least one layer")
         for position, layer in enumerate(layers):
@@ -150,6 +189,7 @@ class Sequential:
                              f"{names.count(repeated[0])} of them")
         self.layers: list[Layer] = list(layers)
         self.memory_budget = memory_budget
+        self.max_plan_seconds = max_plan_seconds
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.plan_builds = 0
         self._plans: dict[Hashable, ScanPlan] = {}
@@ -233,30 +273,34 @@ class Sequential:
              max_step_flops: int | None = None,
              progress: Callable[[str, int, int], None] | None = None) -> ScanPlan:
         """The cached :class:`~sparse_scan.engine.plan.ScanPlan` for ``in_shape`` (by default
-        :attr:`input_shape`), method and levels. A plan serves every batch size and device: ``batch``
-        and ``device`` (the :class:`~sparse_scan.model.Model` protocol's) change no choice here, only
-        the figures the plan reports for them (:meth:`~sparse_scan.engine.plan.ScanPlan.explain`).
+        :attr:`input_shape`), method and levels. A built plan serves every batch size and device;
+        ``method="auto"`` chooses for ``batch`` samples on ``device``.
 
         ``method="auto"`` chooses among back-propagation (``linear``), the hybrids and ``blelloch``
         (hybrid depths ``0 .. depth(n) - 1``, whose schedules those are); ``hybrid`` with
-        ``levels="auto"`` (or None) chooses the depth ``0 .. depth(n)``. The choice minimises the
-        critical-path FLOPs (then the work) of the plans it builds, and builds a plan only where
-        cheap estimates allow (:func:`~sparse_scan.engine.plan.estimate_plan`: shapes and ``nnz`` of the
-        JTs, nothing built): depths are tried shallow to deep, and deepening stops at the first depth
-        whose estimated symbolic work exceeds :data:`AUTO_SYMBOLIC_WORK`, whose estimated plan
-        exceeds the memory budget, or which has a product costlier than the best critical path so
-        far (estimated, or found while building; deeper plans repeat that depth's up-sweep
-        products, so none of them can be better). Depth 0 builds no product, so the choice never
-        fails. The returned plan's ``method``/``levels`` are the chosen schedule's and its
-        ``choice`` (:class:`~sparse_scan.engine.plan.ScheduleChoice`) says why.
+        ``levels="auto"`` (or None) chooses the depth ``0 .. depth(n)``. The choice is the least
+        predicted time of a backward's scan for ``batch`` samples on ``device``
+        (:meth:`~sparse_scan.engine.plan.ScanPlan.predicted_seconds`: the cost model of
+        :mod:`sparse_scan.engine.cost`, calibrated for this machine or its defaults) among the plans
+        it builds, and it builds a plan only where cheap estimates allow
+        (:func:`~sparse_scan.engine.plan.estimate_plan`: shapes and ``nnz`` of the JTs, nothing
+        built): depths are tried shallow to deep, and deepening stops at the first depth whose
+        building is predicted to take over :data:`AUTO_PLAN_SECONDS`, whose estimated plan exceeds
+        the memory budget, or which has a product whose predicted time alone is over
+        :data:`AUTO_ESTIMATE_SLACK` times the best so far (deeper plans repeat that depth's up-sweep
+        products); a depth whose estimated time is over that factor is not built. Depth 0 builds no
+        product, so the choice never fails. The returned plan's ``method``/``levels`` are the chosen
+        schedule's and its ``choice`` (:class:`~sparse_scan.engine.plan.ScheduleChoice`) says why,
+        with every candidate's predicted time.
 
-        ``max_step_flops`` makes planning give up with :class:`~sparse_scan.engine.plan.ScanCostError`
-        before building a costlier product: at once, before any pattern or product is built, where
-        the estimate of a product is over :data:`AUTO_ESTIMATE_SLACK` times the limit, else when the
-        product's exact count is over the limit (a cached plan is returned whatever its cost;
-        ``auto`` sets such schedules aside instead). ``progress(phase, done, total)`` is called
-        while a plan is built: ``"sizes"`` and ``"patterns"`` (:meth:`chain_info`), ``"steps"`` and
-        ``"product rows"`` (:func:`~sparse_scan.engine.plan.build_plan`).
+        An explicit schedule is refused with :class:`~sparse_scan.engine.plan.ScanCostError` before
+        any pattern or product is built where its estimate says building it would take over
+        :attr:`max_plan_seconds`, or has a product over :data:`AUTO_ESTIMATE_SLACK` times
+        ``max_step_flops``; past that, a product whose exact count is over ``max_step_flops`` (a
+        cached plan is returned whatever its cost; ``auto`` sets such schedules aside instead).
+        ``progress(phase, done, total)`` is called while a plan is built: ``"sizes"`` and
+        ``"patterns"`` (:meth:`chain_info`), ``"steps"`` and ``"product rows"``
+        (:func:`~sparse_scan.engine.plan.build_plan`).
         """
         shape = tuple(int(s) for s in self._shape_or_input(in_shape))
         if method not in SCHEDULES:
@@ -270,11 +314,13 @@ class Sequential:
         if not auto:
             checked_levels(len(self.layers), method, levels)
         structure = tuple(layer._structure_key() for layer in self.layers)
-        # the auto choice depends on the limit (abandoned depths are not cached plans)
-        key = (shape, method, levels, self.memory_budget, structure) + ((max_step_flops,) if auto else ())
+        # the auto choice depends on the limit, the batch and the device (abandoned depths are not
+        # cached plans)
+        key = (shape, method, levels, self.memory_budget, structure) + (
+            (max_step_flops, int(batch), device) if auto else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = (self._auto_plan(shape, method, max_step_flops, progress) if auto
+            plan = (self._auto_plan(shape, method, max_step_flops, progress, int(batch), device) if auto
                     else self._build_plan(shape, method, levels, max_step_flops, progress))
             self._plans[key] = plan
         return plan
@@ -285,8 +331,9 @@ class Sequential:
         return estimate_plan(self.chain_info(in_shape), method, levels)
 
     def _auto_plan(self, shape: Shape, method: str, max_step_flops: int | None,
-                   progress: Callable[[str, int, int], None] | None) -> ScanPlan:
+                   progress: Callable[[str, int, int], None] | None, batch: int, device: str) -> ScanPlan:
         full = depth(len(self.layers))
+        model = current("gpu" if device == "gpu" else "cpu")
 
         def schedule_of(k: int) -> tuple[str, int | None]:
             return schedule_at_depth(method, k, full)
@@ -296,27 +343,34 @@ class Sequential:
         depths = range(max(full, 1))
         # depth 0 is back-propagation: no product, it never fails
         best = self.plan(shape, *schedule_of(0), max_step_flops=max_step_flops, progress=progress)
+        best_s = best.predicted_seconds(batch, model)
         figures: list[ScanPlan] = [best]
         verdicts = ["built"]
         stop: str | None = None
+        chain = self.chain_info(shape) if full > 1 else None
+        # a product is counted exactly before it is built: none over auto's planning time
+        unit = model.seconds["plan_unit"]
+        limit = int(2 * AUTO_PLAN_SECONDS / unit) if unit > 0 else None
+        why_limit = f"auto's {AUTO_PLAN_SECONDS:g} s of planning"
+        if max_step_flops is not None and (limit is None or max_step_flops < limit):
+            limit, why_limit = max_step_flops, "--max-step-flops"
         for k in depths[1:]:
-            estimate = self.estimate(shape, *schedule_of(k))
-            limit = best.critical_flops if max_step_flops is None else min(best.critical_flops,
-                                                                          max_step_flops)
+            estimate = estimate_plan(chain, *schedule_of(k))
             verdict, stops = stop, True
             if stop is None:
-                verdict, stops = _auto_verdict(estimate, best, limit, max_step_flops, budget)
+                verdict, stops = _auto_verdict(estimate, best_s, batch, model, max_step_flops, budget)
             if verdict is None:
                 try:
                     plan = self.plan(shape, *schedule_of(k), max_step_flops=limit, progress=progress)
                 except ScanCostError:
-                    verdict = f"abandoned: a product costs more than {_limit_name(limit, max_step_flops)}"
+                    verdict = f"abandoned: a product costs more than {limit:,} FLOPs ({why_limit})"
                 except ScanMemoryError:
                     verdict = "abandoned: a product's plan is over the memory budget"
                 else:
                     verdict, stops, estimate = "built", False, plan
-                    if (plan.critical_flops, plan.work_flops) < (best.critical_flops, best.work_flops):
-                        best = plan
+                    predicted = plan.predicted_seconds(batch, model)
+                    if predicted < best_s:
+                        best, best_s = plan, predicted
             if stops and stop is None:  # deeper plans repeat this depth's up-sweep products
                 method_k, levels_k = schedule_of(k)
                 stop = f"not built: deeper than {method_k}{'' if levels_k is None else f' {levels_k}'}"
@@ -324,13 +378,16 @@ class Sequential:
             verdicts.append(verdict)
         candidates = tuple(
             Candidate(*schedule_of(k), plan.critical_flops, plan.work_flops, plan.plan_bytes,
-                      plan.estimated, "chosen" if plan is best else verdict)
+                      plan.estimated, "chosen" if plan is best else verdict,
+                      plan.predicted_seconds(batch, model))
             for k, plan, verdict in zip(depths, figures, verdicts, strict=True))
-        criterion = "the fewest critical-path FLOPs (then the least work) of the schedules built"
+        criterion = (f"the least predicted time for batch {batch} on the {model.device} (cost model: "
+                     f"{model.source}) of the schedules built")
         return dataclasses.replace(best, choice=ScheduleChoice(method, criterion, candidates))
 
     def chain_info(self, in_shape: Sequence[int], patterns_of: Sequence[int] = (),
-                   progress: Callable[[str, int, int], None] | None = None) -> ChainInfo:
+                   progress: Callable[[str, int, int], None] | None = None, *,
+                   sized: ChainInfo | None = None) -> ChainInfo:
         """The chain of JTs for ``in_shape`` as the planner sees it: plain data read from the layers
         once (:class:`~sparse_scan.engine.plan.ChainInfo`; scan element ``j`` is the JT of layer
         ``n - j``), which :func:`~sparse_scan.engine.plan.build_plan` and
@@ -347,18 +404,23 @@ class Sequential:
         progress : callable, optional
             ``progress("sizes", done, n)`` after each JT's ``nnz`` (a residual block's needs its
             pattern: seconds each), ``progress("patterns", done, total)`` after each pattern built.
+        sized : ChainInfo, optional
+            This chain's record without patterns, already read (its sizes are not read again).
         """
         n = len(self.layers)
         shapes = self.shapes(in_shape)
         # (layer, its input shape, its output shape) of scan element j at [j - 1]
         elements = [(self.layers[n - j], shapes[n - j], shapes[n - j + 1]) for j in range(1, n + 1)]
-        infos = []
-        for done, (layer, layer_in, layer_out) in enumerate(elements, start=1):
-            infos.append(ElementInfo((math.prod(layer_in), math.prod(layer_out)), layer.pattern_nnz(layer_in),
-                                     layer.jacobian_kind, layer.sample_independent,
-                                     layer.jacobian_fill_flops(layer_in)))
-            if progress is not None:
-                progress("sizes", done, n)
+        if sized is not None:
+            infos = list(sized.elements)
+        else:
+            infos = []
+            for done, (layer, layer_in, layer_out) in enumerate(elements, start=1):
+                infos.append(ElementInfo((math.prod(layer_in), math.prod(layer_out)),
+                                         layer.pattern_nnz(layer_in), layer.jacobian_kind,
+                                         layer.sample_independent, layer.jacobian_fill_flops(layer_in)))
+                if progress is not None:
+                    progress("sizes", done, n)
         patterns: dict[int, Pattern] = {}
         for done, j in enumerate(patterns_of, start=1):
             layer, layer_in, _ = elements[j - 1]
@@ -379,10 +441,13 @@ class Sequential:
         structure = tuple(layer._structure_key() for layer in self.layers)
         products = self._products.setdefault((shape, structure, self.memory_budget), {})
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
-        if max_step_flops is not None:  # refused at once, from the JTs' sizes, rather than after hours
-            _refuse_by_estimate(self.chain_info(shape, progress=progress), method, levels, max_step_flops)
+        sized = self.chain_info(shape, progress=progress)
+        if method != "linear":  # refused at once, from the JTs' sizes, rather than after hours
+            _refuse_by_estimate(sized, method, levels, max_step_flops,
+                                max_plan_seconds(self.max_plan_seconds), current("cpu"))
         self.plan_builds += 1
-        chain = self.chain_info(shape, operands_needing_patterns(len(self.layers), method, levels), progress)
+        chain = self.chain_info(shape, operands_needing_patterns(len(self.layers), method, levels), progress,
+                                sized=sized)
         return build_plan(chain, method, levels, products, budget, max_step_flops, progress)
 
     # --- parameters ------------------------------------------------------------------------------
@@ -506,7 +571,7 @@ class Sequential:
             if timings is not None:
                 timings[name] = clock[-1] - clock[-2]
 
-        plan = self.plan(shapes[0], method, levels)
+        plan = self.plan(shapes[0], method, levels, batch=grad_out.shape[0], device=be.name)
         lap("plan_s")
         n = len(self.layers)  # scan element j is the JT of layer n - j
         batch = grad_out.shape[0]

@@ -13,6 +13,9 @@ Environment:
 - ``SPARSE_SCAN_REQUIRE_GPU=1`` (``tools/gpu_run.sh``): a real GPU must run the ``gpu`` tests (no
   stand-in, no skips).
 - ``SPARSE_SCAN_NO_GPU_SKIPS=1`` (CI's ``make test-gpu-standin``): a skipped ``gpu`` test fails the run.
+- ``SPARSE_SCAN_COST_MODEL``: set to ``defaults`` for every test (and the commands they start), so that
+  no choice a test asserts depends on this machine's calibration or its load
+  (:mod:`sparse_scan.engine.cost`); tests of the calibration cache set it themselves.
 - ``SPARSE_SCAN_NO_MEMPOOL=1``: CuPy's memory pool off, so that ``compute-sanitizer`` sees every array
   as its own allocation (the pool sub-allocates large blocks, which hides out-of-bounds accesses into
   neighbouring arrays).
@@ -29,6 +32,8 @@ import pytest
 
 from sparse_scan import backend
 from sparse_scan.engine import products as product_planning
+
+os.environ["SPARSE_SCAN_COST_MODEL"] = "defaults"
 
 _PROBE = "import cupy, sys; sys.exit(0 if cupy.cuda.is_available() else 1)"
 

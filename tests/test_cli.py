@@ -52,7 +52,7 @@ def test_unknown_command_is_a_usage_error(runner):
 def test_main_is_an_extensible_group(runner):
     assert isinstance(app.main, click.Group)
     assert "main" in app.__all__
-    assert app.main.list_commands(click.Context(app.main)) == ["eval", "flops", "run", "train"]
+    assert app.main.list_commands(click.Context(app.main)) == ["calibrate", "eval", "flops", "run", "train"]
 
     @click.command("probe")
     def probe():

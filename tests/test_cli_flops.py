@@ -76,7 +76,7 @@ def test_default_method_chooses_a_schedule_and_says_why():
     report = json.loads(invoke(DATA / "lenet5.yaml", "--json").output)
     schedule = report["schedule"]
     assert (report["method"], report["levels"]) == (schedule["method"], schedule["levels"])
-    assert schedule["requested"] == "auto" and "critical-path FLOPs" in schedule["reason"]
+    assert schedule["requested"] == "auto" and "least predicted time" in schedule["reason"]
     assert schedule["critical_flops"] == report["totals"]["critical_flops"]
     assert {"peak_bytes", "plan_bytes", "work_flops"} <= set(schedule)
     labels = [(c["method"], c["levels"]) for c in schedule["candidates"]]
@@ -84,12 +84,13 @@ def test_default_method_chooses_a_schedule_and_says_why():
     chosen = [c for c in schedule["candidates"] if c["verdict"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["critical_flops"] == schedule["critical_flops"]
     built = [c for c in schedule["candidates"] if not c["estimated"]]
-    assert chosen[0]["critical_flops"] == min(c["critical_flops"] for c in built)
+    assert chosen[0]["predicted_s"] == min(c["predicted_s"] for c in built) == schedule["predicted_s"]
     for candidate in schedule["candidates"]:
         assert candidate["verdict"] in ("chosen", "built") or candidate["verdict"].startswith("not built")
     text = invoke(DATA / "lenet5.yaml").output
-    assert "schedule: linear (chosen by --method auto: the fewest critical-path FLOPs" in text
-    assert "blelloch   critical path ~" in text
+    assert "schedule: linear (chosen by --method auto: the least predicted time for batch 1 on the cpu" \
+        in text
+    assert "blelloch   critical path ~" in text and ", predicted ~" in text
 
 
 def test_an_explicit_method_says_so():

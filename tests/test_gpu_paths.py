@@ -41,7 +41,7 @@ def test_scan_level_with_int64_indices_equals_the_cpu(monkeypatch):
     for method, levels in schedules(8):
         got, want = _backward_on_both(model, in_shape, method, levels)
         assert_close(got, want, 1e-10)
-        plan = model.plan(in_shape, method, levels)
+        plan = model.plan(in_shape, method, levels, batch=3, device="gpu")  # auto: the backward's choice
         assert {w.index_dtype for w in _tables.workspaces(plan).values()} == {np.dtype(np.int64)}
 
 

@@ -27,11 +27,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TOP_LEVEL = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
              "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend",
-             "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops", "layers", "load_model",
-             "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
+             "calibration", "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops", "layers",
+             "load_model", "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
 
 PUBLIC = {
     "sparse_scan.backend": ["Backend", "Device", "GPUUnavailableError", "get", "gpu_usable", "of", "twin"],
+    "sparse_scan.calibration": ["Measurement", "calibrate", "fit", "measure", "workloads"],
     "sparse_scan.csr": ["BatchedCSR", "Pattern", "choose_index_dtype"],
     "sparse_scan.distributed": ["CHAIN_PRODUCT_FACTOR", "COMBINES", "DistributedError", "DistributedResult",
                                 "MPIUnavailableError", "RankTimeoutError", "RemoteRankError", "TRANSPORTS",
@@ -45,7 +46,13 @@ PUBLIC = {
                            "live_schedule", "multiply", "operands_needing_patterns", "plan_product",
                            "run_plan", "through_inputs", "through_weights"],
     "sparse_scan.engine.dense_plan": ["DenseGroup", "DenseOp", "DenseScanPlan", "DenseStep", "Location",
-                                      "SizedDenseScanPlan", "auto_levels", "build_dense_plan"],
+                                      "SizedDenseScanPlan", "auto_levels", "build_dense_plan",
+                                      "scan_features"],
+    "sparse_scan.engine.cost": ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS",
+                                "PLAN_SECONDS_VARIABLE", "CostModel", "cache_path", "current",
+                                "dense_features", "load", "max_plan_seconds", "predicted_plan_seconds",
+                                "save",
+                                "sparse_features"],
     "sparse_scan.engine.figures": ["TOTALS", "ScanPlanLike", "StepFigures", "critical_path", "totals"],
     "sparse_scan.engine.plan": ["Candidate", "ChainInfo", "ElementInfo", "ScanCostError", "ScanMemoryError",
                                 "ScanPlan", "ScheduleChoice", "Step", "WeightsPath", "WeightsPlan",

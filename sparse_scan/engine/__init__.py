@@ -6,6 +6,8 @@
 :mod:`.plan`                      :class:`ScanPlan`: a schedule over sparse JTs with every product
                                   planned (``build_plan``, ``estimate_plan``)
 :mod:`.dense_plan`                :class:`DenseScanPlan`: the schedule over dense blocks (recurrent)
+:mod:`.cost`                      the cost model: a plan's predicted time on a backend (``CostModel``,
+                                  its defaults and this machine's calibration, ``current``)
 :mod:`.figures`                   :class:`ScanPlanLike`: the figures both plan kinds report, in the
                                   same names and units (what ``sparse_scan.flops`` reads)
 :mod:`.run`                       the numeric phase on the CPU or the GPU: the engine's one

@@ -45,11 +45,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._types import Array
+from .cost import CostModel, current, dense_features
 from .figures import critical_path, totals
 from .schedule import Element, checked_levels, depth, live_schedule, scan_outputs
 
 __all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "DenseStep", "Location", "SizedDenseScanPlan",
-           "auto_levels", "build_dense_plan"]
+           "auto_levels", "build_dense_plan", "scan_features"]
 
 INPUT = 0  # buffer id of the scan input: blocks (T, B, H, H) and direct vectors (T + 1, B, H)
 
@@ -411,52 +412,38 @@ def build_dense_plan(n: int, method: str = "blelloch", levels: int | None = None
     return DenseScanPlan(method, levels, n, levels_of_groups, [where[e] for e in scan_outputs(n)])
 
 
-# Cost model of `levels="auto"`: seconds per level (a launch on the GPU; on the CPU a level of
-# batched groups costs far more than one step of a chain's tight loop) and sustained FLOP/s of
-# batched small block products. CPU: NumPy's stacked matmul on 20x20 blocks, T=1000, measured on a
-# 2-core machine (the Blelloch scan's 19 levels took 5-9 ms at B=2 for 35 MFLOP, hybrid 3 about as
-# much; a chain step 3-6 us); GPU: a conservative fraction of an H100, and a chain step inside the one
-# launch of a chain (a block-wide barrier and an H-long dot product per thread) taken as less than a
-# launch. The GPU figures are estimates: no GPU has timed them yet.
-_LEVEL_SECONDS = {"cpu": 5e-4, "gpu": 5e-6}
-_CHAIN_STEP_SECONDS = {"cpu": 6e-6, "gpu": 2e-6}
-_FLOPS_PER_SECOND = {"cpu": 3e10, "gpu": 5e12}
-# Back-propagation with the blocks left in factored form (recurrent layers' `linear` on the CPU):
-# seconds per step (a few array calls: 2.6-4.4 us measured on 2 cores at H=20), and the block values
-# a scan of depth > 0 must fill first (1e9/s measured for the RNN on 2 cores, after about a
-# millisecond of setting up the fill's threads). On a GPU every depth fills the blocks (a few
-# launches), and back-propagation is one chain launch.
-_FACTORED_STEP_SECONDS = {"cpu": 4e-6}
-_FILL_VALUES_PER_SECOND = {"cpu": 1e9}
-_FILL_SECONDS = {"cpu": 1e-3}
+def scan_features(plan: DenseScanPlan, batch: int, size: int, factored: bool = False,
+                  affine: bool = True) -> dict[str, float]:
+    """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of one scan of
+    ``plan`` over ``size×size`` blocks for ``batch`` samples. ``factored``: the blocks are not filled
+    yet and back-propagation (depth 0) would not need them (recurrent layers' back-propagation on the
+    CPU applies each block in factored form): depth 0 costs a factored step per block, every other
+    schedule also fills the ``n * batch * size²`` block values first."""
+    figures = plan.sized(size, affine)
+    if factored and plan.levels in (0, None) and plan.method != "blelloch":
+        return dense_features(figures.level_flops, (), batch, factored_steps=plan.n)
+    chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
+    return dense_features(figures.level_flops, chained, batch,
+                          filled_values=plan.n * batch * size * size if factored else 0)
 
 
 @functools.lru_cache(maxsize=256)
-def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False) -> int:
-    """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least modelled time.
+def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False,
+                model: CostModel | None = None) -> int:
+    """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least predicted time.
 
-    Each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU
-    the scan's extra work usually outweighs the shorter critical path, on a GPU it does not. With
-    ``factored`` (the blocks are not filled yet, and depth 0 would not need them: recurrent layers'
-    back-propagation on the CPU applies each block in factored form), depth 0 costs a factored step
-    per layer and every other depth also pays for filling the ``n * batch * size²`` block values;
-    ``factored`` is the CPU's only. The choice is cached per arguments.
+    The time is the cost model's (``model``, by default :func:`~sparse_scan.engine.cost.current` for
+    ``device``) of :func:`scan_features`: each level costs a fixed overhead plus its FLOPs over the
+    device's throughput; on a 2-core CPU the scan's extra work usually outweighs the shorter critical
+    path, on a GPU it does not. ``factored`` (:func:`scan_features`) is the CPU's only. The choice is
+    cached per arguments.
     """
-    if factored and device not in _FACTORED_STEP_SECONDS:
+    if factored and device != "cpu":
         raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
+    model = current(device) if model is None else model
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
-        plan = build_dense_plan(n, "hybrid", levels)
-        figures = plan.sized(size)  # affine: every block product's vector part counted
-        if factored and levels == 0:
-            cost = n * _FACTORED_STEP_SECONDS[device] + figures.work_flops * batch / _FLOPS_PER_SECOND[device]
-        else:
-            chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
-            cost = sum((_CHAIN_STEP_SECONDS if index in chained else _LEVEL_SECONDS)[device]
-                       + flops * batch / _FLOPS_PER_SECOND[device]
-                       for index, flops in enumerate(figures.level_flops))
-            if factored:
-                cost += _FILL_SECONDS[device] + n * batch * size * size / _FILL_VALUES_PER_SECOND[device]
+        cost = model.predict(scan_features(build_dense_plan(n, "hybrid", levels), batch, size, factored))
         if best_cost is None or cost < best_cost:
             best, best_cost = levels, cost
     return best

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from ..csr import Pattern
 from ._chain import ChainInfo, ElementInfo
 from ._weights_path import WeightsPath, WeightsPlan, gemm_pays, weights_plan
+from .cost import CostModel, current, sparse_features
 from .products import PRODUCT_PLAN_BYTES, PlanBudgetError, ProductPlan, count_multiply_adds, plan_product
 from .schedule import Element, checked_levels, live_schedule, scan_outputs
 
@@ -124,6 +125,9 @@ class Candidate:
         Not built: the figures are estimates.
     verdict : str
         ``"chosen"``, or why not.
+    predicted_s : float or None
+        The cost model's predicted seconds of a backward (:mod:`sparse_scan.engine.cost`) for the
+        batch the choice was made for.
     """
 
     method: str
@@ -133,6 +137,7 @@ class Candidate:
     plan_bytes: int
     estimated: bool
     verdict: str
+    predicted_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -143,7 +148,7 @@ class Candidate:
         """JSON-friendly fields."""
         return {"method": self.method, "levels": self.levels, "critical_flops": self.critical_flops,
                 "work_flops": self.work_flops, "plan_bytes": self.plan_bytes, "estimated": self.estimated,
-                "verdict": self.verdict}
+                "predicted_s": self.predicted_s, "verdict": self.verdict}
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,7 @@ class ScanPlan:
     choice : ScheduleChoice, optional
         How ``method="auto"`` (or hybrid ``levels="auto"``) chose this plan.
     weights : WeightsPlan
-        Which layer JTs a host run may apply through their layers' weights (none for an estimate).
+        Which layer JTs a host run may apply through their layers' weights.
     fill_flops : tuple of int
         ``(critical, work)``: FLOPs per sample of filling the values of the JTs the plan's products
         read where those values are themselves products (residual blocks: ``ElementInfo.fill_flops``).
@@ -266,6 +271,18 @@ class ScanPlan:
             levels.setdefault(step.level, []).append(index)
         return [levels[level] for level in sorted(levels)]
 
+    def features(self, batch: int, threads: int) -> dict[str, float]:
+        """The cost model's features of a run for ``batch`` samples, a level's steps spread over
+        ``threads`` (:func:`~sparse_scan.engine.cost.sparse_features`)."""
+        return sparse_features(self, batch, threads)
+
+    def predicted_seconds(self, batch: int = 1, model: CostModel | str = "cpu") -> float:
+        """Predicted seconds of a backward's scan for ``batch`` samples: ``model``'s
+        (:class:`~sparse_scan.engine.cost.CostModel`, or a device whose current model to use,
+        :func:`~sparse_scan.engine.cost.current`) weighing of :meth:`features`."""
+        model = current(model) if isinstance(model, str) else model
+        return model.predict(self.features(batch, model.threads))
+
     def peak_bytes(self, batch: int, itemsize: int, device: str = "cpu") -> int:
         """Peak bytes of live scan values for ``batch`` samples of ``itemsize``-byte values.
 
@@ -294,9 +311,11 @@ class ScanPlan:
         """The schedule and why (JSON-friendly): ``method``, ``levels``, ``requested`` (``"auto"``,
         ``"hybrid"`` for a chosen depth, or the method itself), ``reason`` (one line),
         ``critical_flops``, ``work_flops``, ``critical_steps``, ``plan_bytes``, ``peak_bytes`` (for
-        ``batch`` samples of ``itemsize`` bytes on ``device``), ``fill_flops`` (``critical`` and
-        ``work``: the JT fills inside the two FLOP figures, :attr:`fill_flops`) and, for a chosen
-        schedule, the ``candidates`` considered (:class:`Candidate`)."""
+        ``batch`` samples of ``itemsize`` bytes on ``device``), ``predicted_s`` (the backward's
+        predicted seconds for ``batch`` samples on ``device``, :meth:`predicted_seconds`),
+        ``fill_flops`` (``critical`` and ``work``: the JT fills inside the two FLOP figures,
+        :attr:`fill_flops`) and, for a chosen schedule, the ``candidates`` considered
+        (:class:`Candidate`)."""
         out: dict[str, Any] = {
             "method": self.method, "levels": self.levels,
             "requested": self.method if self.choice is None else self.choice.requested,
@@ -304,6 +323,7 @@ class ScanPlan:
             "critical_flops": self.critical_flops, "work_flops": self.work_flops,
             "critical_steps": self.critical_steps, "plan_bytes": self.plan_bytes,
             "peak_bytes": self.peak_bytes(batch, itemsize, device),
+            "predicted_s": self.predicted_seconds(batch, device),
             "fill_flops": {"critical": self.fill_flops[0], "work": self.fill_flops[1]}}
         if self.choice is not None:
             out["candidates"] = [c.as_dict() for c in self.choice.candidates]
@@ -504,6 +524,7 @@ def estimate_plan(chain: ChainInfo, method: str, levels: int | None) -> ScanPlan
     info = {Element(j, j): element for j, element in enumerate(chain.elements, start=1)}
     element_bytes = _element_bytes(chain)
     work = sum(info[Element(j, j)].nnz for j in operands_needing_patterns(n, method, levels))
+    reads: dict[str, set[int]] = {"gemm": set(), "mv": set(), "products": set()}
     steps = []
     for lvl, phase, left, right in kept:
         out = Element(left.lo, right.hi)
@@ -512,11 +533,16 @@ def estimate_plan(chain: ChainInfo, method: str, levels: int | None) -> ScanPlan
         step = Step(lvl, phase, "mv" if left.is_vector else "mm", left, right, out)
         if left.is_vector:
             step.scaling = right_info.kind == "diagonal"
+            step.dense = (not step.scaling and right.lo == right.hi
+                          and gemm_pays(right_info.nnz, chain.weights[right.lo - 1]))
             step.shape = (m, k, 1)
             step.flops = step.flops_live = 2 * right_info.nnz
             step.out_nnz = m
             element_bytes[out] = (0, m)
+            if right.lo == right.hi:
+                reads["gemm" if step.dense else "mv"].add(right.lo)
         else:
+            reads["products"].update(element.lo for element in (left, right) if element.lo == element.hi)
             left_info = info[left]
             cols = left_info.shape[1]
             step.scaling = "diagonal" in (right_info.kind, left_info.kind)
@@ -539,4 +565,5 @@ def estimate_plan(chain: ChainInfo, method: str, levels: int | None) -> ScanPlan
             element_bytes[out] = (nnz, 0) if shared else (0, nnz)
         steps.append(step)
     return ScanPlan(method, levels, n, steps, scan_outputs(n), element_bytes, estimated=True,
-                    symbolic_work=work, fill_flops=_fill_flops(chain, method, levels))
+                    symbolic_work=work, fill_flops=_fill_flops(chain, method, levels),
+                    weights=weights_plan(reads["gemm"], reads["mv"], reads["products"], chain.weights))

@@ -378,6 +378,12 @@ class Residual(Layer):
             self.plan_builds += 1
         return entry
 
+    def pattern_nnz(self, in_shape: Shape) -> int:
+        """Stored entries of the block's JT: its symbolic plan's union, without the device pattern
+        (its index arrays cast and placed) that :meth:`pattern` builds from it (issue 38: a plan's mv
+        steps need only the count)."""
+        return int(self._plan(in_shape).union.nnz)
+
     def jacobian_fill_flops(self, in_shape: Shape) -> int:
         """The products of the inner chain's JTs and of the shortcut chain's (their own layers' fills
         included, for nested blocks), and one add per shortcut entry for the sum."""

@@ -50,7 +50,14 @@ from .. import backend as _backend
 from .. import weights as _weights
 from .._checks import integer, is_int
 from .._types import Array, RngLike
-from ..engine.dense_plan import DenseStep, SizedDenseScanPlan, auto_levels, build_dense_plan
+from ..engine.cost import CostModel, current
+from ..engine.dense_plan import (
+    DenseStep,
+    SizedDenseScanPlan,
+    auto_levels,
+    build_dense_plan,
+    scan_features,
+)
 from ..engine.figures import totals
 from ..engine.plan import Candidate, ScanCostError, ScheduleChoice
 from ..engine.schedule import SCHEDULES, checked_levels, depth, schedule_at_depth
@@ -60,7 +67,7 @@ from ._module import RecurrentModule
 
 __all__ = ["REDUCTIONS", "RecurrentClassifier", "RecurrentPlan"]
 
-AUTO_CRITERION = ("the least modelled time (a fixed cost per level plus its FLOPs over the device's "
+AUTO_CRITERION = ("the least predicted time (a fixed cost per level plus its FLOPs over the device's "
                   "throughput)")
 
 
@@ -158,6 +165,30 @@ class RecurrentPlan:
         ``device`` (by default the one planned for)."""
         return (device or self.device) == "cpu" and (self.method == "linear" or self.levels == 0)
 
+    def features(self, batch: int, threads: int = 1, method: str | None = None,
+                 levels: int | None = None) -> dict[str, float]:
+        """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of every scan of
+        ``method``/``levels`` (by default the plan's own) for ``batch`` samples, one scan after
+        another (the levels' block products are batched: ``threads`` changes nothing). With the
+        blocks left factored (:meth:`factored`), back-propagation fills none."""
+        if method is None:
+            method, levels = self.method, self.levels
+        features: dict[str, float] = {"call": 1}
+        plan = build_dense_plan(self.time_steps, method, levels)
+        factored = self.device == "cpu"
+        for affine in self.affine:
+            for name, count in scan_features(plan, batch, self.state_size, factored, affine).items():
+                features[name] = features.get(name, 0.0) + count
+        return features
+
+    def predicted_seconds(self, batch: int = 1, model: CostModel | str | None = None,
+                          method: str | None = None, levels: int | None = None) -> float:
+        """Predicted seconds of the backward's scans for ``batch`` samples: ``model``'s
+        (:class:`~sparse_scan.engine.cost.CostModel`, or a device whose current model to use; by
+        default the planned device's) weighing of :meth:`features`."""
+        model = current(model or self.device) if model is None or isinstance(model, str) else model
+        return model.predict(self.features(batch, model.threads, method, levels))
+
     def peak_bytes(self, batch: int, itemsize: int, device: str | None = None) -> int:
         """Peak bytes of one scan's live values on ``device`` (by default the one planned for; the
         scans run one after another): the blocks and the scan's results, or only the ``T + 1`` total
@@ -170,7 +201,8 @@ class RecurrentPlan:
         """The schedule and why, with the keys of :meth:`sparse_scan.ScanPlan.explain`: ``method``,
         ``levels``, ``requested``, ``reason``, ``critical_flops``, ``work_flops``, ``critical_steps``,
         ``plan_bytes`` (0: dense blocks need no index structure), ``peak_bytes`` (for ``batch``
-        samples of ``itemsize`` bytes on ``device``, by default the one planned for), ``fill_flops``
+        samples of ``itemsize`` bytes on ``device``, by default the one planned for), ``predicted_s``
+        (:meth:`predicted_seconds` for ``batch`` samples on the device planned for), ``fill_flops``
         (none: the blocks are filled from the cells' values) and, for a chosen schedule, the
         ``candidates`` considered."""
         critical, work, steps = self.figures(self.method, self.levels)
@@ -179,7 +211,9 @@ class RecurrentPlan:
             "requested": self.method if self.choice is None else self.choice.requested,
             "reason": "as requested" if self.choice is None else self.choice.criterion,
             "critical_flops": critical, "work_flops": work, "critical_steps": steps, "plan_bytes": 0,
-            "peak_bytes": self.peak_bytes(batch, itemsize, device), "fill_flops": {"critical": 0, "work": 0}}
+            "peak_bytes": self.peak_bytes(batch, itemsize, device),
+            "predicted_s": self.predicted_seconds(batch),
+            "fill_flops": {"critical": 0, "work": 0}}
         if self.choice is not None:
             out["candidates"] = [c.as_dict() for c in self.choice.candidates]
         return out
@@ -411,7 +445,8 @@ class RecurrentClassifier:
         if not auto:
             return plan
         full = depth(steps)
-        best = auto_levels(steps, batch, recurrent.state_size, device, factored=device == "cpu")
+        model = current(device)
+        best = auto_levels(steps, batch, recurrent.state_size, device, factored=device == "cpu", model=model)
         chosen = schedule_at_depth(method, best, full)
         depths = range(full + 1) if method == "hybrid" else range(max(full, 1))  # blelloch once
         candidates = []
@@ -419,8 +454,10 @@ class RecurrentClassifier:
             schedule = schedule_at_depth(method, k, full)
             critical, work, _ = plan.figures(*schedule)
             candidates.append(Candidate(*schedule, critical, work, 0, False,
-                                        "chosen" if schedule == chosen else "more modelled time"))
-        criterion = AUTO_CRITERION + (", back-propagation's blocks left factored" if device == "cpu" else "")
+                                        "chosen" if schedule == chosen else "more predicted time",
+                                        plan.predicted_seconds(batch, model, *schedule)))
+        criterion = (f"{AUTO_CRITERION}, for batch {batch} (cost model: {model.source})"
+                     + (", back-propagation's blocks left factored" if device == "cpu" else ""))
         return RecurrentPlan(*chosen, steps, recurrent.state_size, scans, affine, device,
                              ScheduleChoice(method, criterion, tuple(candidates)))
 

@@ -1,0 +1,297 @@
+"""The cost model: a schedule's predicted time on a backend, for both plan kinds (issue 38).
+
+A backward's predicted time is a sum of *features* of its plan, each a count of something that costs
+time, times the backend's seconds per unit of it (:class:`CostModel`):
+
+- per-step fixed costs: ``call`` (one backward), ``layer`` (per layer: binding, values, reshapes),
+  ``level`` (a level's synchronisation), ``mv_step`` and ``mm_step`` (an mv's or a product's launch:
+  its dispatch, buffers, and the thread pool a level of several steps runs on), ``mm_sample`` (a
+  product's cost per sample it runs for, whatever its size); the recurrent scans' ``dense_level`` (a
+  level of batched block products), ``dense_chain_step`` (a step of a chain's tight loop),
+  ``factored_step`` and ``factored_sample`` (a back-propagation step with the blocks left factored,
+  and per sample) and ``block_fill`` (filling one scan's blocks);
+- work over the backend's throughput for that kind of product, in FLOPs (docs/design.md's counting)
+  times the samples it runs for (one for a product of sample-independent JTs): ``mv_spmv``,
+  ``mv_gemm`` (an mv through a layer's weights), ``mv_scale``, ``mm_scale`` (a scaling by a diagonal),
+  ``mm_gather`` (a max-pool's selection), ``mm_block`` (dense channel blocks), ``mm_general``
+  (stored multiply-adds, ``rowwise`` included), ``fill`` (JT entries whose values a run fills; and
+  ``fill_flops``, a residual block's products inside its fill), ``dense_flops`` (block products and
+  mvs of a recurrent scan), ``factored_flops`` (back-propagation's mvs with the blocks factored),
+  ``block_fill_values`` (the blocks' entries);
+- the backend's parallelism: the steps of one level run side by side on the CPU's threads (the GPU's
+  lanes), so a step of a level of ``s`` steps adds ``1 / min(threads, s)`` of its features.
+
+:func:`sparse_features` and :func:`dense_features` count a plan's features; :meth:`CostModel.predict`
+weighs them. The constants come from a short calibration per backend
+(:func:`sparse_scan.calibration.calibrate`, ``sparse-scan calibrate``), cached on disk per machine and
+library version (:func:`cache_path`), or else from :data:`DEFAULTS`; :func:`current` says which one a
+run uses (``SPARSE_SCAN_COST_MODEL``: ``defaults`` for the defaults whatever the cache, as the tests
+do, or the path of a calibration file). Planning's own cost is counted too: ``plan_unit`` seconds per
+unit of an estimate's symbolic work (pattern entries and multiply-adds enumerated,
+:attr:`~sparse_scan.engine.plan.ScanPlan.symbolic_work`), which bounds what planning may cost
+(:data:`MAX_PLAN_SECONDS`).
+
+This module is pure bookkeeping (no NumPy): plan modules import it.
+
+Examples
+--------
+>>> model = CostModel("cpu", 2, (("call", 1e-5), ("level", 1e-5), ("mv_step", 2e-6), ("mv_spmv", 1e-9)))
+>>> model.predict({"call": 1, "level": 3, "mv_step": 3, "mv_spmv": 2e6})
+0.002046
+>>> model.seconds["fill"]        # a feature the calibration did not see costs nothing
+0.0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from .._threads import cpu_threads
+from .._version import __version__
+from .schedule import Element
+
+__all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "PLAN_SECONDS_VARIABLE",
+           "CostModel", "cache_path", "current", "dense_features", "load", "max_plan_seconds",
+           "predicted_plan_seconds", "save", "sparse_features"]
+
+FEATURES = ("call", "layer", "level", "mv_step", "mm_step", "mm_sample", "mv_spmv", "mv_gemm", "mv_scale",
+            "mm_scale", "mm_gather",
+            "mm_block", "mm_general", "fill", "fill_flops", "dense_level", "dense_chain_step",
+            "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
+            "block_fill_values", "plan_unit")
+"""Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
+
+COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
+"""Environment variable: ``defaults`` (use :data:`DEFAULTS`, ignore any calibration: the tests set
+it, so that no verdict depends on the machine), or the path of a calibration file to use."""
+
+MAX_PLAN_SECONDS = 60.0
+"""The default bound on a plan's predicted building time (:func:`predicted_plan_seconds`): an explicit
+schedule over it is refused before anything is built (``max_plan_seconds`` of
+:class:`sparse_scan.Sequential`, or :data:`PLAN_SECONDS_VARIABLE`)."""
+
+PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
+"""Environment variable: the planning limit in seconds where a model sets none (default
+:data:`MAX_PLAN_SECONDS`); the command line's way to raise it."""
+
+_CPU_DEFAULTS = (
+    ("call", 1.6e-4), ("layer", 2.0e-6), ("level", 1.6e-5), ("mv_step", 0.0), ("mm_step", 2.0e-4),
+    ("mm_sample", 6.3e-8), ("mv_spmv", 7.2e-10), ("mv_gemm", 2.4e-11), ("mv_scale", 1.0e-9),
+    ("mm_scale", 3.7e-9), ("mm_gather", 3.0e-9), ("mm_block", 1.1e-10), ("mm_general", 8.7e-10),
+    ("fill", 3.0e-9), ("fill_flops", 4.0e-10), ("dense_level", 1.6e-5), ("dense_chain_step", 1.4e-5),
+    ("factored_step", 0.0), ("factored_sample", 0.0), ("factored_flops", 1.6e-10), ("dense_flops", 1.0e-10),
+    ("block_fill", 4.9e-5), ("block_fill_values", 3.7e-9), ("plan_unit", 3.0e-7))
+# CPU: `sparse-scan calibrate` on the 2-core development machine (OPENBLAS_NUM_THREADS=1, 2026-11-28),
+# rounded; mv_scale, mm_gather and fill_flops, which its workloads did not tell apart from the fixed
+# costs, are hand-set (about 1e9 entries/s), dense_flops from its RNN's Blelloch scan at batch 16 (52
+# MFLOP of batched 16x16 block products in about 5 ms), plan_unit the 160-470 ns per pattern entry or
+# multiply-add measured of building plans.
+# GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
+# docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
+# chain, throughputs a conservative fraction of an H100's.
+_GPU_DEFAULTS = (
+    ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("mv_step", 2.0e-7), ("mm_step", 2.0e-7),
+    ("mm_sample", 1.0e-8),
+    ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11),
+    ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11), ("fill", 1.0e-11),
+    ("fill_flops", 2.0e-12), ("dense_level", 5.0e-6), ("dense_chain_step", 2.0e-6),
+    ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8), ("factored_flops", 2.0e-13),
+    ("dense_flops", 2.0e-13),
+    ("block_fill", 5.0e-5), ("block_fill_values", 1.0e-11), ("plan_unit", 3.0e-7))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A backend's seconds per unit of every feature (:data:`FEATURES`).
+
+    Attributes
+    ----------
+    device : {"cpu", "gpu"}
+    threads : int
+        The steps of one level that run side by side (the CPU's threads, the GPU's concurrent steps).
+    constants : tuple of (str, float)
+        Seconds per unit, by feature; a feature not listed costs nothing.
+    source : str
+        Where the constants come from: ``defaults``, or the calibration's file and date.
+    """
+
+    device: str
+    threads: int
+    constants: tuple[tuple[str, float], ...]
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        unknown = sorted({name for name, _ in self.constants} - set(FEATURES))
+        if unknown:
+            raise ValueError(f"CostModel: unknown features {unknown}; known: {', '.join(FEATURES)}")
+        if any(not value >= 0 for _, value in self.constants):
+            raise ValueError("CostModel: every constant must be a number >= 0")
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per unit of every feature (0 for those not in :attr:`constants`)."""
+        return {name: 0.0 for name in FEATURES} | dict(self.constants)
+
+    def predict(self, features: Mapping[str, float]) -> float:
+        """Predicted seconds of a run with these feature counts."""
+        seconds = self.seconds
+        return sum(seconds[name] * count for name, count in features.items())
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields (what :func:`save` writes)."""
+        return {"device": self.device, "threads": self.threads, "source": self.source,
+                "seconds": dict(self.constants)}
+
+
+DEFAULTS = {"cpu": _CPU_DEFAULTS, "gpu": _GPU_DEFAULTS}
+"""Each backend's constants when no calibration has run (CPU: the calibration of a 2-core machine;
+GPU: placeholders, see the module source)."""
+
+
+def _threads(device: str) -> int:
+    if device == "gpu":
+        return 64  # independent steps of a level share one launch
+    return cpu_threads()
+
+
+def cache_path(device: str) -> pathlib.Path:
+    """Where the calibration of ``device`` is cached: ``$XDG_CACHE_HOME/sparse-scan`` (by default
+    ``~/.cache/sparse-scan``), one file per machine (host name, processor, cores) and library
+    version."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    machine = "-".join(part for part in (platform.node(), platform.machine(), f"{os.cpu_count()}cores")
+                       if part).replace(os.sep, "_")
+    return pathlib.Path(base) / "sparse-scan" / f"cost-{device}-{machine}-{__version__}.json"
+
+
+def save(model: CostModel, path: pathlib.Path | None = None) -> pathlib.Path:
+    """Write ``model`` to ``path`` (by default :func:`cache_path`); return the path."""
+    path = cache_path(model.device) if path is None else pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model.as_dict(), indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def load(path: pathlib.Path | str) -> CostModel:
+    """The cost model a calibration file holds; a ``ValueError`` naming the file and field if it is
+    not one."""
+    try:
+        fields = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+        seconds = fields["seconds"]
+        return CostModel(str(fields["device"]), int(fields["threads"]),
+                         tuple((str(name), float(value)) for name, value in seconds.items()),
+                         str(fields.get("source", path)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path}: not a sparse-scan calibration file ({error})") from None
+
+
+def current(device: str = "cpu") -> CostModel:
+    """The cost model runs on ``device`` use: ``SPARSE_SCAN_COST_MODEL``'s (``defaults``: the
+    :data:`DEFAULTS`; a path: that file), else the cached calibration of this machine
+    (:func:`cache_path`), else the defaults."""
+    if device not in DEFAULTS:
+        raise ValueError(f"cost model: device must be one of {', '.join(DEFAULTS)}; got {device!r}")
+    setting = os.environ.get(COST_MODEL_VARIABLE, "").strip()
+    if setting and setting != "defaults":
+        return load(setting)
+    if not setting:
+        path = cache_path(device)
+        if path.is_file():
+            try:
+                return load(path)
+            except ValueError:
+                pass  # a damaged cache: the defaults, until `sparse-scan calibrate` rewrites it
+    return CostModel(device, _threads(device), DEFAULTS[device])
+
+
+def _add(features: dict[str, float], name: str, count: float) -> None:
+    features[name] = features.get(name, 0.0) + count
+
+
+_MM_FEATURES = {"block": "mm_block", "gather": "mm_gather", "general": "mm_general", "rowwise": "mm_general",
+                "scale_columns": "mm_scale", "scale_rows": "mm_scale", "estimate": "mm_general",
+                "scale (estimate)": "mm_scale"}
+_MV_FEATURES = {"spmv": "mv_spmv", "gemm": "mv_gemm", "scale": "mv_scale"}
+
+
+def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
+    """The features of a run of a sparse :class:`~sparse_scan.engine.plan.ScanPlan` (built or
+    estimated) for ``batch`` samples, its steps of a level spread over ``threads``.
+
+    A product of sample-independent JTs runs once for the batch, every other step per sample. The
+    JT values a run fills are those the products read and those the SpMVs read (an mv through its
+    layer's weights, or by a diagonal from its layer's input, fills none); a residual block's fill
+    adds its products' FLOPs (``plan.fill_flops``).
+    """
+    features: dict[str, float] = {"call": 1, "layer": plan.n}
+    sizes = plan.element_bytes
+    filled: set[int] = set()
+    for level in plan.levels_of_steps:
+        share = 1.0 / max(1, min(threads, len(level)))
+        _add(features, "level", 1)
+        for index in level:
+            step = plan.steps[index]
+            _add(features, f"{step.kind}_step", share)
+            if step.kind == "mv":
+                name = _MV_FEATURES.get(step.method, "mv_spmv")
+                _add(features, name, share * step.flops * batch)
+                if name == "mv_spmv" and step.right.lo == step.right.hi:
+                    filled.add(step.right.lo)
+            else:
+                samples = 1 if sizes[step.out][1] == 0 else batch
+                _add(features, "mm_sample", share * samples)
+                _add(features, _MM_FEATURES.get(step.method, "mm_general"), share * step.flops * samples)
+                filled.update(element.lo for element in (step.left, step.right) if element.lo == element.hi)
+    filled -= set(plan.weights.gemm | plan.weights.csr) & set(plan.weights.mv_only)
+    for j in filled:
+        shared, per_sample = sizes.get(Element(j, j), (0, 0))
+        _add(features, "fill", shared + per_sample * batch)
+    features["fill_flops"] = plan.fill_flops[1] * batch
+    return features
+
+
+def dense_features(level_flops: Sequence[int], chained: Iterable[int], batch: int,
+                   factored_steps: int = 0, filled_values: int = 0) -> dict[str, float]:
+    """The features of one recurrent scan: per level of ``level_flops`` (FLOPs for one sample), a
+    ``dense_chain_step`` where the level is in a chain (``chained``: a run of single mvs in one tight
+    loop) else a ``dense_level``, and its FLOPs times ``batch``. ``factored_steps``: back-propagation
+    with the blocks left factored (those steps instead, no levels, and their FLOPs as
+    ``factored_flops``: the cell's own loop, not batched block products); ``filled_values``: the
+    blocks' entries filled first (a ``block_fill`` and its values)."""
+    chained = set(chained)
+    if factored_steps:  # one mv per step and sample, in the cell's own loop: its own throughput
+        return {"factored_step": factored_steps, "factored_sample": factored_steps * batch,
+                "factored_flops": sum(level_flops) * batch}
+    features: dict[str, float] = {"dense_flops": sum(level_flops) * batch, "dense_chain_step": len(chained),
+                                  "dense_level": len(level_flops) - len(chained)}
+    if filled_values:
+        features["block_fill"] = 1
+        features["block_fill_values"] = filled_values
+    return features
+
+
+def max_plan_seconds(configured: float | None = None) -> float:
+    """The planning limit: ``configured``, else :data:`PLAN_SECONDS_VARIABLE`, else
+    :data:`MAX_PLAN_SECONDS`."""
+    if configured is not None:
+        return float(configured)
+    setting = os.environ.get(PLAN_SECONDS_VARIABLE, "").strip()
+    if not setting:
+        return MAX_PLAN_SECONDS
+    try:
+        value = float(setting)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{PLAN_SECONDS_VARIABLE} must be a number of seconds > 0, got {setting!r}")
+    return value
+
+
+def predicted_plan_seconds(symbolic_work: int, model: CostModel) -> float:
+    """Seconds building a plan of this estimated symbolic work takes (``plan_unit`` each)."""
+    return symbolic_work * model.seconds["plan_unit"]

@@ -1,0 +1,217 @@
+"""The cost model (issue 38): features counted from plans, constants from a fit or a cache, ``auto`` by
+predicted time, explicit schedules refused from their estimates.
+
+Every decision asserted here uses fixed constants (the defaults, or a model built in the test), never a
+live calibration: no verdict depends on this machine or its load.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from sparse_scan import Sequential
+from sparse_scan import calibration as calibration_module
+from sparse_scan.calibration import Measurement, fit
+from sparse_scan.cli import app
+from sparse_scan.engine import cost
+from sparse_scan.engine.cost import DEFAULTS, FEATURES, CostModel, current, load, save
+from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
+from sparse_scan.engine.plan import ScanCostError
+from sparse_scan.engine.schedule import depth
+from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU, Tanh
+from sparse_scan.recurrent import RNN, RecurrentClassifier
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+
+
+def test_a_prediction_is_the_features_weighed_by_their_seconds():
+    model = CostModel("cpu", 2, (("call", 1e-4), ("mv_step", 2e-6), ("mv_gemm", 1e-10)))
+    assert model.predict({"call": 1, "mv_step": 10, "mv_gemm": 1e6}) == pytest.approx(1e-4 + 2e-5 + 1e-4)
+    assert model.seconds["mm_general"] == 0.0 and set(model.seconds) == set(FEATURES)
+    with pytest.raises(ValueError, match="unknown features"):
+        CostModel("cpu", 1, (("warp_drive", 1.0),))
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel("cpu", 1, (("call", -1.0),))
+
+
+def test_back_propagations_features_are_counted_from_the_layers():
+    # Linear(3, 4) -> Tanh -> Linear(4, 2): JTs of 12, 4 and 8 entries; BP is three mvs in three levels
+    model = Sequential(Linear(3, 4, rng=0), Tanh(), Linear(4, 2, rng=1))
+    plan = model.plan((3,), "linear")
+    features = plan.features(batch=5, threads=2)
+    assert features["call"] == 1 and features["layer"] == 3 and features["level"] == 3
+    assert features["mv_step"] == 3 and "mm_step" not in features
+    assert features["mv_gemm"] == 5 * 2 * (12 + 8)  # the linear layers' mvs run as GEMMs, 2 per entry
+    assert features["mv_scale"] == 5 * 2 * 4  # tanh's diagonal
+    assert features.get("fill", 0) == 0  # nothing read as values: GEMMs and a scaling from the input
+
+
+def test_a_product_of_shared_jts_runs_once_per_batch_and_a_levels_steps_share_the_threads():
+    model = Sequential(*[Linear(4, 4, rng=i) for i in range(4)])  # four sample-independent JTs
+    plan = model.plan((4,), "blelloch")
+    products = [step for step in plan.steps if step.kind == "mm"]
+    assert products and all(plan.element_bytes[step.out][1] == 0 for step in products)  # shared
+    one, sixteen = plan.features(1, 1), plan.features(16, 1)
+    assert one["mm_sample"] == sixteen["mm_sample"] == len(products)
+    assert one["mm_general"] + one.get("mm_block", 0) == sixteen["mm_general"] + sixteen.get("mm_block", 0)
+    # on 2 threads a step of a level of several counts half
+    shares = [1 / min(2, len(level)) for level in plan.levels_of_steps for i in level
+              if plan.steps[i].kind == "mm"]
+    assert sum(shares) < len(products)  # some products run side by side
+    assert plan.features(1, 2)["mm_sample"] == pytest.approx(sum(shares))
+
+
+def test_the_recurrent_plans_prediction_weighs_its_scans_features():
+    model = RecurrentClassifier(RNN(1, 4, rng=0), 3, rng=1, input_shape=(20, 1))
+    costs = CostModel("cpu", 2, (("factored_step", 1e-6), ("factored_sample", 1e-7), ("dense_level", 1e-5),
+                                 ("dense_flops", 1e-9), ("block_fill", 1e-4), ("block_fill_values", 1e-9)))
+    linear, blelloch = model.plan(method="linear"), model.plan(method="blelloch")
+    assert linear.features(8) == {"call": 1, "factored_flops": 8 * linear.work_flops, "factored_step": 20,
+                                  "factored_sample": 160}
+    features = blelloch.features(8)
+    assert features["block_fill_values"] == 20 * 8 * 16 and features["block_fill"] == 1
+    assert features["dense_level"] + features["dense_chain_step"] == blelloch.critical_steps
+    assert blelloch.predicted_seconds(8, costs) == pytest.approx(costs.predict(features))
+    auto = model.plan(method="auto", batch=8)
+    assert "predicted_s" in auto.explain(8)
+    chosen = [c for c in auto.choice.candidates if c.verdict == "chosen"]
+    assert chosen[0].predicted_s == min(c.predicted_s for c in auto.choice.candidates)
+
+
+def test_auto_levels_follows_the_cost_model_it_is_given():
+    launches = CostModel("gpu", 64, (("dense_level", 1e-3), ("dense_chain_step", 1e-3),
+                                     ("dense_flops", 1e-15)))
+    flops = CostModel("gpu", 64, (("dense_level", 1e-9), ("dense_chain_step", 1e-9), ("dense_flops", 1e-9)))
+    levels = [build_dense_plan(1000, "hybrid", k).critical_steps for k in range(depth(1000) + 1)]
+    chosen = auto_levels(1000, 4, 8, "gpu", model=launches)
+    assert chosen > 0 and levels[chosen] == min(levels)  # the fewest levels
+    assert auto_levels(1000, 4, 8, "gpu", model=flops) == 0  # the least work
+
+
+def test_auto_picks_back_propagation_for_the_issues_deep_narrow_mlp():
+    # 256 x (Linear(8, 8), Tanh): the fewest critical-path FLOPs are a deep hybrid's, 5.7-6.9x slower
+    # than BP on a 2-core CPU (issue 38); by predicted time, with the CPU's default constants, BP
+    layers = [layer for i in range(256) for layer in (Linear(8, 8, rng=i), Tanh())]
+    model = Sequential(*layers)
+    for batch in (1, 16):
+        auto = model.plan((8,), "auto", batch=batch)
+        assert (auto.method, auto.levels) == ("linear", None)
+        assert auto.choice.chosen.predicted_s == min(c.predicted_s for c in auto.choice.candidates)
+        assert min(c.critical_flops for c in auto.choice.candidates) < auto.critical_flops
+    assert "least predicted time for batch 16 on the cpu (cost model: defaults)" in auto.choice.criterion
+
+
+def test_the_plan_explains_its_predicted_time():
+    model = Sequential(Linear(3, 4, rng=0), Tanh(), Linear(4, 2, rng=1))
+    plan = model.plan((3,), "blelloch")
+    explained = plan.explain(batch=4)
+    model_now = current("cpu")
+    assert explained["predicted_s"] == pytest.approx(model_now.predict(plan.features(4, model_now.threads)))
+
+
+def test_an_explicit_schedule_over_the_planning_limit_is_refused_from_its_estimate():
+    # eight 512-wide dense layers: blelloch's products enumerate ~1e9 multiply-adds; with a 1 s limit
+    # it is refused at once, naming the product, the figure and how to raise the limit
+    model = Sequential(*[Linear(512, 512, rng=i) for i in range(8)], max_plan_seconds=1.0)
+    start = time.perf_counter()
+    refused = (r"planning blelloch would take ~\d+ s .*the costliest, scan step "
+               r".*over the planning limit of 1 s \(raise it with max_plan_seconds=")
+    with pytest.raises(ScanCostError, match=refused):
+        model.plan((512,), "blelloch")
+    assert time.perf_counter() - start < 5 and model.plan_builds == 0
+    assert model.plan((512,), "linear").method == "linear"  # back-propagation plans no product
+
+
+def test_the_planning_limit_comes_from_the_model_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv(cost.PLAN_SECONDS_VARIABLE, raising=False)
+    assert cost.max_plan_seconds() == cost.MAX_PLAN_SECONDS and cost.max_plan_seconds(3) == 3
+    monkeypatch.setenv(cost.PLAN_SECONDS_VARIABLE, "7.5")
+    assert cost.max_plan_seconds() == 7.5
+    monkeypatch.setenv(cost.PLAN_SECONDS_VARIABLE, "soon")
+    with pytest.raises(ValueError, match="SPARSE_SCAN_MAX_PLAN_SECONDS must be a number of seconds > 0"):
+        cost.max_plan_seconds()
+
+
+def test_auto_builds_nothing_whose_planning_is_predicted_over_its_budget():
+    model = Sequential(Conv2d(3, 16, 3, padding=1, rng=0), ReLU(), Conv2d(16, 16, 3, padding=1, rng=1),
+                       ReLU(), Flatten(), Linear(16 * 24 * 24, 10, rng=2))
+    auto = model.plan((3, 24, 24), "auto")
+    assert model.plan_builds == 1 and auto.method == "linear"
+    assert all(c.estimated and c.verdict.startswith("not built") for c in auto.choice.candidates[1:])
+
+
+def test_the_cache_file_round_trips_and_is_what_runs_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(cost.COST_MODEL_VARIABLE)
+    assert current("cpu").source == "defaults"  # nothing cached yet
+    mine = CostModel("cpu", 3, (("call", 1e-3), ("mv_gemm", 2e-10)), "calibrated in a test")
+    path = save(mine)
+    assert path.parent == tmp_path / "sparse-scan" and load(path) == mine and current("cpu") == mine
+    monkeypatch.setenv(cost.COST_MODEL_VARIABLE, "defaults")  # what the tests set: the cache ignored
+    assert current("cpu") == CostModel("cpu", current("cpu").threads, DEFAULTS["cpu"])
+    other = save(CostModel("cpu", 1, (("call", 5e-3),), "elsewhere"), tmp_path / "other.json")
+    monkeypatch.setenv(cost.COST_MODEL_VARIABLE, str(other))
+    assert current("cpu").source == "elsewhere"
+    monkeypatch.delenv(cost.COST_MODEL_VARIABLE)
+    path.write_text("{not json", encoding="utf-8")
+    assert current("cpu").source == "defaults"  # a damaged cache: the defaults
+    with pytest.raises(ValueError, match="not a sparse-scan calibration file"):
+        load(path)
+
+
+def test_the_fit_recovers_the_constants_that_made_the_times():
+    truth = {"call": 5e-5, "level": 1e-5, "mv_step": 3e-6, "mm_step": 8e-5, "mv_gemm": 2e-10,
+             "mm_general": 1.5e-9, "fill": 4e-9}
+    rng = np.random.default_rng(0)
+    measurements = []
+    for _ in range(40):
+        features = {name: float(rng.integers(1, 1000)) * (1e4 if name in ("mv_gemm", "mm_general", "fill")
+                                                            else 1) for name in truth}
+        seconds = sum(truth[name] * count for name, count in features.items())
+        measurements.append(Measurement("synthetic", "linear", None, 1, features, seconds))
+    fitted = fit(measurements, prior_weight=0.0).seconds
+    for name, value in truth.items():
+        assert fitted[name] == pytest.approx(value, rel=0.05), name
+    assert fitted["dense_flops"] == dict(DEFAULTS["cpu"])["dense_flops"]  # never seen: its default
+
+
+def test_calibrate_command_writes_and_shows_the_constants(tmp_path, monkeypatch):
+    fake = CostModel("cpu", 2, DEFAULTS["cpu"], "calibrated (fake)")
+    timed = [Measurement("tiny", "linear", None, 1, {"call": 1}, 1e-4)]
+    monkeypatch.setattr(calibration_module, "calibrate", lambda device, repeats, progress: (fake, timed))
+    runner = CliRunner()
+    out = tmp_path / "cost.json"
+    result = runner.invoke(app.main, ["calibrate", "--output", str(out), "--json", "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["cache"] == str(out) and load(out) == fake
+    assert report["measurements"][0]["predicted_s"] == pytest.approx(fake.predict({"call": 1}))
+    shown = runner.invoke(app.main, ["calibrate", "--show"])
+    assert shown.exit_code == 0 and "(defaults;" in shown.output and "mm_general" in shown.output
+    bad = runner.invoke(app.main, ["calibrate", "--output", str(tmp_path / "missing" / "dir" / "x.json"),
+                                   "--quiet"], catch_exceptions=False)
+    assert bad.exit_code == 0  # folders are made
+    (tmp_path / "a-file").write_text("", encoding="utf-8")
+    unwritable = runner.invoke(app.main, ["calibrate", "--output", str(tmp_path / "a-file" / "x.json"),
+                                          "--quiet"])
+    assert unwritable.exit_code == 2 and "cannot write the calibration" in unwritable.output
+
+
+def test_the_command_line_refuses_a_schedule_over_the_planning_limit_in_one_line(monkeypatch):
+    # VGG-11's hybrid 1 enumerates ~2.3e8 pattern entries and multiply-adds: ~70 s by the defaults
+    monkeypatch.setenv(cost.PLAN_SECONDS_VARIABLE, "10")
+    start = time.perf_counter()
+    result = CliRunner().invoke(app.main, ["flops", str(DATA / "vgg11.yaml"), "--method", "hybrid",
+                                           "--levels", "1", "--quiet"])
+    assert result.exit_code == 2 and time.perf_counter() - start < 30
+    line = result.output.strip()
+    assert "\n" not in line and "vgg11.yaml: planning hybrid 1 would take ~" in line
+    assert "over the planning limit of 10 s (raise it with max_plan_seconds= or " \
+           "SPARSE_SCAN_MAX_PLAN_SECONDS)" in line
+    assert "--max-step-flops" not in line  # not the limit that refused it
