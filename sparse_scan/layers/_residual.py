@@ -37,6 +37,7 @@ from ..engine.products import ProductPlan, plan_product
 from ..engine.run import multiply
 from ..weights import scoped_name
 from ._base import Layer, Shape, diagonal_pattern
+from ._residual_counts import BlockCounts, block_counts
 
 __all__ = ["ChainProduct", "Residual", "plan_sum"]
 
@@ -294,6 +295,7 @@ class Residual(Layer):
             raise ValueError(f"Residual: the inner and shortcut layers need unique names: {repeated[0]!r} "
                              f"names {paths.count(repeated[0])} of them")
         self._symbolic: dict[Hashable, _Symbolic] = {}
+        self._counts: dict[Hashable, BlockCounts] = {}
         self._input: Array | None = None
         self._inner_activations: list[Array] = []
         self._shortcut_activations: list[Array] = []
@@ -378,25 +380,42 @@ class Residual(Layer):
             self.plan_builds += 1
         return entry
 
+    def _planned_counts(self, shape: Shape) -> BlockCounts:
+        """The block's figures read from its symbolic plan for ``shape`` (built if need be)."""
+        symbolic = self._plan(shape)
+        flops = int(symbolic.positions[1].shape[0])
+        for chain in (symbolic.inner, symbolic.shortcut):
+            if chain is not None:
+                flops += sum(step.flops for step in chain.steps)
+        return BlockCounts(int(symbolic.union.nnz), int(symbolic.positions[1].shape[0]), flops)
+
+    def _block_counts(self, in_shape: Shape) -> BlockCounts:
+        """The block's figures for ``in_shape``: from its symbolic plan when built, else counted from
+        its layers' structure (:func:`~sparse_scan.layers._residual_counts.block_counts`, exact, no
+        product planned), else from the plan, built now (layers the counts do not know)."""
+        shape = self.check_in_shape(self._sizes(in_shape))
+        key = (shape, self._structure_key())
+        if key in self._symbolic:
+            return self._planned_counts(shape)
+        if key not in self._counts:
+            counted = block_counts(self.layers, self.shortcut, *self._shapes(shape))
+            self._counts[key] = self._planned_counts(shape) if counted is None else counted
+        return self._counts[key]
+
     def pattern_nnz(self, in_shape: Shape) -> int:
-        """Stored entries of the block's JT: its symbolic plan's union, without the device pattern
-        (its index arrays cast and placed) that :meth:`pattern` builds from it (issue 38: a plan's mv
-        steps need only the count)."""
-        return int(self._plan(in_shape).union.nnz)
+        """Stored entries of the block's JT, counted without planning its products where its layers
+        allow (:meth:`_block_counts`; issue 38: a plan's mv steps need only the count)."""
+        return self._block_counts(in_shape).nnz
 
     def jacobian_fill_flops(self, in_shape: Shape) -> int:
         """The products of the inner chain's JTs and of the shortcut chain's (their own layers' fills
         included, for nested blocks), and one add per shortcut entry for the sum."""
         shape = self.check_in_shape(self._sizes(in_shape))
-        symbolic = self._plan(shape)
         inner_shapes, short_shapes = self._shapes(shape)
-        flops = int(symbolic.positions[1].shape[0])
-        for chain, layers, shapes in ((symbolic.inner, self.layers, inner_shapes),
-                                      (symbolic.shortcut, self.shortcut, short_shapes)):
-            if chain is not None:
-                flops += sum(step.flops for step in chain.steps) + sum(
-                    layer.jacobian_fill_flops(s) for layer, s in zip(layers, shapes[:-1], strict=True))
-        return flops
+        own = sum(layer.jacobian_fill_flops(s) for layers, shapes in
+                  ((self.layers, inner_shapes), (self.shortcut, short_shapes))
+                  for layer, s in zip(layers, shapes[:-1], strict=True))
+        return self._block_counts(shape).product_flops + own
 
     def _build_pattern(self, be: _backend.Backend, in_shape: Shape,
                        index_dtype: Any) -> tuple[Pattern, dict[str, Any]]:
