@@ -160,7 +160,8 @@ def test_the_cache_file_round_trips_and_is_what_runs_use(tmp_path, monkeypatch):
     assert current("cpu").source == "elsewhere"
     monkeypatch.delenv(cost.COST_MODEL_VARIABLE)
     path.write_text("{not json", encoding="utf-8")
-    assert current("cpu").source == "defaults"  # a damaged cache: the defaults
+    with pytest.warns(RuntimeWarning, match=f"{path.name}.*sparse-scan calibrate"):
+        assert current("cpu").source == "defaults"  # a damaged cache: the defaults, said
     with pytest.raises(ValueError, match="not a sparse-scan calibration file"):
         load(path)
 

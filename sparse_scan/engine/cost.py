@@ -48,6 +48,7 @@ import json
 import os
 import pathlib
 import platform
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -193,7 +194,7 @@ def load(path: pathlib.Path | str) -> CostModel:
 def current(device: str = "cpu") -> CostModel:
     """The cost model runs on ``device`` use: ``SPARSE_SCAN_COST_MODEL``'s (``defaults``: the
     :data:`DEFAULTS`; a path: that file), else the cached calibration of this machine
-    (:func:`cache_path`), else the defaults."""
+    (:func:`cache_path`), else the defaults (with a ``RuntimeWarning`` naming a damaged cache file)."""
     if device not in DEFAULTS:
         raise ValueError(f"cost model: device must be one of {', '.join(DEFAULTS)}; got {device!r}")
     setting = os.environ.get(COST_MODEL_VARIABLE, "").strip()
@@ -204,8 +205,9 @@ def current(device: str = "cpu") -> CostModel:
         if path.is_file():
             try:
                 return load(path)
-            except ValueError:
-                pass  # a damaged cache: the defaults, until `sparse-scan calibrate` rewrites it
+            except ValueError as error:  # the defaults, until `sparse-scan calibrate` rewrites it
+                warnings.warn(f"{error}; auto uses the default cost model until `sparse-scan calibrate` "
+                              "rewrites it", RuntimeWarning, stacklevel=2)
     return CostModel(device, _threads(device), DEFAULTS[device])
 
 
