@@ -20,7 +20,11 @@ Recurrent cases of 10,000 steps time depths 0, 1, 2, 4 and the full depth only (
 10,000 blocks takes seconds per backward on 2 cores). The JSON ends with the summary: regret's median
 and worst, and the distribution of predicted/measured over every schedule built.
 
-Usage: ``python bench/auto_regret.py [--quick] [--rounds 5] > bench/results/auto_regret-2core-cpu.json``.
+``--calibrate`` first calibrates the cost model on this machine (what ``sparse-scan calibrate`` does)
+and predicts with that, so that the constants and the timings come from the same conditions.
+
+Usage: ``python bench/auto_regret.py --calibrate [--quick] [--rounds 5] >
+bench/results/auto_regret-2core-cpu.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Iterator
 
@@ -38,7 +43,8 @@ import numpy as np
 from common import cpu_pressure, machine
 
 from sparse_scan import Sequential, backend, load_model
-from sparse_scan.engine.cost import current
+from sparse_scan.calibration import calibrate
+from sparse_scan.engine.cost import current, save
 from sparse_scan.engine.plan import ScanCostError, ScanMemoryError
 from sparse_scan.engine.schedule import depth, schedule_at_depth
 from sparse_scan.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
@@ -133,7 +139,8 @@ def run_case(model: Model, batch: int, rounds: int, cost: Any) -> dict[str, Any]
         predicted = plan.predicted_seconds(batch, cost)
         rows.append({"method": method, "levels": levels, "measured_s": medians[(method, levels)],
                      "predicted_s": predicted, "ratio": predicted / medians[(method, levels)],
-                     "critical_flops": plan.critical_flops, "work_flops": plan.work_flops})
+                     "critical_flops": plan.critical_flops, "work_flops": plan.work_flops,
+                     "features": plan.features(batch, cost.threads)})
     return {"batch": batch, "auto": {"method": chosen[0], "levels": chosen[1], "measured_s": medians["auto"],
                                      "plan_s": plan_auto_s},
             "fastest": {"method": fastest[0], "levels": fastest[1], "measured_s": medians[fastest]},
@@ -147,6 +154,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer generated chains")
     parser.add_argument("--max-plan-seconds", type=float, default=20.0,
                         help="the planning limit of every explicit schedule (SPARSE_SCAN_MAX_PLAN_SECONDS)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate the cost model first (`sparse-scan calibrate`) and predict with it")
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--summarise", type=pathlib.Path, default=None,
                         help="recompute the summary of a saved run (its cases unchanged) and print it")
@@ -163,6 +172,9 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
     os.environ["SPARSE_SCAN_MAX_PLAN_SECONDS"] = str(args.max_plan_seconds)
+    if args.calibrate:  # this machine's constants now, as `sparse-scan calibrate` caches them
+        cost, _ = calibrate("cpu")
+        os.environ["SPARSE_SCAN_COST_MODEL"] = str(save(cost, pathlib.Path(tempfile.mkdtemp()) / "cost.json"))
     cost = current("cpu")
     info = machine(backend.get("cpu"), with_torch=False)
     report: dict[str, Any] = {"benchmark": "auto_regret", "machine": info,

@@ -1,6 +1,6 @@
 """``sparse-scan calibrate``: measure this machine's cost-model constants and cache them.
 
-Calls :func:`sparse_scan.calibration.calibrate` (a few seconds of small backwards), writes the fitted
+Calls :func:`sparse_scan.calibration.calibrate` (about ten seconds of small backwards), writes the fitted
 constants where :func:`sparse_scan.engine.cost.current` finds them (per machine and library version,
 under ``$XDG_CACHE_HOME/sparse-scan``; ``--output`` elsewhere) and prints them with each timed
 schedule's predicted against measured time (or JSON). ``--show`` prints the constants runs use now,
@@ -23,7 +23,7 @@ from ._progress import Progress
 @click.command(name="calibrate")
 @click.option("--device", type=click.Choice(["cpu"]), default="cpu", show_default=True,
               help="the backend to measure (the GPU's constants are placeholders: docs/gpu.md)")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="timed runs per schedule (the median is fitted)")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=pathlib.Path), default=None,
               help="write the constants here instead of the cache")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import time
 from typing import Callable, Hashable, Sequence
 
@@ -49,7 +51,8 @@ from .engine.schedule import SCHEDULES, Element, checked_levels, depth, schedule
 from .layers import Layer
 from .model import JacobianSize
 
-__all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_PLAN_SECONDS", "Sequential", "default_memory_budget"]
+__all__ = ["AUTO_ESTIMATE_SLACK", "AUTO_PLAN_SECONDS", "MEMORY_BUDGET_VARIABLE", "Sequential",
+           "default_memory_budget"]
 
 AUTO_PLAN_SECONDS = 1.0
 """The most predicted planning time (:func:`~sparse_scan.engine.cost.predicted_plan_seconds` of an
@@ -67,8 +70,34 @@ over-estimates)."""
 Shape = tuple[int, ...]
 
 
+MEMORY_BUDGET_VARIABLE = "SPARSE_SCAN_MEMORY_BUDGET"
+"""Environment variable: the memory budget where a model sets none (:func:`default_memory_budget`), in
+bytes or with a binary unit (``512M``, ``12GiB``); the command line's way to raise it."""
+
+RESULT_ENTRY_BYTES = 8
+"""What the lean product method stores per entry of a product's result at least: its column index and
+one float32 value (:func:`~sparse_scan.engine.products.plan_product`'s budget check)."""
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _in_units(size: float) -> str:
+    """Bytes as bytes below a MiB, MiB below a GiB, else GiB (three digits)."""
+    if size < 2**20:
+        return f"{size:,.0f} bytes"
+    return f"{size / 2**20:.3g} MiB" if size < 2**30 else f"{size / 2**30:,.3g} GiB"
+
+
 def default_memory_budget(fraction: float = 0.5) -> int:
-    """``fraction`` of the memory available now (Linux ``MemAvailable``; 4 GiB if unknown)."""
+    """:data:`MEMORY_BUDGET_VARIABLE` where it is set, else ``fraction`` of the memory available now
+    (Linux ``MemAvailable``; 4 GiB if unknown)."""
+    setting = os.environ.get(MEMORY_BUDGET_VARIABLE, "").strip()
+    if setting:
+        match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?", setting.lower())
+        if match is None or float(match.group(1)) <= 0:
+            raise ValueError(f"{MEMORY_BUDGET_VARIABLE} must be a number of bytes > 0, optionally with a "
+                             f"unit (512M, 12GiB); got {setting!r}")
+        return int(float(match.group(1)) * _UNITS[match.group(2)])
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
@@ -124,13 +153,26 @@ def _auto_verdict(estimate: ScanPlan, best_s: float, batch: int, model: CostMode
 
 
 def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_step_flops: int | None,
-                        max_plan_seconds: float, model: CostModel) -> None:
+                        max_plan_seconds: float, model: CostModel, budget: int) -> None:
     """:class:`ScanCostError` for a schedule whose estimate (:func:`estimate_plan`, the JTs' shapes and
     ``nnz`` alone, nothing built) has a product over :data:`AUTO_ESTIMATE_SLACK` times
     ``max_step_flops``, or would take more than ``max_plan_seconds`` to build
-    (:func:`~sparse_scan.engine.cost.predicted_plan_seconds`); :func:`build_plan` still counts every
-    product exactly before building it."""
+    (:func:`~sparse_scan.engine.cost.predicted_plan_seconds`); :class:`ScanMemoryError` for one with a
+    product whose result alone (:data:`RESULT_ENTRY_BYTES` per estimated entry) is over
+    :data:`AUTO_ESTIMATE_SLACK` times the memory ``budget`` (the estimates of result entries are at
+    most 1.8x the built ones' on the bundled models and never below them). :func:`build_plan` still
+    counts every product exactly before building it, and refuses one over the budget on its own."""
     estimate = estimate_plan(chain, method, levels)
+    label = f"{method}{'' if levels is None else f' {levels}'}"
+    largest = max((step for step in estimate.steps if step.kind == "mm" and not step.scaling),
+                  key=lambda step: step.out_nnz, default=None)
+    if largest is not None and largest.out_nnz * RESULT_ENTRY_BYTES > AUTO_ESTIMATE_SLACK * budget:
+        raise ScanMemoryError(
+            f"planning {label}: {chain.describe_step(largest)}, has a result of ~{largest.out_nnz:.3g} "
+            f"entries, ~{_in_units(largest.out_nnz * RESULT_ENTRY_BYTES)} (estimated from the JTs' sizes "
+            f"before building anything), over the memory budget of {_in_units(budget)} (raise it with "
+            f"memory_budget= or {MEMORY_BUDGET_VARIABLE}, or use method='linear' or a hybrid with fewer "
+            "levels)")
     costliest = _costliest_product(estimate)
     if costliest is None:
         return
@@ -141,7 +183,7 @@ def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_s
     planning = predicted_plan_seconds(estimate.symbolic_work, model)
     if planning > max_plan_seconds:
         raise ScanCostError(
-            f"planning {method}{'' if levels is None else f' {levels}'} would take ~{planning:,.0f} s "
+            f"planning {label} would take ~{planning:,.0f} s "
             f"(~{estimate.symbolic_work:.2g} pattern entries and multiply-adds to enumerate, estimated from "
             f"the JTs' sizes before building anything; the costliest, {chain.describe_step(costliest)}, "
             f"~{costliest.flops / 2:.2g} multiply-adds), over the planning limit of {max_plan_seconds:g} s "
@@ -165,7 +207,9 @@ class Sequential:
         How many scan plans were built (symbolic work); a cached plan is reused for every batch and
         batch size with the same per-sample input shape, method and levels.
     memory_budget : int or None
-        Bytes one product's plan may hold (None: half the memory available when planning).
+        Bytes one product's plan may hold (None: :data:`MEMORY_BUDGET_VARIABLE`, else half the memory
+        available when planning); a schedule with a product whose result alone is estimated far over
+        it is refused before anything is built.
     max_plan_seconds : float or None
         The longest predicted planning time of an explicit schedule
         (:func:`~sparse_scan.engine.cost.max_plan_seconds`: None for ``SPARSE_SCAN_MAX_PLAN_SECONDS``
@@ -444,7 +488,7 @@ class Sequential:
         sized = self.chain_info(shape, progress=progress)
         if method != "linear":  # refused at once, from the JTs' sizes, rather than after hours
             _refuse_by_estimate(sized, method, levels, max_step_flops,
-                                max_plan_seconds(self.max_plan_seconds), current("cpu"))
+                                max_plan_seconds(self.max_plan_seconds), current("cpu"), budget)
         self.plan_builds += 1
         chain = self.chain_info(shape, operands_needing_patterns(len(self.layers), method, levels), progress,
                                 sized=sized)

@@ -1,13 +1,13 @@
 """Calibration of the cost model: the backend's constants measured on this machine (issue 38).
 
 :func:`calibrate` times the backward of a fixed set of small models (:func:`workloads`: a chain of
-activations, deep narrow, wide and pruned MLPs, two small CNNs, three RNNs and an LSTM), each under
-several schedules and at batch 1 and
-16, and fits the seconds per unit of every feature (:mod:`sparse_scan.engine.cost`) to those times by
-non-negative least squares on the relative error, so that a prediction errs by a ratio, not by a
-number of seconds. It takes a few seconds; :func:`sparse_scan.engine.cost.save` caches the result per
-machine and library version, where :func:`sparse_scan.engine.cost.current` finds it
-(``sparse-scan calibrate`` does both). Features the workloads do not exercise keep their defaults.
+activations, deep narrow, wide and pruned MLPs, three small CNNs and a 97%-pruned one, a small
+residual network dense and pruned, four RNNs and two LSTMs), each under several schedules and at
+batch 1 and 16, and fits the seconds per unit of every feature (:mod:`sparse_scan.engine.cost`) to
+those times by non-negative least squares on the relative error, so that a prediction errs by a
+ratio, not by a number of seconds. It takes about ten seconds; :func:`sparse_scan.engine.cost.save`
+caches the result per machine and library version, where :func:`sparse_scan.engine.cost.current`
+finds it (``sparse-scan calibrate`` does both). Features the workloads do not exercise keep their defaults.
 
 The fit is a measurement of this machine under its load at the time: a noisy machine gives noisy
 constants. Tests never use it for a decision they assert (they run with
@@ -29,6 +29,7 @@ from .engine.cost import DEFAULTS, FEATURES, CostModel, current
 from .layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
 from .model import Model
 from .recurrent import LSTM, RNN, RecurrentClassifier
+from .spec import model_from_spec
 
 __all__ = ["Measurement", "calibrate", "fit", "measure", "workloads"]
 
@@ -73,9 +74,43 @@ def _cnn(channels: int = 8, size: int = 16) -> Sequential:
                       Linear(2 * channels * (size // 4) ** 2, 10, rng=2), input_shape=(3, size, size))
 
 
+def _residual(channels: int, side: int, prune: float | None = None) -> Model:
+    """A stem convolution and two residual blocks (convolution, batch norm, ReLU, convolution, batch
+    norm) of ``channels`` on ``side×side``, then a linear head; ``prune``: that share of every
+    convolution's and the head's weights magnitude-pruned (the spec's ``prune``)."""
+    def conv() -> dict[str, Any]:
+        return {"type": "conv2d", "out_channels": channels, "kernel_size": 3, "padding": 1, "bias": False}
+
+    block = {"type": "residual", "layers": [conv(), {"type": "batchnorm2d"}, {"type": "relu"}, conv(),
+                                            {"type": "batchnorm2d"}]}
+    spec: dict[str, Any] = {
+        "input_shape": [3, side, side], "init": {"seed": 0},
+        "layers": [conv(), {"type": "batchnorm2d"}, {"type": "relu"}, block, {"type": "relu"}, block,
+                   {"type": "relu"}, {"type": "flatten"}, {"type": "linear", "out_features": 10}]}
+    if prune:
+        spec["prune"] = {"amount": prune}
+    return model_from_spec(spec)
+
+
+def _pruned_cnn(channels: int, side: int, amount: float) -> Model:
+    """Three 3x3 convolutions (``channels``, then twice as many), ReLUs and two max-pools, with
+    ``amount`` of the weights pruned: heavily pruned, the convolutions multiply by CSR weights."""
+    def conv(out: int) -> dict[str, Any]:
+        return {"type": "conv2d", "out_channels": out, "kernel_size": 3, "padding": 1}
+
+    pool = {"type": "maxpool2d", "kernel_size": 2}
+    return model_from_spec({
+        "input_shape": [3, side, side], "init": {"seed": 0}, "prune": {"amount": amount},
+        "layers": [conv(channels), {"type": "relu"}, conv(2 * channels), {"type": "relu"}, pool,
+                   conv(2 * channels), {"type": "relu"}, pool, {"type": "flatten"},
+                   {"type": "linear", "out_features": 10}]})
+
+
 def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
     """The calibration's models, each with the schedules timed: ``(name, model, ((method, levels),
-    ...))``."""
+    ...))``. Recurrent classifiers whose back-propagation is timed pool every hidden state
+    (``reduction="mean"``): with a loss on the last state alone, back-propagation stops where the
+    gradient underflows to zero, which depends on the data, not on the schedule."""
     deep = (("linear", None), ("hybrid", 1), ("hybrid", 3), ("blelloch", None))
     shallow = (("linear", None), ("hybrid", 1), ("blelloch", None))
     rnn = RecurrentClassifier(RNN(1, 16, rng=0), 4, rng=1, input_shape=(200, 1))
@@ -84,15 +119,24 @@ def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
             ("mlp 6x(128,relu)", _mlp(128, 6, ReLU), shallow),
             ("mlp 3x(1024,relu)", _mlp(1024, 3, ReLU), (("linear", None),)),
             ("mlp 4x(256,relu) 90% pruned", _mlp(256, 4, ReLU, prune=0.9), shallow),
+            ("cnn 3x8x8", _cnn(4, 8), shallow),
             ("cnn 3x16x16", _cnn(), (("linear", None), ("hybrid", 1), ("hybrid", 2), ("blelloch", None))),
             ("rnn T=200 H=16", rnn, (("linear", None), ("hybrid", 2), ("blelloch", None))),
             ("rnn T=100 H=64", RecurrentClassifier(RNN(1, 64, rng=2), 4, rng=3, input_shape=(100, 1)),
              (("linear", None), ("blelloch", None))),
-            ("rnn T=2000 H=20", RecurrentClassifier(RNN(1, 20, rng=4), 4, rng=5, input_shape=(2000, 1)),
-             (("linear", None),)),
+            ("rnn T=1000 H=20", RecurrentClassifier(RNN(1, 20, rng=10), 4, rng=11, input_shape=(1000, 1)),
+             (("hybrid", 1),)),
+            ("rnn T=2000 H=20 mean", RecurrentClassifier(RNN(1, 20, rng=4), 4, rng=5, input_shape=(2000, 1),
+                                                          reduction="mean"), (("linear", None),)),
             ("lstm T=200 H=12", RecurrentClassifier(LSTM(1, 12, rng=6), 4, rng=7, input_shape=(200, 1)),
-             (("linear", None), ("hybrid", 2), ("blelloch", None))),
-            ("cnn 8x32x32", _cnn(8, 32), (("linear", None), ("hybrid", 1), ("blelloch", None)))]
+             (("hybrid", 2), ("blelloch", None))),
+            ("lstm T=300 H=20 mean",
+             RecurrentClassifier(LSTM(1, 20, rng=8), 4, rng=9, input_shape=(300, 1), reduction="mean"),
+             (("linear", None), ("hybrid", 3))),
+            ("cnn 8x32x32", _cnn(8, 32), (("linear", None), ("hybrid", 1), ("blelloch", None))),
+            ("resnet 2 blocks 16x8x8", _residual(16, 8), (("linear", None), ("hybrid", 1))),
+            ("resnet 2 blocks 16x8x8 90% pruned", _residual(16, 8, 0.9), (("linear", None), ("hybrid", 1))),
+            ("cnn 32x16x16 97% pruned", _pruned_cnn(32, 16, 0.97), (("linear", None), ("hybrid", 1)))]
 
 
 def measure(model: Model, method: str, levels: int | None, batch: int, repeats: int = 5,
@@ -145,7 +189,7 @@ def fit(measurements: list[Measurement], device: str = "cpu", threads: int = 1,
                      f"calibrated {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
 
 
-def calibrate(device: str = "cpu", repeats: int = 3,
+def calibrate(device: str = "cpu", repeats: int = 5,
               progress: Callable[[str, int, int], None] | None = None) -> tuple[CostModel, list[Measurement]]:
     """Measure this machine's constants for ``device`` (only ``cpu`` can be timed here; the GPU's
     need a GPU and its arrays, see docs/gpu.md): time :func:`workloads` (``repeats`` runs each, the

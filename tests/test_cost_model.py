@@ -22,7 +22,7 @@ from sparse_scan.cli import app
 from sparse_scan.engine import cost
 from sparse_scan.engine.cost import DEFAULTS, FEATURES, CostModel, current, load, save
 from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
-from sparse_scan.engine.plan import ScanCostError
+from sparse_scan.engine.plan import ScanCostError, ScanMemoryError
 from sparse_scan.engine.schedule import depth
 from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU, Tanh
 from sparse_scan.recurrent import RNN, RecurrentClassifier
@@ -52,6 +52,52 @@ def test_back_propagations_features_are_counted_from_the_layers():
     assert features.get("fill", 0) == 0  # nothing read as values: GEMMs and a scaling from the input
 
 
+def test_a_gemm_through_the_weights_counts_the_dense_layers_work_and_its_weights_once():
+    # an 80%-pruned Linear(64, 64): its JT holds ~820 entries, the GEMM over its weights (still the
+    # faster path at that density) does 64·64 multiply-adds per sample and reads the 4096 weights once
+    dense, pruned = Linear(64, 64, rng=0), Linear(64, 64, rng=0, prune_pattern=True)
+    weight = np.array(pruned.weight)
+    weight[np.random.default_rng(0).random(weight.shape) < 0.8] = 0
+    pruned.weight = weight
+    for layer in (dense, pruned):
+        plan = Sequential(layer, Tanh(), input_shape=(64,)).plan((64,), "linear")
+        [gemm] = [step for step in plan.steps if step.method == "gemm"]
+        features = plan.features(batch=3, threads=1)
+        assert features["mv_gemm"] == 3 * 2 * 64 * 64 and features["mv_weights"] == 64 * 64
+        assert features["mv_call"] == 1
+    assert gemm.flops < 2 * 64 * 64 * 0.3  # the pruned JT's own count is far lower
+
+
+def test_per_sample_spmvs_and_filled_jts_are_counted_per_call():
+    # blelloch over Tanh-Linear pairs: its products are per sample (a diagonal per sample), so the mvs
+    # by them are one SpMV call per sample; every JT whose values a product reads is one fill
+    model = Sequential(*[layer for i in range(4) for layer in (Linear(6, 6, rng=i), Tanh())])
+    plan = model.plan((6,), "blelloch")
+    per_sample = [step for step in plan.steps if step.kind == "mv" and step.method == "spmv"
+                  and plan.element_bytes[step.right][1] > 0]
+    assert per_sample
+    one, five = plan.features(1, 1), plan.features(5, 1)
+    assert five["mv_sample"] == 5 * one["mv_sample"] == 5 * len(per_sample)
+    filled = {element.lo for step in plan.steps if step.kind == "mm"
+              for element in (step.left, step.right) if element.lo == element.hi}
+    assert one["fill_call"] == len(filled)
+
+
+def test_a_residual_blocks_mv_counts_one_call_per_inner_operator():
+    from sparse_scan.spec import model_from_spec
+    conv = {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1, "bias": False}
+    model = model_from_spec({"input_shape": [4, 6, 6], "init": {"seed": 0}, "layers": [
+        {"type": "residual", "layers": [conv, {"type": "batchnorm2d"}, {"type": "relu"}, conv]},
+        {"type": "flatten"}, {"type": "linear", "out_features": 3}]})
+    plan = model.plan((4, 6, 6), "linear")
+    features = plan.features(2, 1)
+    # the block: its four layers and the sum; the linear head: one; weights: two convolutions' and
+    # the head's; work: the convolutions' GEMMs, the diagonals' entries and the head's GEMM, 2 per sample
+    assert features["mv_call"] == 5 + 1
+    assert features["mv_weights"] == 2 * 4 * 4 * 9 + 4 * 36 * 3
+    assert features["mv_gemm"] == 2 * 2 * (2 * 4 * 4 * 9 * 36 + 2 * 4 * 36 + 4 * 36 * 3)
+
+
 def test_a_product_of_shared_jts_runs_once_per_batch_and_a_levels_steps_share_the_threads():
     model = Sequential(*[Linear(4, 4, rng=i) for i in range(4)])  # four sample-independent JTs
     plan = model.plan((4,), "blelloch")
@@ -72,10 +118,14 @@ def test_the_recurrent_plans_prediction_weighs_its_scans_features():
     costs = CostModel("cpu", 2, (("factored_step", 1e-6), ("factored_sample", 1e-7), ("dense_level", 1e-5),
                                  ("dense_flops", 1e-9), ("block_fill", 1e-4), ("block_fill_values", 1e-9)))
     linear, blelloch = model.plan(method="linear"), model.plan(method="blelloch")
+    # every schedule passes over the T x B x S state gradients; the cell's kernel runs BP's gradients
     assert linear.features(8) == {"call": 1, "factored_flops": 8 * linear.work_flops, "factored_step": 20,
-                                  "factored_sample": 160}
+                                  "factored_sample": 160, "step_values": 20 * 8 * 4}
     features = blelloch.features(8)
     assert features["block_fill_values"] == 20 * 8 * 16 and features["block_fill"] == 1
+    # after a scan, the gate gradient, the input's and both weights' (2·rows·(2·columns + out) + 4·rows)
+    assert features["cell_flops"] == 20 * 8 * (2 * 4 * (2 * 1 + 4) + 4 * 4)
+    assert features["step_values"] == 20 * 8 * 4
     assert features["dense_level"] + features["dense_chain_step"] == blelloch.critical_steps
     assert blelloch.predicted_seconds(8, costs) == pytest.approx(costs.predict(features))
     auto = model.plan(method="auto", batch=8)
@@ -216,3 +266,47 @@ def test_the_command_line_refuses_a_schedule_over_the_planning_limit_in_one_line
     assert "over the planning limit of 10 s (raise it with max_plan_seconds= or " \
            "SPARSE_SCAN_MAX_PLAN_SECONDS)" in line
     assert "--max-step-flops" not in line  # not the limit that refused it
+
+
+def test_an_explicit_schedule_over_the_memory_budget_is_refused_from_its_estimate():
+    # four 256-wide dense layers: blelloch's first products hold 256 x 256 entries, 512 KiB each at
+    # 8 bytes an entry; with a 64 KiB budget it is refused before any pattern is built
+    model = Sequential(*[Linear(256, 256, rng=i) for i in range(4)], memory_budget=64 * 2**10)
+    start = time.perf_counter()
+    refused = (r"planning blelloch: scan step .* has a result of ~6.55e\+04 entries, ~524,288 bytes "
+               r"\(estimated .*\), over the memory budget of 65,536 bytes \(raise it with memory_budget= or "
+               r"SPARSE_SCAN_MEMORY_BUDGET")
+    with pytest.raises(ScanMemoryError, match=refused):
+        model.plan((256,), "blelloch")
+    assert time.perf_counter() - start < 5 and model.plan_builds == 0
+    model.memory_budget = 2**20  # within twice the budget: built, the lean method if need be
+    assert model.plan((256,), "blelloch").method == "blelloch"
+
+
+def test_the_memory_budget_comes_from_the_model_the_environment_or_the_machine(monkeypatch):
+    from sparse_scan._sequential import default_memory_budget
+
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "512M")
+    assert default_memory_budget() == 512 * 2**20
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "1.5GiB")
+    assert default_memory_budget() == 3 * 2**29
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "4096")
+    assert default_memory_budget() == 4096
+    for bad in ("lots", "-1G", "0"):
+        monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", bad)
+        with pytest.raises(ValueError, match="SPARSE_SCAN_MEMORY_BUDGET must be a number of bytes > 0"):
+            default_memory_budget()
+    monkeypatch.delenv("SPARSE_SCAN_MEMORY_BUDGET")
+    assert default_memory_budget() > 0
+
+
+def test_the_command_line_refuses_a_schedule_over_the_memory_budget_in_one_line(monkeypatch):
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "2M")
+    start = time.perf_counter()
+    result = CliRunner().invoke(app.main, ["flops", str(DATA / "vgg11-pruned.yaml"), "--method", "hybrid",
+                                           "--levels", "2", "--quiet"])
+    assert result.exit_code == 2 and time.perf_counter() - start < 30
+    line = result.output.strip()
+    assert "\n" not in line and "vgg11-pruned.yaml: planning hybrid 2: scan step" in line
+    assert "over the memory budget of 2 MiB (raise it with memory_budget= or " \
+           "SPARSE_SCAN_MEMORY_BUDGET" in line

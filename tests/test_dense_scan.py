@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from sparse_scan.engine import _dense_cpu as dense_host
-from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
+from sparse_scan.engine.dense_plan import Location, auto_levels, build_dense_plan, dense_shape
+from sparse_scan.engine.figures import critical_path
 from sparse_scan.engine.run import dense_scan
 from sparse_scan.engine.schedule import depth
 
@@ -49,6 +50,41 @@ def test_every_schedule_equals_the_sequential_chain(n, batch, affine):
         single = dense_scan(blocks.astype(np.float32), direct.astype(np.float32), method, levels, threads=1)
         assert single.dtype == np.float32
         np.testing.assert_allclose(single, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=label)
+
+
+def _chains_of_groups(plan):
+    """Runs of four or more levels of one mv each, every one reading the previous one's result, from
+    the built plan's groups (the executor's view)."""
+    runs, start = {}, None
+    for index, groups in enumerate(plan.levels_of_groups + [[]]):
+        single = len(groups) == 1 and groups[0].kind == "mv" and len(groups[0].ops) == 1
+        follows = single and start is not None and groups[0].ops[0].left == Location(
+            plan.levels_of_groups[index - 1][0].buffer, 0)
+        if start is not None and not follows:
+            if index - start >= 4:
+                runs[start] = index
+            start = None
+        if single and start is None:
+            start = index
+    return runs
+
+
+def test_the_counted_shape_is_the_built_plans():
+    # dense_shape counts levels, products and chains from the schedule's segments alone (the cost
+    # model's and auto's figures): every n to 130 and every schedule, against the built plan
+    for n in range(1, 131):
+        hybrids = [("hybrid", k) for k in range(depth(n) + 1)]
+        for method, levels in [("linear", None), ("blelloch", None)] + hybrids:
+            plan, shape = build_dense_plan(n, method, levels), dense_shape(n, method, levels)
+            assert shape.counts == tuple((sum(len(g.ops) for g in groups if g.kind == "mm"),
+                                          sum(len(g.ops) for g in groups if g.kind == "mv"))
+                                         for groups in plan.levels_of_groups)
+            assert shape.chains == _chains_of_groups(plan)
+            for size, affine in ((3, True), (5, False)):
+                sized = plan.sized(size, affine)
+                steps = sized.steps
+                assert shape.critical_flops(size, affine) == sum(steps[i].flops for i in critical_path(steps))
+                assert sum(shape.level_flops(size, affine)) == sum(step.flops for step in steps)
 
 
 def test_threads_split_large_levels_without_changing_results(monkeypatch):

@@ -467,8 +467,12 @@ def test_memory_budget_selects_the_lean_method_and_names_the_step_when_nothing_f
     assert "rowwise" in {step.method for step in lean_plan.steps}
     for got, want in zip(model.backward(grad_out, method="blelloch"), reference, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-10)
-    model.memory_budget = 16
-    with pytest.raises(MemoryError, match=r"layers? '.*needs more than \d+ bytes.*budget of 16 bytes"):
+    # a result just over the budget: the estimate lets it through (within twice), building refuses it
+    model.memory_budget = max(s.out_nnz for s in general) * 8 - 1
+    with pytest.raises(MemoryError, match=r"layers? '.*needs more than \d+ bytes.*budget of \d+ bytes"):
+        model.plan(in_shape, "blelloch")
+    model.memory_budget = 16  # far over: refused from the estimate, before anything is built
+    with pytest.raises(MemoryError, match=r"layers? '.*has a result of .*over the memory budget of 16 bytes"):
         model.plan(in_shape, "blelloch")
 
 

@@ -60,10 +60,18 @@ class WeightsPath:
     csr : bool
         The weights are pruned heavily enough to multiply as CSR on the host (the operator then
         skips the pruned multiply-adds).
+    calls : int
+        Operators one application runs (a residual block: one per inner and shortcut layer and the
+        sum): the cost model's fixed cost per call.
+    weights : int
+        Weight entries one application reads (once for the batch): the cost model's memory traffic
+        of a GEMM (a convolution's are far fewer than its multiply-adds, a linear layer's as many).
     """
 
     multiply_adds: int
     csr: bool = False
+    calls: int = 1
+    weights: int = 0
 
 
 def gemm_pays(nnz: int, path: WeightsPath | None) -> bool:
@@ -87,11 +95,15 @@ class WeightsPlan:
         VGG-11's eight 97%-pruned convolutions (2 cores, float32), the compiled transposed
         convolution against JT's values fill plus its SpMV: 12.9 ms against about 40 at batch 16
         (SciPy's ``W^T @ g`` plus col2im, before it, lost from batch 8 on: 0.74x at 16).
+    paths : tuple of (int, WeightsPath)
+        The path of each JT of :attr:`gemm` and :attr:`csr`, for the cost model: a GEMM over the
+        weights does the dense layer's multiply-adds, pruned or not, not JT's ``nnz``.
     """
 
     gemm: frozenset[int] = frozenset()
     mv_only: frozenset[int] = frozenset()
     csr: frozenset[int] = frozenset()
+    paths: tuple[tuple[int, WeightsPath], ...] = ()
 
     @property
     def gemm_only(self) -> frozenset[int]:
@@ -124,4 +136,5 @@ def weights_plan(gemm: Iterable[int], mv: Iterable[int], products: Iterable[int]
     gemm, mv, products = frozenset(gemm), frozenset(mv), frozenset(products)
     mv_only = (gemm | mv) - products
     csr = frozenset(j for j in mv_only if paths[j - 1] is not None and paths[j - 1].csr)
-    return WeightsPlan(gemm, mv_only, csr)
+    used = tuple((j, paths[j - 1]) for j in sorted(gemm | csr) if paths[j - 1] is not None)
+    return WeightsPlan(gemm, mv_only, csr, used)

@@ -6,18 +6,23 @@ time, times the backend's seconds per unit of it (:class:`CostModel`):
 - per-step fixed costs: ``call`` (one backward), ``layer`` (per layer: binding, values, reshapes),
   ``level`` (a level's synchronisation), ``mv_step`` and ``mm_step`` (an mv's or a product's launch:
   its dispatch, buffers, and the thread pool a level of several steps runs on), ``mm_sample`` (a
-  product's cost per sample it runs for, whatever its size); the recurrent scans' ``dense_level`` (a
-  level of batched block products), ``dense_chain_step`` (a step of a chain's tight loop),
-  ``factored_step`` and ``factored_sample`` (a back-propagation step with the blocks left factored,
-  and per sample) and ``block_fill`` (filling one scan's blocks);
+  product's cost per sample it runs for, whatever its size), ``mv_sample`` (an SpMV by a matrix per
+  sample: one call per sample), ``mv_call`` (an operator applied through a layer's weights: a
+  residual block counts one per inner layer), ``fill_call`` (a JT whose values a run fills); the
+  recurrent scans' ``dense_level`` (a level of batched block products), ``dense_chain_step`` (a step
+  of a chain's tight loop), ``factored_step`` and ``factored_sample`` (a back-propagation step with
+  the blocks left factored, and per sample) and ``block_fill`` (filling one scan's blocks);
 - work over the backend's throughput for that kind of product, in FLOPs (docs/design.md's counting)
   times the samples it runs for (one for a product of sample-independent JTs): ``mv_spmv``,
-  ``mv_gemm`` (an mv through a layer's weights), ``mv_scale``, ``mm_scale`` (a scaling by a diagonal),
-  ``mm_gather`` (a max-pool's selection), ``mm_block`` (dense channel blocks), ``mm_general``
-  (stored multiply-adds, ``rowwise`` included), ``fill`` (JT entries whose values a run fills; and
-  ``fill_flops``, a residual block's products inside its fill), ``dense_flops`` (block products and
-  mvs of a recurrent scan), ``factored_flops`` (back-propagation's mvs with the blocks factored),
-  ``block_fill_values`` (the blocks' entries);
+  ``mv_gemm`` (an mv through a layer's weights: the dense layer's multiply-adds, pruned or not; and
+  ``mv_weights``, the weights it reads once for the batch), ``mv_csr`` (an mv by a layer's CSR
+  weights), ``mv_scale``, ``mm_scale`` (a scaling by a diagonal), ``mm_gather`` (a max-pool's
+  selection), ``mm_block`` (dense channel blocks), ``mm_general`` (stored multiply-adds, ``rowwise``
+  included), ``fill`` (JT entries whose values a run fills; and ``fill_flops``, a residual block's
+  products inside its fill), ``dense_flops`` (block products and mvs of a recurrent scan),
+  ``factored_flops`` (back-propagation's mvs with the blocks factored), ``block_fill_values`` (the
+  blocks' entries), ``step_values`` (the state gradients every recurrent schedule passes over) and
+  ``cell_flops`` (the gate and parameter gradients after a recurrent scan);
 - the backend's parallelism: the steps of one level run side by side on the CPU's threads (the GPU's
   lanes), so a step of a level of ``s`` steps adds ``1 / min(threads, s)`` of its features.
 
@@ -60,11 +65,12 @@ __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "P
            "CostModel", "cache_path", "current", "dense_features", "load", "max_plan_seconds",
            "predicted_plan_seconds", "save", "sparse_features"]
 
-FEATURES = ("call", "layer", "level", "mv_step", "mm_step", "mm_sample", "mv_spmv", "mv_gemm", "mv_scale",
+FEATURES = ("call", "layer", "level", "mv_step", "mm_step", "mm_sample", "mv_sample", "mv_call", "mv_spmv",
+            "mv_gemm", "mv_weights", "mv_csr", "mv_scale",
             "mm_scale", "mm_gather",
-            "mm_block", "mm_general", "fill", "fill_flops", "dense_level", "dense_chain_step",
+            "mm_block", "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
             "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
-            "block_fill_values", "plan_unit")
+            "block_fill_values", "step_values", "cell_flops", "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
 COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
@@ -81,29 +87,32 @@ PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
 :data:`MAX_PLAN_SECONDS`); the command line's way to raise it."""
 
 _CPU_DEFAULTS = (
-    ("call", 1.6e-4), ("layer", 2.0e-6), ("level", 1.6e-5), ("mv_step", 0.0), ("mm_step", 2.0e-4),
-    ("mm_sample", 6.3e-8), ("mv_spmv", 7.2e-10), ("mv_gemm", 2.4e-11), ("mv_scale", 1.0e-9),
-    ("mm_scale", 3.7e-9), ("mm_gather", 3.0e-9), ("mm_block", 1.1e-10), ("mm_general", 8.7e-10),
-    ("fill", 3.0e-9), ("fill_flops", 4.0e-10), ("dense_level", 1.6e-5), ("dense_chain_step", 1.4e-5),
-    ("factored_step", 0.0), ("factored_sample", 0.0), ("factored_flops", 1.6e-10), ("dense_flops", 1.0e-10),
-    ("block_fill", 4.9e-5), ("block_fill_values", 3.7e-9), ("plan_unit", 3.0e-7))
-# CPU: `sparse-scan calibrate` on the 2-core development machine (OPENBLAS_NUM_THREADS=1, 2026-11-28),
-# rounded; mv_scale, mm_gather and fill_flops, which its workloads did not tell apart from the fixed
-# costs, are hand-set (about 1e9 entries/s), dense_flops from its RNN's Blelloch scan at batch 16 (52
-# MFLOP of batched 16x16 block products in about 5 ms), plan_unit the 160-470 ns per pattern entry or
-# multiply-add measured of building plans.
+    ("call", 2.0e-4), ("layer", 1.2e-6), ("level", 1.5e-5), ("mv_step", 0.0), ("mm_step", 2.4e-4),
+    ("mm_sample", 5.5e-8), ("mv_sample", 6.8e-6), ("mv_call", 1.3e-5), ("mv_spmv", 3.4e-10),
+    ("mv_gemm", 3.1e-11), ("mv_weights", 1.7e-10), ("mv_csr", 1.0e-10), ("mv_scale", 1.0e-9),
+    ("mm_scale", 4.4e-9), ("mm_gather", 9.0e-10), ("mm_block", 1.0e-10), ("mm_general", 1.3e-9),
+    ("fill", 7.2e-9), ("fill_call", 2.8e-5), ("fill_flops", 1.2e-10), ("dense_level", 4.7e-5),
+    ("dense_chain_step", 9.7e-6), ("factored_step", 4.3e-7), ("factored_sample", 4.8e-7),
+    ("factored_flops", 2.6e-10), ("dense_flops", 2.0e-11), ("block_fill", 1.1e-4),
+    ("block_fill_values", 3.5e-9), ("step_values", 1.5e-9), ("cell_flops", 5.1e-10), ("plan_unit", 3.0e-7))
+# CPU: the median of three `sparse-scan calibrate` runs on the 2-core development machine
+# (OPENBLAS_NUM_THREADS=1, 2026-11-28), rounded; mv_scale and mm_gather, which its workloads do not
+# tell apart from the fixed costs, are hand-set (about 1e9 entries/s), dense_flops is the bound its
+# RNN of 64x64 blocks sets (Blelloch at batch 16: 840 MFLOP of batched block products in 19 ms; the
+# fit puts that time on the levels), plan_unit the 160-470 ns per pattern entry or multiply-add
+# measured of building plans.
 # GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
 _GPU_DEFAULTS = (
     ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("mv_step", 2.0e-7), ("mm_step", 2.0e-7),
-    ("mm_sample", 1.0e-8),
-    ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11),
-    ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11), ("fill", 1.0e-11),
-    ("fill_flops", 2.0e-12), ("dense_level", 5.0e-6), ("dense_chain_step", 2.0e-6),
-    ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8), ("factored_flops", 2.0e-13),
-    ("dense_flops", 2.0e-13),
-    ("block_fill", 5.0e-5), ("block_fill_values", 1.0e-11), ("plan_unit", 3.0e-7))
+    ("mm_sample", 1.0e-8), ("mv_sample", 1.0e-8), ("mv_call", 2.0e-6), ("mv_spmv", 2.0e-11),
+    ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12), ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11),
+    ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11),
+    ("fill", 1.0e-11), ("fill_call", 1.0e-6), ("fill_flops", 2.0e-12), ("dense_level", 5.0e-6),
+    ("dense_chain_step", 2.0e-6), ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8),
+    ("factored_flops", 2.0e-13), ("dense_flops", 2.0e-13), ("block_fill", 5.0e-5),
+    ("block_fill_values", 1.0e-11), ("step_values", 1.0e-11), ("cell_flops", 2.0e-13), ("plan_unit", 3.0e-7))
 
 
 @dataclass(frozen=True)
@@ -232,6 +241,7 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
     """
     features: dict[str, float] = {"call": 1, "layer": plan.n}
     sizes = plan.element_bytes
+    paths = dict(plan.weights.paths)
     filled: set[int] = set()
     for level in plan.levels_of_steps:
         share = 1.0 / max(1, min(threads, len(level)))
@@ -240,10 +250,22 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
             step = plan.steps[index]
             _add(features, f"{step.kind}_step", share)
             if step.kind == "mv":
-                name = _MV_FEATURES.get(step.method, "mv_spmv")
-                _add(features, name, share * step.flops * batch)
-                if name == "mv_spmv" and step.right.lo == step.right.hi:
-                    filled.add(step.right.lo)
+                layer = step.right.lo if step.right.lo == step.right.hi else None
+                name, flops = _MV_FEATURES.get(step.method, "mv_spmv"), step.flops
+                path = paths.get(layer)
+                if name == "mv_spmv" and layer in plan.weights.csr:
+                    name = "mv_csr"  # the compiled product with the layer's CSR weights
+                elif name == "mv_gemm" and path is not None:  # the dense layer's work, pruned or not
+                    flops = 2 * path.multiply_adds
+                    _add(features, "mv_weights", share * path.weights)  # read once for the batch
+                if name in ("mv_gemm", "mv_csr"):
+                    _add(features, "mv_call", share * (1 if path is None else path.calls))
+                elif name == "mv_spmv":
+                    if sizes[step.right][1]:  # a matrix per sample: one SpMV call per sample
+                        _add(features, "mv_sample", share * batch)
+                    if layer is not None:
+                        filled.add(layer)
+                _add(features, name, share * flops * batch)
             else:
                 samples = 1 if sizes[step.out][1] == 0 else batch
                 _add(features, "mm_sample", share * samples)
@@ -253,6 +275,7 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
     for j in filled:
         shared, per_sample = sizes.get(Element(j, j), (0, 0))
         _add(features, "fill", shared + per_sample * batch)
+        _add(features, "fill_call", 1)
     features["fill_flops"] = plan.fill_flops[1] * batch
     return features
 

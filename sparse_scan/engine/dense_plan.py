@@ -46,11 +46,11 @@ import numpy as np
 
 from .._types import Array
 from .cost import CostModel, current, dense_features
-from .figures import critical_path, totals
-from .schedule import Element, checked_levels, depth, live_schedule, scan_outputs
+from .figures import totals
+from .schedule import Element, Segment, checked_levels, depth, live_schedule, live_segments, scan_outputs
 
-__all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "DenseStep", "Location", "SizedDenseScanPlan",
-           "auto_levels", "build_dense_plan", "scan_features"]
+__all__ = ["DenseGroup", "DenseOp", "DenseScanPlan", "DenseShape", "DenseStep", "Location",
+           "SizedDenseScanPlan", "auto_levels", "build_dense_plan", "dense_shape", "scan_features"]
 
 INPUT = 0  # buffer id of the scan input: blocks (T, B, H, H) and direct vectors (T + 1, B, H)
 
@@ -119,6 +119,74 @@ def _compact(values: Sequence[int]) -> slice | np.ndarray:
     return np.asarray(values, dtype=np.intp)
 
 
+@dataclass(frozen=True)
+class DenseShape:
+    """The level structure of a dense-block scan, without its groups: what figures and the cost model
+    read (:func:`dense_shape`, cheap and cached; :class:`DenseScanPlan` is what executors run).
+
+    Attributes
+    ----------
+    method : str
+    levels : int or None
+    n : int
+    counts : tuple of (int, int)
+        Per level (in order), its block products and its matrix-vector products.
+    chains : dict
+        Runs of at least four levels that are one matrix-vector product each, every one on the
+        previous one's result (BP, and the linear middle of a hybrid): first level -> the level after
+        the run. The numeric phase runs them as a tight loop.
+    """
+
+    method: str
+    levels: int | None
+    n: int
+    counts: tuple[tuple[int, int], ...]
+    chains: dict[int, int]
+
+    def step_flops(self, size: int, affine: bool) -> tuple[int, int]:
+        """FLOPs of one block product and of one matrix-vector product for one sample
+        (:class:`SizedDenseScanPlan`'s counting)."""
+        return 2 * size**3 + (2 * size**2 if affine else 0), 2 * size**2
+
+    def level_flops(self, size: int, affine: bool = True) -> list[int]:
+        """Per level, the FLOPs of all its steps (one sample)."""
+        mm, mv = self.step_flops(size, affine)
+        return [products * mm + vectors * mv for products, vectors in self.counts]
+
+    def critical_flops(self, size: int, affine: bool = True) -> int:
+        """The costliest step of every level, summed (:func:`~sparse_scan.engine.figures.critical_path`)."""
+        mm, mv = self.step_flops(size, affine)
+        return sum(mm if products else mv for products, _ in self.counts)
+
+
+@functools.lru_cache(maxsize=256)
+def dense_shape(n: int, method: str = "blelloch", levels: int | None = None) -> DenseShape:
+    """The :class:`DenseShape` of :func:`build_dense_plan`'s plan, counted from the live schedule's
+    segments alone (cached per ``n``, method and levels)."""
+    ops = live_segments(n, method, levels)
+    counts = [[0, 0] for _ in range(ops[-1][0] + 1 if ops else 0)]
+    for level, _, left, _ in ops:
+        counts[level][left[0] == 0 and left[0] <= left[1]] += 1
+    by_level: dict[int, list[tuple[Segment, Segment]]] = {}
+    for level, _, left, right in ops:
+        by_level.setdefault(level, []).append((left, right))
+    runs: dict[int, int] = {}
+    start = None
+    previous: Segment | None = None
+    for index in range(len(counts) + 1):
+        pairs = by_level.get(index, [])
+        single = len(pairs) == 1 and pairs[0][0][0] == 0 and pairs[0][0][0] <= pairs[0][0][1]
+        follows = single and start is not None and pairs[0][0] == previous
+        if start is not None and not follows:
+            if index - start >= 4:
+                runs[start] = index
+            start = None
+        if single and start is None:
+            start = index
+        previous = (pairs[0][0][0], pairs[0][1][1]) if single else None
+    return DenseShape(method, levels, n, tuple((a, b) for a, b in counts), runs)
+
+
 @dataclass
 class DenseGroup:
     """Steps of one level and one kind, written to rows ``0..len(ops)-1`` of buffer ``buffer``."""
@@ -183,24 +251,10 @@ class DenseScanPlan:
                 released[last].append(buffer)
         return released
 
-    @functools.cached_property
+    @property
     def chains(self) -> dict[int, int]:
-        """Runs of levels that are one matrix-vector product each, every one on the previous one's
-        result (BP, and the linear middle of a hybrid): first level -> the level after the run.
-        The numeric phase runs them as a tight loop."""
-        runs: dict[int, int] = {}
-        start = None
-        for index, groups in enumerate(self.levels_of_groups + [[]]):
-            single = len(groups) == 1 and groups[0].kind == "mv" and len(groups[0].ops) == 1
-            follows = single and start is not None and groups[0].ops[0].left == Location(
-                self.levels_of_groups[index - 1][0].buffer, 0)
-            if start is not None and not follows:
-                if index - start >= 4:
-                    runs[start] = index
-                start = None
-            if single and start is None:
-                start = index
-        return runs
+        """Runs of levels that are one matrix-vector product each (:attr:`DenseShape.chains`)."""
+        return dense_shape(self.n, self.method, self.levels).chains
 
     @property
     def critical_steps(self) -> int:
@@ -313,12 +367,15 @@ class SizedDenseScanPlan:
         """0: products of dense blocks need no index structure."""
         return 0
 
+    @functools.cached_property
+    def shape(self) -> DenseShape:
+        """The plan's level structure (:func:`dense_shape`), which its figures count."""
+        return dense_shape(self.plan.n, self.plan.method, self.plan.levels)
+
     def _step_flops(self, kind: str) -> int:
         """FLOPs of one step of ``kind`` for one sample."""
-        size = self.size
-        if kind == "mv":
-            return 2 * size**2
-        return 2 * size**3 + (2 * size**2 if self.affine else 0)
+        mm, mv = self.shape.step_flops(self.size, self.affine)
+        return mv if kind == "mv" else mm
 
     @functools.cached_property
     def steps(self) -> list[DenseStep]:
@@ -334,14 +391,13 @@ class SizedDenseScanPlan:
     @functools.cached_property
     def level_flops(self) -> list[int]:
         """Per level, the FLOPs of all its steps (one sample)."""
-        return [sum(len(group.ops) * self._step_flops(group.kind) for group in groups)
-                for groups in self.plan.levels_of_groups]
+        return self.shape.level_flops(self.size, self.affine)
 
     @property
     def critical_flops(self) -> int:
         """The FLOPs of the critical path (:func:`~sparse_scan.engine.figures.critical_path`, one
-        sample)."""
-        return sum(self.steps[index].flops for index in critical_path(self.steps))
+        sample: every level's costliest step)."""
+        return self.shape.critical_flops(self.size, self.affine)
 
     @property
     def work_flops(self) -> int:
@@ -412,38 +468,45 @@ def build_dense_plan(n: int, method: str = "blelloch", levels: int | None = None
     return DenseScanPlan(method, levels, n, levels_of_groups, [where[e] for e in scan_outputs(n)])
 
 
-def scan_features(plan: DenseScanPlan, batch: int, size: int, factored: bool = False,
-                  affine: bool = True) -> dict[str, float]:
+def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = False,
+                  affine: bool = True, cell_flops: int = 0) -> dict[str, float]:
     """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of one scan of
-    ``plan`` over ``size×size`` blocks for ``batch`` samples. ``factored``: the blocks are not filled
-    yet and back-propagation (depth 0) would not need them (recurrent layers' back-propagation on the
-    CPU applies each block in factored form): depth 0 costs a factored step per block, every other
-    schedule also fills the ``n * batch * size²`` block values first."""
-    figures = plan.sized(size, affine)
+    ``plan`` (:func:`dense_shape`) over ``size×size`` blocks for ``batch`` samples. ``factored``: the
+    blocks are not filled yet and back-propagation (depth 0) would not need them (recurrent layers'
+    back-propagation on the CPU applies each block in factored form): depth 0 costs a factored step
+    per block, every other schedule also fills the ``n * batch * size²`` block values first. Every
+    schedule passes over the ``n * batch * size`` state gradients (``step_values``); ``cell_flops``
+    (per step and sample: the gate and parameter gradients from the scan's totals) are work of every
+    schedule but factored
+    back-propagation, whose cell kernel does it in its own loop."""
+    level_flops = plan.level_flops(size, affine)
+    values = {"step_values": plan.n * batch * size}
     if factored and plan.levels in (0, None) and plan.method != "blelloch":
-        return dense_features(figures.level_flops, (), batch, factored_steps=plan.n)
+        return dense_features(level_flops, (), batch, factored_steps=plan.n) | values
     chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
-    return dense_features(figures.level_flops, chained, batch,
-                          filled_values=plan.n * batch * size * size if factored else 0)
+    return dense_features(level_flops, chained, batch,
+                          filled_values=plan.n * batch * size * size if factored else 0) | values | {
+        "cell_flops": plan.n * batch * cell_flops}
 
 
 @functools.lru_cache(maxsize=256)
 def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False,
-                model: CostModel | None = None) -> int:
+                model: CostModel | None = None, cell_flops: int = 0) -> int:
     """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least predicted time.
 
     The time is the cost model's (``model``, by default :func:`~sparse_scan.engine.cost.current` for
     ``device``) of :func:`scan_features`: each level costs a fixed overhead plus its FLOPs over the
     device's throughput; on a 2-core CPU the scan's extra work usually outweighs the shorter critical
-    path, on a GPU it does not. ``factored`` (:func:`scan_features`) is the CPU's only. The choice is
-    cached per arguments.
+    path, on a GPU it does not. ``factored`` (:func:`scan_features`) is the CPU's only; ``cell_flops``
+    as :func:`scan_features` counts them. The choice is cached per arguments.
     """
     if factored and device != "cpu":
         raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
     model = current(device) if model is None else model
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
-        cost = model.predict(scan_features(build_dense_plan(n, "hybrid", levels), batch, size, factored))
+        cost = model.predict(scan_features(dense_shape(n, "hybrid", levels), batch, size, factored,
+                                           cell_flops=cell_flops))
         if best_cost is None or cost < best_cost:
             best, best_cost = levels, cost
     return best

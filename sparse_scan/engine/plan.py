@@ -493,7 +493,8 @@ def _planned_product(chain: ChainInfo, step: Step, patterns: dict[Element, Patte
     except PlanBudgetError as error:
         raise ScanMemoryError(
             f"{where}: its result alone needs more than {error.needed} bytes, over the memory budget of "
-            f"{error.budget} bytes (raise the budget, or use method='linear' or a hybrid with fewer levels)"
+            f"{error.budget} bytes (raise it with memory_budget= or SPARSE_SCAN_MEMORY_BUDGET, or use "
+            "method='linear' or a hybrid with fewer levels)"
         ) from None
     product_cache[key] = product
     return product

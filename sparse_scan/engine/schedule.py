@@ -28,13 +28,14 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from .._checks import is_int
 
 __all__ = ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth", "live_schedule",
-           "scan_outputs", "schedule", "schedule_at_depth"]
+           "live_segments", "scan_outputs", "schedule", "schedule_at_depth"]
 
 METHODS = ("linear", "blelloch", "hybrid")
 """The schedules a plan is built for."""
@@ -99,20 +100,30 @@ def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, El
     emit nothing. Products whose result nothing uses are still listed
     (:func:`~sparse_scan.engine.plan.build_plan` drops them).
     """
-    slots = [Element(j, j) for j in range(n + 1)]
-    ops: list[tuple[int, str, Element, Element, int]] = []
+    return [(level, phase, Element(*left), Element(*right), slot)
+            for level, phase, left, right, slot in _segment_schedule(n, method, levels)]
+
+
+_IDENTITY_SEGMENT = (1, 0)
+
+
+def _segment_schedule(n: int, method: str,
+                      levels: int | None) -> list[tuple[int, str, Segment, Segment, int]]:
+    """:func:`schedule` over plain ``(lo, hi)`` segments (cheap to hash: the planners' hot path)."""
+    slots: list[Segment] = [(j, j) for j in range(n + 1)]
+    ops: list[tuple[int, str, Segment, Segment, int]] = []
     level = 0
 
-    def combine(left: Element, right: Element) -> Element:
-        if left.is_identity:
+    def combine(left: Segment, right: Segment) -> Segment:
+        if left[0] > left[1]:
             return right
-        if right.is_identity:
+        if right[0] > right[1]:
             return left
-        return Element(left.lo, right.hi)
+        return left[0], right[1]
 
-    def record(phase: str, left: Element, right: Element, slot: int) -> None:
+    def record(phase: str, left: Segment, right: Segment, slot: int) -> None:
         result = combine(left, right)
-        if not (left.is_identity or right.is_identity):
+        if not (left[0] > left[1] or right[0] > right[1]):
             ops.append((level, phase, left, right, slot))
         slots[slot] = result
 
@@ -129,17 +140,17 @@ def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, El
             record("up", slots[left], slots[right], right)
         level += 1
     if method == "blelloch":
-        slots[n] = IDENTITY
+        slots[n] = _IDENTITY_SEGMENT
         top = depth(n) - 1
     else:
         # linear scan over the segment roots: P_0 = I, P_{j+1} = P_j ◇ root_j; root_j <- P_j
         width = 2**up
         roots = [min(j * width + width - 1, n) for j in range((n + width) // width)]
-        prefix = IDENTITY
+        prefix = _IDENTITY_SEGMENT
         for root in roots:
             segment = slots[root]
             slots[root] = prefix
-            if not prefix.is_identity:
+            if prefix[0] <= prefix[1]:
                 ops.append((level, "linear", prefix, segment, -1))
                 level += 1
             prefix = combine(prefix, segment)
@@ -152,7 +163,7 @@ def schedule(n: int, method: str, levels: int | None) -> list[tuple[int, str, El
             slots[left] = slots[right]
             record("down", slots[right], subtree, right)
         level += 1
-    ops.append((level, "final", slots[n], Element(n, n), -1))  # g_0 = JT_1 · g_1
+    ops.append((level, "final", slots[n], (n, n), -1))  # g_0 = JT_1 · g_1
     return ops
 
 
@@ -188,15 +199,23 @@ def live_schedule(n: int, method: str, levels: int | None) -> list[tuple[int, st
     >>> [(level, phase) for level, phase, _, _ in live_schedule(3, "blelloch", None)]
     [(0, 'up'), (1, 'down'), (2, 'final')]
     """
+    return [(level, phase, Element(*left), Element(*right))
+            for level, phase, left, right in live_segments(n, method, levels)]
+
+
+@functools.lru_cache(maxsize=64)
+def live_segments(n: int, method: str, levels: int | None) -> tuple[tuple[int, str, Segment, Segment], ...]:
+    """:func:`live_schedule` with plain ``(lo, hi)`` segments for operands (cached): what a planner that
+    only counts steps reads (:func:`~sparse_scan.engine.dense_plan.dense_shape`)."""
     levels = checked_levels(n, method, levels)
-    needed = set(scan_outputs(n))
+    needed = {(0, n - i) for i in range(n + 1)}  # scan_outputs
     kept = []
-    for level, phase, left, right, _ in reversed(schedule(n, method, levels)):
-        out = Element(left.lo, right.hi)
+    for level, phase, left, right, _ in reversed(_segment_schedule(n, method, levels)):
+        out = (left[0], right[1])
         if out in needed:  # the last producer of a value suffices: earlier duplicates drop out
             kept.append((level, phase, left, right))
             needed.discard(out)
             needed.update((left, right))
     kept.reverse()
     level_ids = {level: rank for rank, level in enumerate(sorted({op[0] for op in kept}))}
-    return [(level_ids[level], phase, left, right) for level, phase, left, right in kept]
+    return tuple((level_ids[level], phase, left, right) for level, phase, left, right in kept)

@@ -94,7 +94,7 @@ class Linear(WeightedLayer):
     def weights_path(self, in_shape: Shape) -> WeightsPath:
         """The GEMM ``g W``: ``in_features · out_features`` multiply-adds per sample."""
         self.check_in_shape(in_shape)
-        return WeightsPath(self.in_features * self.out_features)
+        return WeightsPath(self.in_features * self.out_features, weights=self.in_features * self.out_features)
 
     def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
         """``JT @ g = g W`` for a batch ``g`` of ``(B, out_features)``: one GEMM."""

@@ -56,6 +56,7 @@ from ..engine.dense_plan import (
     SizedDenseScanPlan,
     auto_levels,
     build_dense_plan,
+    dense_shape,
     scan_features,
 )
 from ..engine.figures import totals
@@ -100,6 +101,9 @@ class RecurrentPlan:
         On the CPU, back-propagation's schedule applies the blocks in factored form (none filled).
     choice : ScheduleChoice or None
         How the schedule was chosen (``method="auto"``, or ``hybrid`` without levels), else None.
+    cell_flops : tuple of int
+        Per scan, the FLOPs per step and sample of the gate and parameter gradients from its totals
+        (the cost model's ``cell_flops``; none given, none counted).
     """
 
     method: str
@@ -110,13 +114,15 @@ class RecurrentPlan:
     affine: tuple[bool, ...]
     device: str
     choice: ScheduleChoice | None = None
+    cell_flops: tuple[int, ...] = ()
 
     def figures(self, method: str, levels: int | None) -> tuple[int, int, int]:
         """Critical-path FLOPs, work FLOPs (per sample) and sequential levels of every scan of
         ``method``/``levels``, one scan after another (the engine's convention on dense blocks)."""
-        sized = self.sized(method, levels)
-        return (sum(s.critical_flops for s in sized), sum(s.work_flops for s in sized),
-                sum(s.critical_steps for s in sized))
+        shape = dense_shape(self.time_steps, method, levels)
+        return (sum(shape.critical_flops(self.state_size, affine) for affine in self.affine),
+                sum(sum(shape.level_flops(self.state_size, affine)) for affine in self.affine),
+                len(shape.counts) * len(self.affine))
 
     def sized(self, method: str | None = None, levels: int | None = None) -> list[SizedDenseScanPlan]:
         """Every scan's dense plan with its block size, in order, for ``method``/``levels`` (by default
@@ -174,10 +180,12 @@ class RecurrentPlan:
         if method is None:
             method, levels = self.method, self.levels
         features: dict[str, float] = {"call": 1}
-        plan = build_dense_plan(self.time_steps, method, levels)
+        plan = dense_shape(self.time_steps, method, levels)
         factored = self.device == "cpu"
-        for affine in self.affine:
-            for name, count in scan_features(plan, batch, self.state_size, factored, affine).items():
+        cells = self.cell_flops or (0,) * len(self.affine)
+        for affine, cell_flops in zip(self.affine, cells, strict=True):
+            for name, count in scan_features(plan, batch, self.state_size, factored, affine,
+                                             cell_flops).items():
                 features[name] = features.get(name, 0.0) + count
         return features
 
@@ -437,16 +445,30 @@ class RecurrentClassifier:
                        for layer, direction in order)
         return scans, affine
 
+    def _cell_flops(self) -> tuple[int, ...]:
+        """Per scan (:meth:`_scans`' order), the FLOPs per step and sample of its gradients from the
+        totals: the input's and both weights' (``2·rows·(2·columns + out)``), and the gates' own
+        (a few per row, counted as 4)."""
+        recurrent = self.recurrent
+        rows, out = recurrent.gates * recurrent.hidden_size, recurrent.output_size
+        return tuple(2 * rows * (2 * (recurrent.input_size if layer == 0 else out * recurrent.num_directions)
+                                 + out) + 4 * rows
+                     for layer in reversed(range(recurrent.num_layers))
+                     for _ in range(recurrent.num_directions))
+
     def _plan(self, steps: int, method: str, levels: int | None, batch: int, device: str,
               auto: bool) -> RecurrentPlan:
         recurrent = self.recurrent
         scans, affine = self._scans()
-        plan = RecurrentPlan(method, levels, steps, recurrent.state_size, scans, affine, device)
+        cells = self._cell_flops()
+        plan = RecurrentPlan(method, levels, steps, recurrent.state_size, scans, affine, device,
+                             cell_flops=cells)
         if not auto:
             return plan
         full = depth(steps)
         model = current(device)
-        best = auto_levels(steps, batch, recurrent.state_size, device, factored=device == "cpu", model=model)
+        best = auto_levels(steps, batch, recurrent.state_size, device, factored=device == "cpu", model=model,
+                           cell_flops=sum(cells) // len(cells))
         chosen = schedule_at_depth(method, best, full)
         depths = range(full + 1) if method == "hybrid" else range(max(full, 1))  # blelloch once
         candidates = []
@@ -459,7 +481,7 @@ class RecurrentClassifier:
         criterion = (f"{AUTO_CRITERION}, for batch {batch} (cost model: {model.source})"
                      + (", back-propagation's blocks left factored" if device == "cpu" else ""))
         return RecurrentPlan(*chosen, steps, recurrent.state_size, scans, affine, device,
-                             ScheduleChoice(method, criterion, tuple(candidates)))
+                             ScheduleChoice(method, criterion, tuple(candidates)), cells)
 
     # backward ---------------------------------------------------------------------------------------
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
