@@ -204,6 +204,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     regrets = [row["regret"] for row in rows]
     direct = [row["regret_direct"] for row in rows]
     ratios = sorted(entry["ratio"] for row in rows for entry in row["schedules"])
+    misses = [{"case": row["case"], "batch": row["batch"], "method": entry["method"],
+               "levels": entry["levels"], "ratio": round(entry["ratio"], 3), "measured_s": entry["measured_s"]}
+              for row in rows for entry in row["schedules"] if not 0.5 <= entry["ratio"] <= 2]
     missed = [f"{row['case']} batch {row['batch']}" for row in rows
               if (row["auto"]["method"], row["auto"]["levels"]) != (row["fastest"]["method"],
                                                                     row["fastest"]["levels"])]
@@ -215,7 +218,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "predicted_over_measured": {"min": ratios[0], "p10": ratios[len(ratios) // 10],
                                         "median": statistics.median(ratios),
                                         "p90": ratios[9 * len(ratios) // 10], "max": ratios[-1]},
-            "within_2x": sum(0.5 <= r <= 2 for r in ratios)}
+            "within_2x": sum(0.5 <= r <= 2 for r in ratios), "outside_2x": misses}
 
 
 if __name__ == "__main__":

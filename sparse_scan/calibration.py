@@ -116,6 +116,7 @@ def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
     rnn = RecurrentClassifier(RNN(1, 16, rng=0), 4, rng=1, input_shape=(200, 1))
     return [("tanh 48x64", Sequential(*[Tanh() for _ in range(48)], input_shape=(64,)), deep),
             ("mlp 32x(16,tanh)", _mlp(16, 32, Tanh), deep),
+            ("mlp 128x(8,tanh)", _mlp(8, 128, Tanh), deep),
             ("mlp 6x(128,relu)", _mlp(128, 6, ReLU), shallow),
             ("mlp 3x(1024,relu)", _mlp(1024, 3, ReLU), (("linear", None),)),
             ("mlp 4x(256,relu) 90% pruned", _mlp(256, 4, ReLU, prune=0.9), shallow),

@@ -111,6 +111,9 @@ def test_a_product_of_shared_jts_runs_once_per_batch_and_a_levels_steps_share_th
               if plan.steps[i].kind == "mm"]
     assert sum(shares) < len(products)  # some products run side by side
     assert plan.features(1, 2)["mm_sample"] == pytest.approx(sum(shares))
+    # a level of several steps is handed to the pool (on more than one thread) and waited for
+    pooled = sum(len(level) > 1 for level in plan.levels_of_steps)
+    assert pooled and plan.features(1, 2)["pool_level"] == pooled and "pool_level" not in plan.features(1, 1)
 
 
 def test_the_recurrent_plans_prediction_weighs_its_scans_features():

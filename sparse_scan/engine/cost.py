@@ -4,7 +4,8 @@ A backward's predicted time is a sum of *features* of its plan, each a count of 
 time, times the backend's seconds per unit of it (:class:`CostModel`):
 
 - per-step fixed costs: ``call`` (one backward), ``layer`` (per layer: binding, values, reshapes),
-  ``level`` (a level's synchronisation), ``mv_step`` and ``mm_step`` (an mv's or a product's launch:
+  ``level`` (a level's synchronisation), ``pool_level`` (a level of several steps handed to the
+  thread pool and waited for), ``mv_step`` and ``mm_step`` (an mv's or a product's launch:
   its dispatch, buffers, and the thread pool a level of several steps runs on), ``mm_sample`` (a
   product's cost per sample it runs for, whatever its size), ``mv_sample`` (an SpMV by a matrix per
   sample: one call per sample), ``mv_call`` (an operator applied through a layer's weights: a
@@ -65,7 +66,7 @@ __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "P
            "CostModel", "cache_path", "current", "dense_features", "load", "max_plan_seconds",
            "predicted_plan_seconds", "save", "sparse_features"]
 
-FEATURES = ("call", "layer", "level", "mv_step", "mm_step", "mm_sample", "mv_sample", "mv_call", "mv_spmv",
+FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sample", "mv_sample", "mv_call", "mv_spmv",
             "mv_gemm", "mv_weights", "mv_csr", "mv_scale",
             "mm_scale", "mm_gather",
             "mm_block", "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
@@ -87,14 +88,15 @@ PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
 :data:`MAX_PLAN_SECONDS`); the command line's way to raise it."""
 
 _CPU_DEFAULTS = (
-    ("call", 2.0e-4), ("layer", 1.2e-6), ("level", 1.5e-5), ("mv_step", 0.0), ("mm_step", 2.4e-4),
-    ("mm_sample", 5.5e-8), ("mv_sample", 6.8e-6), ("mv_call", 1.3e-5), ("mv_spmv", 3.4e-10),
-    ("mv_gemm", 3.1e-11), ("mv_weights", 1.7e-10), ("mv_csr", 1.0e-10), ("mv_scale", 1.0e-9),
-    ("mm_scale", 4.4e-9), ("mm_gather", 9.0e-10), ("mm_block", 1.0e-10), ("mm_general", 1.3e-9),
-    ("fill", 7.2e-9), ("fill_call", 2.8e-5), ("fill_flops", 1.2e-10), ("dense_level", 4.7e-5),
-    ("dense_chain_step", 9.7e-6), ("factored_step", 4.3e-7), ("factored_sample", 4.8e-7),
-    ("factored_flops", 2.6e-10), ("dense_flops", 2.0e-11), ("block_fill", 1.1e-4),
-    ("block_fill_values", 3.5e-9), ("step_values", 1.5e-9), ("cell_flops", 5.1e-10), ("plan_unit", 3.0e-7))
+    ("call", 1.9e-04), ("layer", 1.2e-06), ("level", 1.2e-05), ("pool_level", 4.4e-04),
+    ("mv_step", 0.0e+00), ("mm_step", 2.8e-04), ("mm_sample", 5.4e-08), ("mv_sample", 7.7e-06),
+    ("mv_call", 2.2e-05), ("mv_spmv", 3.1e-10), ("mv_gemm", 2.3e-11), ("mv_weights", 1.8e-10),
+    ("mv_csr", 1.2e-10), ("mv_scale", 1.0e-09), ("mm_scale", 6.3e-09), ("mm_gather", 9.0e-10),
+    ("mm_block", 5.7e-11), ("mm_general", 1.5e-09), ("fill", 8.4e-09), ("fill_call", 2.3e-06),
+    ("fill_flops", 1.4e-10), ("dense_level", 7.4e-05), ("dense_chain_step", 1.2e-05),
+    ("factored_step", 1.5e-07), ("factored_sample", 6.4e-07), ("factored_flops", 4.1e-10),
+    ("dense_flops", 2.0e-11), ("block_fill", 3.2e-04), ("block_fill_values", 2.5e-09),
+    ("step_values", 2.0e-09), ("cell_flops", 1.2e-09), ("plan_unit", 3.0e-07))
 # CPU: the median of three `sparse-scan calibrate` runs on the 2-core development machine
 # (OPENBLAS_NUM_THREADS=1, 2026-11-28), rounded; mv_scale and mm_gather, which its workloads do not
 # tell apart from the fixed costs, are hand-set (about 1e9 entries/s), dense_flops is the bound its
@@ -105,7 +107,7 @@ _CPU_DEFAULTS = (
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
 _GPU_DEFAULTS = (
-    ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("mv_step", 2.0e-7), ("mm_step", 2.0e-7),
+    ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("pool_level", 0.0), ("mv_step", 2.0e-7), ("mm_step", 2.0e-7),
     ("mm_sample", 1.0e-8), ("mv_sample", 1.0e-8), ("mv_call", 2.0e-6), ("mv_spmv", 2.0e-11),
     ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12), ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11),
     ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11),
@@ -246,6 +248,8 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
     for level in plan.levels_of_steps:
         share = 1.0 / max(1, min(threads, len(level)))
         _add(features, "level", 1)
+        if threads > 1 and len(level) > 1:  # its steps handed to the thread pool and waited for
+            _add(features, "pool_level", 1)
         for index in level:
             step = plan.steps[index]
             _add(features, f"{step.kind}_step", share)
