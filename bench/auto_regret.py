@@ -205,7 +205,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     direct = [row["regret_direct"] for row in rows]
     ratios = sorted(entry["ratio"] for row in rows for entry in row["schedules"])
     misses = [{"case": row["case"], "batch": row["batch"], "method": entry["method"],
-               "levels": entry["levels"], "ratio": round(entry["ratio"], 3), "measured_s": entry["measured_s"]}
+               "levels": entry["levels"], "ratio": round(entry["ratio"], 3),
+               "measured_s": entry["measured_s"]}
               for row in rows for entry in row["schedules"] if not 0.5 <= entry["ratio"] <= 2]
     missed = [f"{row['case']} batch {row['batch']}" for row in rows
               if (row["auto"]["method"], row["auto"]["levels"]) != (row["fastest"]["method"],

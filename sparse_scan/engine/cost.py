@@ -66,9 +66,8 @@ __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "P
            "CostModel", "cache_path", "current", "dense_features", "load", "max_plan_seconds",
            "predicted_plan_seconds", "save", "sparse_features"]
 
-FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sample", "mv_sample", "mv_call", "mv_spmv",
-            "mv_gemm", "mv_weights", "mv_csr", "mv_scale",
-            "mm_scale", "mm_gather",
+FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sample", "mv_sample",
+            "mv_call", "mv_spmv", "mv_gemm", "mv_weights", "mv_csr", "mv_scale", "mm_scale", "mm_gather",
             "mm_block", "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
             "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
             "block_fill_values", "step_values", "cell_flops", "plan_unit")
@@ -107,9 +106,9 @@ _CPU_DEFAULTS = (
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
 _GPU_DEFAULTS = (
-    ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("pool_level", 0.0), ("mv_step", 2.0e-7), ("mm_step", 2.0e-7),
-    ("mm_sample", 1.0e-8), ("mv_sample", 1.0e-8), ("mv_call", 2.0e-6), ("mv_spmv", 2.0e-11),
-    ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12), ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11),
+    ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("pool_level", 0.0), ("mv_step", 2.0e-7),
+    ("mm_step", 2.0e-7), ("mm_sample", 1.0e-8), ("mv_sample", 1.0e-8), ("mv_call", 2.0e-6),
+    ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12), ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11),
     ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11),
     ("fill", 1.0e-11), ("fill_call", 1.0e-6), ("fill_flops", 2.0e-12), ("dense_level", 5.0e-6),
     ("dense_chain_step", 2.0e-6), ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8),
