@@ -106,14 +106,15 @@ _CPU_DEFAULTS = (
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
 _GPU_DEFAULTS = (
-    ("call", 1.0e-4), ("layer", 2.0e-5), ("level", 5.0e-6), ("pool_level", 0.0), ("mv_step", 2.0e-7),
-    ("mm_step", 2.0e-7), ("mm_sample", 1.0e-8), ("mv_sample", 1.0e-8), ("mv_call", 2.0e-6),
-    ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12), ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11),
-    ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12), ("mm_general", 4.0e-11),
-    ("fill", 1.0e-11), ("fill_call", 1.0e-6), ("fill_flops", 2.0e-12), ("dense_level", 5.0e-6),
-    ("dense_chain_step", 2.0e-6), ("factored_step", 2.0e-6), ("factored_sample", 1.0e-8),
-    ("factored_flops", 2.0e-13), ("dense_flops", 2.0e-13), ("block_fill", 5.0e-5),
-    ("block_fill_values", 1.0e-11), ("step_values", 1.0e-11), ("cell_flops", 2.0e-13), ("plan_unit", 3.0e-7))
+    ("call", 1.0e-04), ("layer", 2.0e-05), ("level", 5.0e-06), ("pool_level", 0.0e+00),
+    ("mv_step", 2.0e-07), ("mm_step", 2.0e-07), ("mm_sample", 1.0e-08), ("mv_sample", 1.0e-08),
+    ("mv_call", 2.0e-06), ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12),
+    ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11),
+    ("mm_block", 2.0e-12), ("mm_general", 4.0e-11), ("fill", 1.0e-11), ("fill_call", 1.0e-06),
+    ("fill_flops", 2.0e-12), ("dense_level", 5.0e-06), ("dense_chain_step", 2.0e-06),
+    ("factored_step", 2.0e-06), ("factored_sample", 1.0e-08), ("factored_flops", 2.0e-13),
+    ("dense_flops", 2.0e-13), ("block_fill", 5.0e-05), ("block_fill_values", 1.0e-11),
+    ("step_values", 1.0e-11), ("cell_flops", 2.0e-13), ("plan_unit", 3.0e-07))
 
 
 @dataclass(frozen=True)
