@@ -23,7 +23,12 @@ and worst, and the distribution of predicted/measured over every schedule built.
 ``--calibrate`` first calibrates the cost model on this machine (what ``sparse-scan calibrate`` does)
 and predicts with that, so that the constants and the timings come from the same conditions.
 
-Usage: ``python bench/auto_regret.py --calibrate [--quick] [--rounds 5] >
+``--combine RUN.json ...`` prints saved runs of the same cases as one: every time the median of the
+runs' medians, predicted by the cost model in use (``SPARSE_SCAN_COST_MODEL=defaults`` for the
+documented defaults).
+
+Usage: ``python bench/auto_regret.py --calibrate [--quick] [--rounds 5] > RUN.json``;
+``SPARSE_SCAN_COST_MODEL=defaults python bench/auto_regret.py --combine RUN1.json RUN2.json ... >
 bench/results/auto_regret-2core-cpu.json``.
 """
 
@@ -157,19 +162,13 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="calibrate the cost model first (`sparse-scan calibrate`) and predict with it")
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
-    parser.add_argument("--summarise", type=pathlib.Path, default=None,
-                        help="recompute the summary of a saved run (its cases unchanged) and print it")
+    parser.add_argument("--combine", type=pathlib.Path, nargs="+", default=None, metavar="RUN",
+                        help="saved runs of the same cases: print them as one, every time the median of the "
+                             "runs' medians, predicted by the cost model in use (SPARSE_SCAN_COST_MODEL)")
     args = parser.parse_args()
-    if args.summarise is not None:
-        report = json.loads(args.summarise.read_text(encoding="utf-8"))
-        for row in report["cases"]:
-            chosen = [entry for entry in row["schedules"]
-                      if (entry["method"], entry["levels"]) == (row["auto"]["method"], row["auto"]["levels"])]
-            measured = chosen[0]["measured_s"] if chosen else row["auto"]["measured_s"]
-            row["regret_direct"] = row.get("regret_direct", row["regret"])
-            row["regret"] = measured / row["fastest"]["measured_s"]
-        report["summary"] = summary(report["cases"])
-        print(json.dumps(report, indent=1))
+    if args.combine is not None:
+        print(json.dumps(combine([json.loads(path.read_text(encoding="utf-8")) for path in args.combine],
+                                 [str(path) for path in args.combine]), indent=1))
         return
     os.environ["SPARSE_SCAN_MAX_PLAN_SECONDS"] = str(args.max_plan_seconds)
     if args.calibrate:  # this machine's constants now, as `sparse-scan calibrate` caches them
@@ -196,6 +195,47 @@ def main() -> None:
     report["cpu_pressure_end"], report["load_end"] = cpu_pressure(), os.getloadavg()
     report["summary"] = summary(report["cases"])
     print(json.dumps(report, indent=1))
+
+
+def combine(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Runs of the same cases as one report: per schedule (and ``auto``) the median of the runs'
+    median times, its prediction by the cost model in use (:func:`current`, from the features the
+    first run recorded: give the newest first), regret from the combined times, and the summary. A
+    machine's load moves a run's times by up to 2-4x on these shared machines; the median of runs is
+    steadier."""
+    cost = current("cpu")
+    runs_seen = [{"file": name, "date": run["machine"]["date"], "cost_model": run["cost_model"]["source"],
+                  "cpu_pressure_start": run["cpu_pressure_start"],
+                  "cpu_pressure_end": run["cpu_pressure_end"],
+                  "summary": {k: v for k, v in run["summary"].items() if k != "outside_2x"}}
+                 for name, run in zip(names, runs, strict=True)]
+    report = {"benchmark": "auto_regret", "combined": runs_seen, "machine": runs[0]["machine"],
+              "cost_model": cost.as_dict(), "rounds": sum(run["rounds"] for run in runs), "cases": []}
+
+    def key(row: dict[str, Any]) -> tuple[str, int]:
+        return row["case"], row["batch"]
+
+    others = [{key(row): row for row in run["cases"]} for run in runs[1:]]
+    for first in runs[0]["cases"]:
+        rows = [first] + [other[key(first)] for other in others]
+        row = {"case": first["case"], "batch": first["batch"], "refused": first["refused"], "schedules": []}
+        times = {}
+        for index, entry in enumerate(first["schedules"]):
+            measured = statistics.median(r["schedules"][index]["measured_s"] for r in rows)
+            predicted = cost.predict(entry["features"])
+            times[(entry["method"], entry["levels"])] = measured
+            row["schedules"].append(entry | {"measured_s": measured, "predicted_s": predicted,
+                                             "ratio": predicted / measured})
+        fastest = min(times, key=times.__getitem__)
+        chosen = (first["auto"]["method"], first["auto"]["levels"])
+        auto_s = statistics.median(r["auto"]["measured_s"] for r in rows)
+        row["auto"] = first["auto"] | {"measured_s": auto_s}
+        row["fastest"] = {"method": fastest[0], "levels": fastest[1], "measured_s": times[fastest]}
+        row["regret"] = times.get(chosen, auto_s) / times[fastest]
+        row["regret_direct"] = auto_s / times[fastest]
+        report["cases"].append(row)
+    report["summary"] = summary(report["cases"])
+    return report
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
