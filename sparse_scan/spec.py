@@ -461,7 +461,7 @@ def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
 def _magnitude_prune(layer: Any, amount: float) -> None:
     """Zero the ``amount`` fraction of smallest-magnitude weights (ties at the threshold included)."""
     weight = layer.weight.copy()
-    threshold = np.quantile(np.abs(weight), amount)
+    threshold = np.quantile(np.abs(weight), amount, overwrite_input=True)  # partitions its own temporary
     weight[np.abs(weight) <= threshold] = 0
     layer.weight = weight
 

@@ -7,7 +7,7 @@ import pytest
 from oracles import finite_difference_jt, torch_jt
 from scipy.special import erf
 
-from sparse_scan import backend
+from sparse_scan import Sequential, backend
 from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import (
     ELU,
@@ -255,3 +255,19 @@ def test_linear_pattern_nnz_is_counted_without_building_the_pattern(prune):
     layer.weight = weight
     counted = layer.pattern_nnz((6,))
     assert not layer._patterns and counted == layer.pattern((6,)).nnz == (12 if prune else 24)
+
+
+def test_a_new_pattern_mask_is_a_new_pattern_and_the_model_replans():
+    # the key of a layer's pruned pattern follows its mask: a model must not reuse the plan of the
+    # pattern the weights' zero set gave before the mask was set
+    layer = Linear(4, 3, dtype=np.float64, rng=0, prune_pattern=True)
+    weight = np.array(layer.weight)
+    weight[0] = 0
+    layer.weight = weight
+    model = Sequential(layer, input_shape=(4,))
+    before = model.plan((4,), "linear")
+    assert layer.pattern_nnz((4,)) == 8
+    layer.pattern_mask = np.ones((3, 4), bool)
+    after = model.plan((4,), "linear")
+    assert layer.pattern_nnz((4,)) == 12 and after is not before
+    assert model.plan_builds == 2

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
-import scipy.sparse
 
 from .._host_kernels import BLOCK_ENTRIES, launch, parts, rows2d
 from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool, thread_count, workers_for
@@ -28,6 +27,9 @@ from ._selection import multiply_live
 from .plan import ScanPlan, Step
 from .products import ProductPlan
 from .schedule import Element
+
+if TYPE_CHECKING:  # SciPy loads on the first SpMV (0.14 s of import): planning needs none
+    import scipy.sparse
 
 __all__ = ["matvec", "multiply", "run_plan"]
 
@@ -241,6 +243,8 @@ def matvec(pattern: Pattern, data: Array, vectors: Array) -> Array:
 
 
 def _scipy_matrix(pattern: Pattern, data: np.ndarray) -> scipy.sparse.csr_matrix:
+    import scipy.sparse  # noqa: PLC0415 - on the first SpMV: planning needs none
+
     return scipy.sparse.csr_matrix((data, pattern.indices, pattern.indptr), shape=pattern.shape,
                                    copy=False)
 

@@ -13,10 +13,9 @@ On the GPU the dense weights multiply (:func:`host_sparse_weights` is the dispat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse
 
 from .. import backend as _backend
 from .._host_kernels import launch
@@ -24,6 +23,9 @@ from .._threads import workers_for
 from ..csr import choose_index_dtype
 from ._geometry import ConvGeometry
 from ._kernels import transposed_conv, transposed_conv_taps
+
+if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs none
+    import scipy.sparse
 
 __all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MIN_WIDTH", "SPARSE_FORWARD_MAX_DENSITY", "grouped_product",
            "host_sparse_weights", "pruned_transposed_convolution", "transposed_weights_csr",
@@ -53,6 +55,8 @@ def weights_as_csr(weights: np.ndarray, offset: int, row_stride: int, column_str
     """A CSR matrix of ``dtype`` over the non-zeros of ``weights`` (a 2-D view of a layer's weights, or
     of its pattern mask; the values are refilled at every use) and the flat weight position of each
     stored value: ``offset + row * row_stride + column * column_stride``."""
+    import scipy.sparse  # noqa: PLC0415 - on first use: planning needs none
+
     matrix = scipy.sparse.csr_matrix(weights != 0, dtype=dtype)
     rows = np.repeat(np.arange(weights.shape[0]), np.diff(matrix.indptr))
     positions = (offset + rows * row_stride + matrix.indices * column_stride).astype(np.intp)
@@ -73,6 +77,8 @@ def transposed_weights_csr(groups: np.ndarray, dtype: Any) -> tuple[scipy.sparse
     indices = np.concatenate([matrix.indices + index * cout for index, (matrix, _) in enumerate(parts)])
     data = np.concatenate([matrix.data for matrix, _ in parts])
     dtype = choose_index_dtype(int(nnz[-1]), count * cout, None)
+    import scipy.sparse  # noqa: PLC0415 - on first use: planning needs none
+
     matrix = scipy.sparse.csr_matrix((data, indices.astype(dtype), indptr.astype(dtype)),
                                      shape=(count * taps, count * cout), copy=False)
     return matrix, np.concatenate([positions for _, positions in parts])

@@ -117,6 +117,7 @@ class WeightedLayer(Layer):
             self._check_inside(self._weight, kept)
             self._pattern_mask = kept
         self._store_weight(self._weight)
+        self._zero_set_version += 1  # a new mask (or none) is a new pattern, whatever the weights
 
     def assign_masked(self, values: Array) -> None:
         """``weight = values * pattern_mask``, into an array the layer keeps (no allocation per call):
