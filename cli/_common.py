@@ -16,6 +16,8 @@ from typing import IO, Any, Callable, Iterator, NoReturn, Sequence
 
 import click
 
+from sparse_scan.engine.figures import size_text
+
 from ._progress import end_line
 
 __all__ = ["CHECKS", "INTERRUPTED", "backend_or_fail", "check_line", "check_outputs", "echo_error", "fail",
@@ -269,15 +271,6 @@ def schedule_label(method: str, levels: int | str | None) -> str:
     """A schedule as every command states it: ``linear``, ``blelloch``, ``hybrid N`` (or, where the
     request is stated rather than the plan, ``auto`` or ``hybrid auto``)."""
     return method if levels is None else f"{method} {levels}"
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes in B, KiB, MiB or GiB."""
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:,.1f} GiB"
 
 
 def schedule_lines(schedule: dict[str, Any]) -> list[str]:

@@ -32,6 +32,7 @@ from ._layerwise import layerwise_backward
 from ._types import Array
 from .csr import BatchedCSR, Pattern
 from .engine.cost import PLAN_SECONDS_VARIABLE, CostModel, current, max_plan_seconds, predicted_plan_seconds
+from .engine.figures import size_text
 from .engine.plan import (
     Candidate,
     ChainInfo,
@@ -79,13 +80,6 @@ RESULT_ENTRY_BYTES = 8
 one float32 value (:func:`~sparse_scan.engine.products.plan_product`'s budget check)."""
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def _in_units(size: float) -> str:
-    """Bytes as bytes below a MiB, MiB below a GiB, else GiB (three digits)."""
-    if size < 2**20:
-        return f"{size:,.0f} bytes"
-    return f"{size / 2**20:.3g} MiB" if size < 2**30 else f"{size / 2**30:,.3g} GiB"
 
 
 def default_memory_budget(fraction: float = 0.5) -> int:
@@ -169,8 +163,8 @@ def _refuse_by_estimate(chain: ChainInfo, method: str, levels: int | None, max_s
     if largest is not None and largest.out_nnz * RESULT_ENTRY_BYTES > AUTO_ESTIMATE_SLACK * budget:
         raise ScanMemoryError(
             f"planning {label}: {chain.describe_step(largest)}, has a result of ~{largest.out_nnz:.3g} "
-            f"entries, ~{_in_units(largest.out_nnz * RESULT_ENTRY_BYTES)} (estimated from the JTs' sizes "
-            f"before building anything), over the memory budget of {_in_units(budget)} (raise it with "
+            f"entries, ~{size_text(largest.out_nnz * RESULT_ENTRY_BYTES)} (estimated from the JTs' sizes "
+            f"before building anything), over the memory budget of {size_text(budget)} (raise it with "
             f"memory_budget= or {MEMORY_BUDGET_VARIABLE}, or use method='linear' or a hybrid with fewer "
             "levels)")
     costliest = _costliest_product(estimate)

@@ -276,8 +276,8 @@ def test_an_explicit_schedule_over_the_memory_budget_is_refused_from_its_estimat
     # 8 bytes an entry; with a 64 KiB budget it is refused before any pattern is built
     model = Sequential(*[Linear(256, 256, rng=i) for i in range(4)], memory_budget=64 * 2**10)
     start = time.perf_counter()
-    refused = (r"planning blelloch: scan step .* has a result of ~6.55e\+04 entries, ~524,288 bytes "
-               r"\(estimated .*\), over the memory budget of 65,536 bytes \(raise it with memory_budget= or "
+    refused = (r"planning blelloch: scan step .* has a result of ~6.55e\+04 entries, ~512.0 KiB "
+               r"\(estimated .*\), over the memory budget of 64.0 KiB \(raise it with memory_budget= or "
                r"SPARSE_SCAN_MEMORY_BUDGET")
     with pytest.raises(ScanMemoryError, match=refused):
         model.plan((256,), "blelloch")
@@ -311,5 +311,5 @@ def test_the_command_line_refuses_a_schedule_over_the_memory_budget_in_one_line(
     assert result.exit_code == 2 and time.perf_counter() - start < 30
     line = result.output.strip()
     assert "\n" not in line and "vgg11-pruned.yaml: planning hybrid 2: scan step" in line
-    assert "over the memory budget of 2 MiB (raise it with memory_budget= or " \
+    assert "over the memory budget of 2.0 MiB (raise it with memory_budget= or " \
            "SPARSE_SCAN_MEMORY_BUDGET" in line

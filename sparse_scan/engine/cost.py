@@ -275,7 +275,6 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
                 _add(features, "mm_sample", share * samples)
                 _add(features, _MM_FEATURES.get(step.method, "mm_general"), share * step.flops * samples)
                 filled.update(element.lo for element in (step.left, step.right) if element.lo == element.hi)
-    filled -= set(plan.weights.gemm | plan.weights.csr) & set(plan.weights.mv_only)
     for j in filled:
         shared, per_sample = sizes.get(Element(j, j), (0, 0))
         _add(features, "fill", shared + per_sample * batch)

@@ -159,32 +159,33 @@ class DenseShape:
         return sum(mm if products else mv for products, _ in self.counts)
 
 
+def _is_vector(segment: Segment) -> bool:
+    """Whether a segment's value is a vector (it holds the output gradient: :attr:`Element.is_vector`)."""
+    return segment[0] == 0 and segment[0] <= segment[1]
+
+
 @functools.lru_cache(maxsize=256)
 def dense_shape(n: int, method: str = "blelloch", levels: int | None = None) -> DenseShape:
     """The :class:`DenseShape` of :func:`build_dense_plan`'s plan, counted from the live schedule's
     segments alone (cached per ``n``, method and levels)."""
-    ops = live_segments(n, method, levels)
-    counts = [[0, 0] for _ in range(ops[-1][0] + 1 if ops else 0)]
-    for level, _, left, _ in ops:
-        counts[level][left[0] == 0 and left[0] <= left[1]] += 1
     by_level: dict[int, list[tuple[Segment, Segment]]] = {}
-    for level, _, left, right in ops:
+    for level, _, left, right in live_segments(n, method, levels):
         by_level.setdefault(level, []).append((left, right))
+    counts = tuple((sum(not _is_vector(left) for left, _ in pairs),
+                    sum(_is_vector(left) for left, _ in pairs)) for _, pairs in sorted(by_level.items()))
     runs: dict[int, int] = {}
-    start = None
-    previous: Segment | None = None
+    start, previous = None, None  # a run's first level, and the previous level's lone mv's result
     for index in range(len(counts) + 1):
         pairs = by_level.get(index, [])
-        single = len(pairs) == 1 and pairs[0][0][0] == 0 and pairs[0][0][0] <= pairs[0][0][1]
-        follows = single and start is not None and pairs[0][0] == previous
-        if start is not None and not follows:
+        single = len(pairs) == 1 and _is_vector(pairs[0][0])
+        if start is not None and not (single and pairs[0][0] == previous):
             if index - start >= 4:
                 runs[start] = index
             start = None
         if single and start is None:
             start = index
         previous = (pairs[0][0][0], pairs[0][1][1]) if single else None
-    return DenseShape(method, levels, n, tuple((a, b) for a, b in counts), runs)
+    return DenseShape(method, levels, n, counts, runs)
 
 
 @dataclass
@@ -477,8 +478,7 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
     per block, every other schedule also fills the ``n * batch * size²`` block values first. Every
     schedule passes over the ``n * batch * size`` state gradients (``step_values``); ``cell_flops``
     (per step and sample: the gate and parameter gradients from the scan's totals) are work of every
-    schedule but factored
-    back-propagation, whose cell kernel does it in its own loop."""
+    schedule but factored back-propagation, whose cell kernel does it in its own loop."""
     level_flops = plan.level_flops(size, affine)
     values = {"step_values": plan.n * batch * size}
     if factored and plan.levels in (0, None) and plan.method != "blelloch":
@@ -491,22 +491,22 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
 
 @functools.lru_cache(maxsize=256)
 def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False,
-                model: CostModel | None = None, cell_flops: int = 0) -> int:
+                model: CostModel | None = None) -> int:
     """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least predicted time.
 
     The time is the cost model's (``model``, by default :func:`~sparse_scan.engine.cost.current` for
     ``device``) of :func:`scan_features`: each level costs a fixed overhead plus its FLOPs over the
     device's throughput; on a 2-core CPU the scan's extra work usually outweighs the shorter critical
-    path, on a GPU it does not. ``factored`` (:func:`scan_features`) is the CPU's only; ``cell_flops``
-    as :func:`scan_features` counts them. The choice is cached per arguments.
+    path, on a GPU it does not. ``factored`` (:func:`scan_features`) is the CPU's only. The choice is
+    cached per arguments. (A :class:`~sparse_scan.recurrent.RecurrentClassifier` weighs its own scans'
+    candidates instead, each with its cell's gradients.)
     """
     if factored and device != "cpu":
         raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
     model = current(device) if model is None else model
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
-        cost = model.predict(scan_features(dense_shape(n, "hybrid", levels), batch, size, factored,
-                                           cell_flops=cell_flops))
+        cost = model.predict(scan_features(dense_shape(n, "hybrid", levels), batch, size, factored))
         if best_cost is None or cost < best_cost:
             best, best_cost = levels, cost
     return best

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-__all__ = ["TOTALS", "ScanPlanLike", "StepFigures", "critical_path", "totals"]
+__all__ = ["TOTALS", "ScanPlanLike", "StepFigures", "critical_path", "size_text", "totals"]
 
 TOTALS = ("critical_flops", "work_flops", "critical_steps", "plan_bytes", "peak_bytes")
 """The keys of a plan report's ``totals``, in order."""
@@ -139,3 +139,12 @@ def totals(plan: ScanPlanLike, batch: int, itemsize: int) -> dict[str, int]:
     return {"critical_flops": plan.critical_flops, "work_flops": plan.work_flops,
             "critical_steps": plan.critical_steps, "plan_bytes": plan.plan_bytes,
             "peak_bytes": plan.peak_bytes(batch, itemsize)}
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in B, KiB, MiB or GiB (the command line's figures and the planner's messages)."""
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:,.1f} GiB"

@@ -122,6 +122,7 @@ class Conv2d(WeightedLayer):
             bias, fan_in, dtype, rng, prune_pattern,
         )
         self._sparse_structure: tuple[Any, Any, list[int | None]] | None = None
+        self._counted_support: tuple[Any, np.ndarray, int] | None = None  # (zero-set key, per tap, total)
 
     def _resolve_padding(self, label: str) -> tuple[int, int, int, int]:
         """(top, bottom, left, right) from an int pair, 'valid' or 'same'."""
@@ -245,7 +246,7 @@ class Conv2d(WeightedLayer):
         """A pruned layer's kept weights per kernel tap ``(kh, kw)`` and in all, counted once per zero
         set (planning asks for them per layer and schedule: 0.18 s of the pruned VGG-11's ``auto``)."""
         key = self._structure_key()  # a non-finite weight cannot define a pruned pattern
-        known = getattr(self, "_counted_support", None)
+        known = self._counted_support
         if known is None or known[0] != key:
             per_tap = np.count_nonzero(self._support(), axis=(0, 1))
             known = self._counted_support = (key, per_tap, int(per_tap.sum()))

@@ -54,7 +54,6 @@ from ..engine.cost import CostModel, current
 from ..engine.dense_plan import (
     DenseStep,
     SizedDenseScanPlan,
-    auto_levels,
     build_dense_plan,
     dense_shape,
     scan_features,
@@ -180,11 +179,11 @@ class RecurrentPlan:
         if method is None:
             method, levels = self.method, self.levels
         features: dict[str, float] = {"call": 1}
-        plan = dense_shape(self.time_steps, method, levels)
+        shape = dense_shape(self.time_steps, method, levels)
         factored = self.device == "cpu"
         cells = self.cell_flops or (0,) * len(self.affine)
         for affine, cell_flops in zip(self.affine, cells, strict=True):
-            for name, count in scan_features(plan, batch, self.state_size, factored, affine,
+            for name, count in scan_features(shape, batch, self.state_size, factored, affine,
                                              cell_flops).items():
                 features[name] = features.get(name, 0.0) + count
         return features
@@ -378,10 +377,10 @@ class RecurrentClassifier:
         """The schedule :meth:`backward` runs for ``method``/``levels`` (cached).
 
         ``method="auto"`` and ``hybrid`` without ``levels`` (or ``levels="auto"``) choose the hybrid
-        depth with the least modelled time for ``batch`` samples on ``device``
-        (:func:`~sparse_scan.engine.dense_plan.auto_levels`: on a 2-core CPU usually
-        back-propagation, whose blocks stay factored, on a GPU a deep scan); ``auto`` names depth 0
-        ``linear`` and the deepest ``blelloch``.
+        depth with the least predicted time for ``batch`` samples on ``device``
+        (:meth:`RecurrentPlan.predicted_seconds` of every depth's scans, nothing built: on a 2-core
+        CPU usually back-propagation, whose blocks stay factored, on a GPU a deep scan); ``auto``
+        names depth 0 ``linear`` and the deepest ``blelloch``.
 
         Parameters
         ----------
@@ -467,17 +466,15 @@ class RecurrentClassifier:
             return plan
         full = depth(steps)
         model = current(device)
-        best = auto_levels(steps, batch, recurrent.state_size, device, factored=device == "cpu", model=model,
-                           cell_flops=sum(cells) // len(cells))
-        chosen = schedule_at_depth(method, best, full)
         depths = range(full + 1) if method == "hybrid" else range(max(full, 1))  # blelloch once
+        schedules = [schedule_at_depth(method, k, full) for k in depths]
+        predicted = [plan.predicted_seconds(batch, model, *schedule) for schedule in schedules]
+        chosen = schedules[predicted.index(min(predicted))]  # the shallowest of equals
         candidates = []
-        for k in depths:
-            schedule = schedule_at_depth(method, k, full)
+        for schedule, seconds in zip(schedules, predicted, strict=True):
             critical, work, _ = plan.figures(*schedule)
             candidates.append(Candidate(*schedule, critical, work, 0, False,
-                                        "chosen" if schedule == chosen else "more predicted time",
-                                        plan.predicted_seconds(batch, model, *schedule)))
+                                        "chosen" if schedule == chosen else "more predicted time", seconds))
         criterion = (f"{AUTO_CRITERION}, for batch {batch} (cost model: {model.source})"
                      + (", back-propagation's blocks left factored" if device == "cpu" else ""))
         return RecurrentPlan(*chosen, steps, recurrent.state_size, scans, affine, device,
