@@ -13,7 +13,9 @@ over ``--rounds`` rounds; the figures are medians over the rounds. Per case:
   ``regret`` by the machine's noise and auto's cached-plan lookup);
 - ``ratio`` per schedule: the cost model's predicted time (:meth:`ScanPlan.predicted_seconds`, the
   model :func:`sparse_scan.engine.cost.current` gives: this machine's calibration where one is cached)
-  over the measured median;
+  over the measured median, predicted after the timings (a recurrent back-propagation from the last
+  state as far as it was seen to go, :class:`sparse_scan.recurrent.Horizon`; ``auto``'s choice is the
+  one the timed runs used, made after the warm-up);
 - schedules an explicit request refuses before building (the planning limit) are listed as refused.
 
 Recurrent cases of 10,000 steps time depths 0, 1, 2, 4 and the full depth only (a deep scan over
@@ -115,9 +117,8 @@ def run_case(model: Model, batch: int, rounds: int, cost: Any) -> dict[str, Any]
     y = model.forward(x)
     grad = rng.standard_normal(y.shape).astype(y.dtype)
     start = time.perf_counter()
-    auto = model.plan(shape, "auto", batch=batch)
+    model.plan(shape, "auto", batch=batch)
     plan_auto_s = time.perf_counter() - start
-    chosen = (auto.method, auto.levels)
     plans, refused = {}, {}
     for method, levels in schedules(model):
         try:
@@ -126,8 +127,10 @@ def run_case(model: Model, batch: int, rounds: int, cost: Any) -> dict[str, Any]
             refused[f"{method}{'' if levels is None else f' {levels}'}"] = str(error)[:200]
     entries = list(plans) + ["auto"]
     times: dict[Any, list[float]] = {entry: [] for entry in entries}
-    for entry in entries:  # warm-up: kernels compiled, buffers allocated
+    for entry in entries:  # warm-up: kernels compiled, buffers allocated, a horizon seen
         model.backward(grad, *(("auto", None) if entry == "auto" else entry))
+    auto = model.plan(shape, "auto", batch=batch)  # the choice the timed runs use
+    chosen = (auto.method, auto.levels)
     order = np.random.default_rng(0)
     for _ in range(rounds):  # a new order every round: no entry always follows the same one
         for index in order.permutation(len(entries)):

@@ -2,7 +2,7 @@
 
 :func:`calibrate` times the backward of a fixed set of small models (:func:`workloads`: a chain of
 activations, deep narrow, wide and pruned MLPs, three small CNNs and a 97%-pruned one, a small
-residual network dense and pruned, four RNNs and two LSTMs), each under several schedules and at
+residual network dense and pruned, four RNNs and three LSTMs), each under several schedules and at
 batch 1 and 16, and fits the seconds per unit of every feature (:mod:`sparse_scan.engine.cost`) to
 those times by non-negative least squares on the relative error, so that a prediction errs by a
 ratio, not by a number of seconds. It takes about ten seconds; :func:`sparse_scan.engine.cost.save`
@@ -108,9 +108,10 @@ def _pruned_cnn(channels: int, side: int, amount: float) -> Model:
 
 def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
     """The calibration's models, each with the schedules timed: ``(name, model, ((method, levels),
-    ...))``. Recurrent classifiers whose back-propagation is timed pool every hidden state
-    (``reduction="mean"``): with a loss on the last state alone, back-propagation stops where the
-    gradient underflows to zero, which depends on the data, not on the schedule."""
+    ...))``. Most recurrent classifiers whose back-propagation is timed pool every hidden state
+    (``reduction="mean"``), so that it runs every step; from a loss on the last state alone it stops
+    where the gradient underflows to zero (the LSTM over 3,000 steps: after about 200), and its
+    features are read after the timed runs, as far as it went (:class:`sparse_scan.recurrent.Horizon`)."""
     deep = (("linear", None), ("hybrid", 1), ("hybrid", 3), ("blelloch", None))
     shallow = (("linear", None), ("hybrid", 1), ("blelloch", None))
     rnn = RecurrentClassifier(RNN(1, 16, rng=0), 4, rng=1, input_shape=(200, 1))
@@ -131,6 +132,8 @@ def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
                                                           reduction="mean"), (("linear", None),)),
             ("lstm T=200 H=12", RecurrentClassifier(LSTM(1, 12, rng=6), 4, rng=7, input_shape=(200, 1)),
              (("hybrid", 2), ("blelloch", None))),
+            ("lstm T=3000 H=20", RecurrentClassifier(LSTM(1, 20, rng=12), 4, rng=13, input_shape=(3000, 1)),
+             (("linear", None),)),
             ("lstm T=300 H=20 mean",
              RecurrentClassifier(LSTM(1, 20, rng=8), 4, rng=9, input_shape=(300, 1), reduction="mean"),
              (("linear", None), ("hybrid", 3))),
@@ -143,7 +146,8 @@ def workloads() -> list[tuple[str, Model, tuple[tuple[str, int | None], ...]]]:
 def measure(model: Model, method: str, levels: int | None, batch: int, repeats: int = 5,
             device: str = "cpu", threads: int = 1) -> tuple[dict[str, float], float]:
     """The features of a backward of ``model`` under ``method``/``levels`` for ``batch`` random samples
-    and its median seconds over ``repeats`` runs after a warm-up (the forward not timed)."""
+    (read after the runs: a recurrent back-propagation's as far as it went) and its median seconds over
+    ``repeats`` runs after a warm-up (the forward not timed)."""
     rng = np.random.default_rng(batch)
     shape = tuple(model.input_shape)
     plan = model.plan(shape, method, levels, batch=batch, device=device)

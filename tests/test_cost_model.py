@@ -25,7 +25,7 @@ from sparse_scan.engine.dense_plan import auto_levels, build_dense_plan
 from sparse_scan.engine.plan import ScanCostError, ScanMemoryError
 from sparse_scan.engine.schedule import depth
 from sparse_scan.layers import Conv2d, Flatten, Linear, ReLU, Tanh
-from sparse_scan.recurrent import RNN, RecurrentClassifier
+from sparse_scan.recurrent import GRU, LSTM, RNN, Horizon, RecurrentClassifier
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 
@@ -135,6 +135,75 @@ def test_the_recurrent_plans_prediction_weighs_its_scans_features():
     assert "predicted_s" in auto.explain(8)
     chosen = [c for c in auto.choice.candidates if c.verdict == "chosen"]
     assert chosen[0].predicted_s == min(c.predicted_s for c in auto.choice.candidates)
+
+
+def _reached(totals):
+    """Per sample, the steps back from the end whose total gradients are not all zero (B, T, S):
+    what a back-propagation that stops where its gradient vanished ran."""
+    nonzero = np.abs(totals).sum(axis=2) != 0
+    return [totals.shape[1] - int(np.argmax(row)) if row.any() else 0 for row in nonzero]
+
+
+@pytest.mark.parametrize("kind, module, row_values", [
+    # the saved rows its kernel checks (x, h_prev and the cell's own) and the rows it zeroes (S, x)
+    ("rnn", lambda: RNN(1, 8, rng=0), 8 + 1 + 8 + 8 + 1),
+    ("gru", lambda: GRU(1, 8, rng=0), 4 * 8 + 1 + 8 + 8 + 1),
+    ("lstm", lambda: LSTM(1, 8, proj_size=4, rng=0), 6 * 8 + 8 + 1 + 4 + (4 + 8) + 1)])
+def test_a_last_state_back_propagation_is_predicted_as_far_as_its_gradient_last_reached(kind, module,
+                                                                                       row_values):
+    steps, batch = 1000, 3
+    model = RecurrentClassifier(module(), 3, rng=1, input_shape=(steps, 1))
+    linear, blelloch = model.plan(method="linear"), model.plan(method="blelloch")
+    full, scan = linear.features(batch), blelloch.features(batch)
+    assert full["factored_step"] == steps and "exit_values" not in full and model.recurrent.horizon is None
+    x = np.random.default_rng(0).standard_normal((batch, steps, 1)).astype(np.float32)
+    logits = model.forward(x)
+    totals = model.backward(np.ones_like(logits), "linear")[1]
+    horizon = model.recurrent.horizon  # float32: the gradient underflows long before 1,000 steps
+    reached = _reached(totals)  # the totals' h part: the LSTM's c part may reach a few steps further
+    if kind == "lstm":
+        assert np.mean(reached) <= horizon.steps <= np.mean(reached) + 16 and max(reached) < steps
+    else:
+        assert horizon.steps == pytest.approx(np.mean(reached)) and max(reached) < steps
+    assert (horizon.time_steps, horizon.row_values) == (steps, row_values)
+    features = linear.features(batch)  # the cached plan reads the horizon now
+    share = horizon.steps / steps
+    assert features["factored_step"] == pytest.approx(steps * share)
+    assert features["factored_sample"] == pytest.approx(steps * batch * share)
+    assert features["factored_flops"] == pytest.approx(full["factored_flops"] * share)
+    assert features["exit_values"] == pytest.approx((steps - horizon.steps) * row_values * batch)
+    assert features["step_values"] == full["step_values"]
+    assert blelloch.features(batch) == scan  # a scan runs every step whatever the gradient
+    defaults = CostModel("cpu", 2, DEFAULTS["cpu"])
+    assert linear.predicted_seconds(batch, defaults) == pytest.approx(defaults.predict(features))
+    assert linear.predicted_seconds(batch, defaults) < defaults.predict(full)
+    model.backward(np.ones_like(logits), "blelloch")
+    assert model.recurrent.horizon is horizon  # a scan keeps the last one seen
+
+
+def test_the_horizon_predicts_every_step_until_one_vanished():
+    assert Horizon(1000.0, 1000, 62).steps_over(5000) == 5000  # none vanished: no bound seen
+    assert Horizon(140.0, 1000, 62).steps_over(5000) == 140
+    assert Horizon(140.0, 1000, 62).steps_over(100) == 100
+
+
+def test_auto_chooses_again_once_back_propagation_is_seen_to_stop_early():
+    model = RecurrentClassifier(RNN(1, 8, rng=0), 3, rng=1, input_shape=(1000, 1))
+    pooled = RecurrentClassifier(RNN(1, 8, rng=0), 3, rng=1, input_shape=(1000, 1), reduction="mean")
+    x = np.random.default_rng(0).standard_normal((2, 1000, 1)).astype(np.float32)
+    for classifier in (model, pooled):
+        first = classifier.plan(method="auto", batch=2)
+        logits = classifier.forward(x)
+        classifier.backward(np.ones_like(logits), "linear")
+        again = classifier.plan(method="auto", batch=2)
+        if classifier is pooled:  # every state has a direct gradient: nothing stops early
+            assert classifier.recurrent.horizon is None and again is first
+            continue
+        assert again is not first and classifier.plan_builds == 2
+        assert classifier.plan(method="auto", batch=2) is again  # the same horizon: the cached choice
+        bp = [c for c in again.choice.candidates if c.method == "linear"][0]
+        before = [c for c in first.choice.candidates if c.method == "linear"][0]
+        assert bp.predicted_s < before.predicted_s
 
 
 def test_auto_levels_follows_the_cost_model_it_is_given():

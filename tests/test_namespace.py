@@ -72,7 +72,7 @@ PUBLIC = {
     "sparse_scan.model": ["JacobianSize", "Model", "ModelPlan"],
     "sparse_scan.optim": ["SGD", "Adam", "Optimizer", "check_built_on"],
     "sparse_scan.recurrent": ["GRU", "LSTM", "REDUCTIONS", "RNN", "Bitstream", "CellSequence", "GRUCell",
-                              "LSTMCell", "RNNCell", "RecurrentClassifier", "RecurrentPlan",
+                              "Horizon", "LSTMCell", "RNNCell", "RecurrentClassifier", "RecurrentPlan",
                               "chain_through_factors"],
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
     "sparse_scan.torch": ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"],

@@ -22,8 +22,10 @@ time, times the backend's seconds per unit of it (:class:`CostModel`):
   included), ``fill`` (JT entries whose values a run fills; and ``fill_flops``, a residual block's
   products inside its fill), ``dense_flops`` (block products and mvs of a recurrent scan),
   ``factored_flops`` (back-propagation's mvs with the blocks factored), ``block_fill_values`` (the
-  blocks' entries), ``step_values`` (the state gradients every recurrent schedule passes over) and
-  ``cell_flops`` (the gate and parameter gradients after a recurrent scan);
+  blocks' entries), ``step_values`` (the state gradients every recurrent schedule passes over),
+  ``cell_flops`` (the gate and parameter gradients after a recurrent scan) and ``exit_values`` (the
+  values a back-propagation from the last state alone passes over where it stops early, its gradient
+  vanished: the saved rows it checks, the totals it zeroes);
 - the backend's parallelism: the steps of one level run side by side on the CPU's threads (the GPU's
   lanes), so a step of a level of ``s`` steps adds ``1 / min(threads, s)`` of its features.
 
@@ -70,7 +72,7 @@ FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sa
             "mv_call", "mv_spmv", "mv_gemm", "mv_weights", "mv_csr", "mv_scale", "mm_scale", "mm_gather",
             "mm_block", "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
             "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
-            "block_fill_values", "step_values", "cell_flops", "plan_unit")
+            "block_fill_values", "step_values", "cell_flops", "exit_values", "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
 COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
@@ -95,13 +97,14 @@ _CPU_DEFAULTS = (
     ("fill_flops", 1.4e-10), ("dense_level", 7.4e-05), ("dense_chain_step", 1.2e-05),
     ("factored_step", 1.5e-07), ("factored_sample", 6.4e-07), ("factored_flops", 4.1e-10),
     ("dense_flops", 2.0e-11), ("block_fill", 3.2e-04), ("block_fill_values", 2.5e-09),
-    ("step_values", 2.0e-09), ("cell_flops", 1.2e-09), ("plan_unit", 3.0e-07))
+    ("step_values", 2.0e-09), ("cell_flops", 1.2e-09), ("exit_values", 1.1e-09), ("plan_unit", 3.0e-07))
 # CPU: the median of three `sparse-scan calibrate` runs on the 2-core development machine
 # (OPENBLAS_NUM_THREADS=1, 2026-11-28), rounded; mv_scale and mm_gather, which its workloads do not
 # tell apart from the fixed costs, are hand-set (about 1e9 entries/s), dense_flops is the bound its
 # RNN of 64x64 blocks sets (Blelloch at batch 16: 840 MFLOP of batched block products in 19 ms; the
 # fit puts that time on the levels), plan_unit the 160-470 ns per pattern entry or multiply-add
-# measured of building plans.
+# measured of building plans; exit_values (added later) the median of three calibrations with the
+# LSTM workload that stops early (2026-11-28, afternoon).
 # GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
@@ -114,7 +117,7 @@ _GPU_DEFAULTS = (
     ("fill_flops", 2.0e-12), ("dense_level", 5.0e-06), ("dense_chain_step", 2.0e-06),
     ("factored_step", 2.0e-06), ("factored_sample", 1.0e-08), ("factored_flops", 2.0e-13),
     ("dense_flops", 2.0e-13), ("block_fill", 5.0e-05), ("block_fill_values", 1.0e-11),
-    ("step_values", 1.0e-11), ("cell_flops", 2.0e-13), ("plan_unit", 3.0e-07))
+    ("step_values", 1.0e-11), ("cell_flops", 2.0e-13), ("exit_values", 0.0e+00), ("plan_unit", 3.0e-07))
 
 
 @dataclass(frozen=True)

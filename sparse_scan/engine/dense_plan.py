@@ -470,7 +470,8 @@ def build_dense_plan(n: int, method: str = "blelloch", levels: int | None = None
 
 
 def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = False,
-                  affine: bool = True, cell_flops: int = 0) -> dict[str, float]:
+                  affine: bool = True, cell_flops: int = 0, reach: float | None = None,
+                  exit_values: float = 0.0) -> dict[str, float]:
     """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of one scan of
     ``plan`` (:func:`dense_shape`) over ``size×size`` blocks for ``batch`` samples. ``factored``: the
     blocks are not filled yet and back-propagation (depth 0) would not need them (recurrent layers'
@@ -478,11 +479,21 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
     per block, every other schedule also fills the ``n * batch * size²`` block values first. Every
     schedule passes over the ``n * batch * size`` state gradients (``step_values``); ``cell_flops``
     (per step and sample: the gate and parameter gradients from the scan's totals) are work of every
-    schedule but factored back-propagation, whose cell kernel does it in its own loop."""
+    schedule but factored back-propagation, whose cell kernel does it in its own loop.
+
+    ``reach`` and ``exit_values``: factored back-propagation from a loss on the last state alone stops
+    where the gradient vanishes (:class:`sparse_scan.recurrent.Horizon`), after ``reach`` of the ``n``
+    steps per sample (its factored features scale by ``reach / n``), passing over ``exit_values`` per
+    sample to stop (the rows it checks and zeroes)."""
     level_flops = plan.level_flops(size, affine)
     values = {"step_values": plan.n * batch * size}
     if factored and plan.levels in (0, None) and plan.method != "blelloch":
-        return dense_features(level_flops, (), batch, factored_steps=plan.n) | values
+        features = dense_features(level_flops, (), batch, factored_steps=plan.n) | values
+        if reach is not None and plan.n:
+            for name in ("factored_step", "factored_sample", "factored_flops"):
+                features[name] *= reach / plan.n
+            features["exit_values"] = exit_values * batch
+        return features
     chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
     return dense_features(level_flops, chained, batch,
                           filled_values=plan.n * batch * size * size if factored else 0) | values | {

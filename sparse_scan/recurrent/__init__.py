@@ -10,13 +10,14 @@ schedule on the CPU, the blocks in factored form (no block filled).
 :class:`RecurrentClassifier` adds the paper's output layer (linear + softmax cross-entropy on the last
 hidden state; a model spec whose first layer is recurrent loads as one), a
 :class:`~sparse_scan.model.Model` as a :class:`~sparse_scan.Sequential` is; :class:`RecurrentPlan`
-states its schedule and :class:`Bitstream` is the paper's synthetic task (trained with
+states its schedule (its predicted time reads the :class:`Horizon` where a last-state
+back-propagation last stopped) and :class:`Bitstream` is the paper's synthetic task (trained with
 :func:`sparse_scan.train.train_iterations`, or split into a dataset for :func:`sparse_scan.train.train`).
 :class:`RNNCell`, :class:`GRUCell` and :class:`LSTMCell` are one step each; :class:`CellSequence`
 back-propagates a user's loop over a cell with the same scan.
 """
 
-from ._base import chain_through_factors
+from ._base import Horizon, chain_through_factors
 from ._bitstream import Bitstream
 from ._cells import CellSequence, GRUCell, LSTMCell, RNNCell
 from ._classifier import REDUCTIONS, RecurrentClassifier, RecurrentPlan
@@ -24,5 +25,5 @@ from ._gru import GRU
 from ._lstm import LSTM
 from ._rnn import RNN
 
-__all__ = ["GRU", "LSTM", "REDUCTIONS", "RNN", "Bitstream", "CellSequence", "GRUCell", "LSTMCell", "RNNCell",
-           "RecurrentClassifier", "RecurrentPlan", "chain_through_factors"]
+__all__ = ["GRU", "LSTM", "REDUCTIONS", "RNN", "Bitstream", "CellSequence", "GRUCell", "Horizon", "LSTMCell",
+           "RNNCell", "RecurrentClassifier", "RecurrentPlan", "chain_through_factors"]

@@ -23,6 +23,7 @@ products is one launch (``dense_scan_chain``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ from ..engine.dense_plan import auto_levels
 from ..engine.run import dense_scan
 from ._kernels import chain_factors, gradient_sums
 
-__all__ = ["Cell", "Run", "chain_through_factors", "compiled_back_propagation", "fill_blocks",
+__all__ = ["Cell", "Horizon", "Run", "chain_through_factors", "compiled_back_propagation", "fill_blocks",
            "resolve_levels"]
 
 CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
@@ -184,6 +185,38 @@ _gradient_sums = _backend.twin(cpu=_gradient_sums_cpu, gpu=_gradient_sums_gpu)
 and its bias's gradients summed over every step and sample."""
 
 
+@dataclass(frozen=True)
+class Horizon:
+    """How far a back-propagation on the CPU went back from a loss on the last state alone.
+
+    The cell's compiled kernel stops a sample where its total gradient has vanished (underflowed to
+    zero: every earlier one is zero too), after checking that the saved rows it skips are finite, and
+    zeroes those rows' totals and input gradients. Where that happens depends on the weights and the
+    data, not on the schedule; the cost model reads the last one seen (:meth:`steps_over`).
+
+    Attributes
+    ----------
+    steps : float
+        Steps per sample the kernel ran, the mean over the samples.
+    time_steps : int
+        The run's ``T``.
+    row_values : int
+        Values per step and sample the stop passes over: the saved rows it checks and the totals and
+        input gradients it zeroes.
+    """
+
+    steps: float
+    time_steps: int
+    row_values: int
+
+    def steps_over(self, time_steps: int) -> float:
+        """Predicted steps per sample of a back-propagation over ``time_steps``: this one's where its
+        gradient vanished before the end, else all of them (no vanishing seen)."""
+        if self.steps < self.time_steps:
+            return min(float(time_steps), self.steps)
+        return float(time_steps)
+
+
 def compiled_back_propagation(kernel: Callable[..., None], operands: tuple[Array, ...],
                               saved: dict[str, Array], p: dict[str, Array | None], direct: Array,
                               state_size: int, extra: dict[str, tuple[int, ...]] | None = None
@@ -210,7 +243,8 @@ def compiled_back_propagation(kernel: Callable[..., None], operands: tuple[Array
     -------
     dict
         ``state`` ``(T + 1, B, S)``, ``x`` ``(T, B, input)``, ``weight_ih``, ``weight_hh``, ``bias_ih``,
-        ``bias_hh`` and the ``extra`` sums, in the saved arrays' dtype.
+        ``bias_hh`` and the ``extra`` sums, in the saved arrays' dtype, and where ``direct`` is the
+        last state's only, ``horizon`` (:class:`Horizon`).
     """
     dtype = saved["h"].dtype
     x, weight_hh = saved["x"], p["weight_hh"]
@@ -224,11 +258,15 @@ def compiled_back_propagation(kernel: Callable[..., None], operands: tuple[Array
     grad_x = np.empty(x.shape, dtype=dtype)
     direct = np.ascontiguousarray(direct, dtype=dtype)
     shared = [np.ascontiguousarray(a, dtype=dtype) for a in (p["weight_ih"], weight_hh, x, saved["h_prev"])]
-    launch(kernel, (*shared, direct if direct.ndim == 3 else direct[None], totals, grad_x,
+    reached = np.empty(batch, dtype=np.int64)
+    launch(kernel, (*shared, direct if direct.ndim == 3 else direct[None], totals, grad_x, reached,
                     *(np.ascontiguousarray(a, dtype=dtype) for a in operands)),
            [(*(value[k] for value in sums.values()), s0, s1) for k, (s0, s1) in enumerate(pieces)])
-    grads = {"state": totals, "x": grad_x}
+    grads: dict[str, Any] = {"state": totals, "x": grad_x}
     grads.update({key: value.sum(axis=0).astype(dtype) for key, value in sums.items()})
+    if direct.ndim == 2 and batch:  # the rows a stop checks (the saved ones) and zeroes
+        checked = sum(a.shape[-1] for a in (*operands, x, saved["h_prev"]) if a.ndim == 3)
+        grads["horizon"] = Horizon(float(reached.mean()), steps, checked + state_size + x.shape[-1])
     return grads
 
 
@@ -355,11 +393,18 @@ class Run:
         Short name (``weight_ih``, ``weight_hh``, ``bias_ih``, ``bias_hh``, ``weight_hr``) -> the
         owner's attribute; a missing bias is zero.
     dtype : numpy dtype
+
+    Attributes
+    ----------
+    horizon : Horizon or None
+        Where the last back-propagation on the CPU from a loss on the last state alone stopped (None
+        before one: a scan keeps the last one seen).
     """
 
     def __init__(self, cell: Cell, owner: Any, names: dict[str, str], dtype: Any) -> None:
         self.cell, self.owner, self.names, self.dtype = cell, owner, names, np.dtype(dtype)
         self._saved: dict[str, Array] | None = None
+        self.horizon: Horizon | None = None
 
     def parameters_on(self, xp: ModuleType) -> dict[str, Array | None]:
         p: dict[str, Array | None] = _parameters_on(self.owner, self.names, xp)
@@ -451,6 +496,7 @@ class Run:
         be = _backend.of(self.saved["h"])
         if method == "linear" or (method == "hybrid" and levels == 0):
             grads = _bp_gradients(be, self, direct, threads)
+            self.horizon = grads.pop("horizon", self.horizon)
         else:
             totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
             grads = self.gradients(totals)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -63,6 +64,7 @@ from ..engine.plan import Candidate, ScanCostError, ScheduleChoice
 from ..engine.schedule import SCHEDULES, checked_levels, depth, schedule_at_depth
 from ..layers import Linear
 from ..model import JacobianSize
+from ._base import Horizon
 from ._module import RecurrentModule
 
 __all__ = ["REDUCTIONS", "RecurrentClassifier", "RecurrentPlan"]
@@ -103,6 +105,12 @@ class RecurrentPlan:
     cell_flops : tuple of int
         Per scan, the FLOPs per step and sample of the gate and parameter gradients from its totals
         (the cost model's ``cell_flops``; none given, none counted).
+    horizon : callable, optional
+        Returns the :class:`~sparse_scan.recurrent.Horizon` last seen (or None): where the model's
+        last back-propagation on the CPU from its last state alone stopped, its gradient vanished.
+        The predicted time of that back-propagation (a scan without direct gradients, blocks left
+        factored) reads it when it is called: until a first backward, every step is predicted to
+        run.
     """
 
     method: str
@@ -114,6 +122,8 @@ class RecurrentPlan:
     device: str
     choice: ScheduleChoice | None = None
     cell_flops: tuple[int, ...] = ()
+    horizon: Callable[[], Horizon | None] | None = dataclasses.field(default=None, compare=False,
+                                                                      repr=False)
 
     def figures(self, method: str, levels: int | None) -> tuple[int, int, int]:
         """Critical-path FLOPs, work FLOPs (per sample) and sequential levels of every scan of
@@ -175,16 +185,22 @@ class RecurrentPlan:
         """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of every scan of
         ``method``/``levels`` (by default the plan's own) for ``batch`` samples, one scan after
         another (the levels' block products are batched: ``threads`` changes nothing). With the
-        blocks left factored (:meth:`factored`), back-propagation fills none."""
+        blocks left factored (:meth:`factored`), back-propagation fills none, and from the last state
+        alone runs as far as the :attr:`horizon` last seen."""
         if method is None:
             method, levels = self.method, self.levels
         features: dict[str, float] = {"call": 1}
         shape = dense_shape(self.time_steps, method, levels)
         factored = self.device == "cpu"
         cells = self.cell_flops or (0,) * len(self.affine)
+        horizon = self.horizon() if factored and self.horizon is not None else None
         for affine, cell_flops in zip(self.affine, cells, strict=True):
-            for name, count in scan_features(shape, batch, self.state_size, factored, affine,
-                                             cell_flops).items():
+            reach = exit_values = None
+            if horizon is not None and not affine:
+                reach = horizon.steps_over(self.time_steps)
+                exit_values = (self.time_steps - reach) * horizon.row_values
+            for name, count in scan_features(shape, batch, self.state_size, factored, affine, cell_flops,
+                                             reach, exit_values or 0.0).items():
                 features[name] = features.get(name, 0.0) + count
         return features
 
@@ -380,7 +396,9 @@ class RecurrentClassifier:
         depth with the least predicted time for ``batch`` samples on ``device``
         (:meth:`RecurrentPlan.predicted_seconds` of every depth's scans, nothing built: on a 2-core
         CPU usually back-propagation, whose blocks stay factored, on a GPU a deep scan); ``auto``
-        names depth 0 ``linear`` and the deepest ``blelloch``.
+        names depth 0 ``linear`` and the deepest ``blelloch``. On the CPU, once a back-propagation
+        from the last state has been seen to stop early (the recurrent layer's ``horizon``), the
+        choice is made again with it whenever the steps it predicts move by a quarter of an octave.
 
         Parameters
         ----------
@@ -419,7 +437,7 @@ class RecurrentClassifier:
         auto = method == "auto" or (method == "hybrid" and levels == "auto")
         if not auto:
             levels = checked_levels(steps, method, levels, unit="time steps")
-        key = (steps, method, levels, batch if auto else None, device)
+        key = (steps, method, levels, (batch, self._horizon_key(steps, device)) if auto else None, device)
         if key not in self._plans:
             self._plans[key] = self._plan(steps, method, levels, batch, device, auto)
             self.plan_builds += 1
@@ -455,13 +473,26 @@ class RecurrentClassifier:
                      for layer in reversed(range(recurrent.num_layers))
                      for _ in range(recurrent.num_directions))
 
+    def _horizon(self) -> Horizon | None:
+        """The recurrent layer's :attr:`~sparse_scan.recurrent.RNN.horizon` where the head reads the
+        last state alone (else no back-propagation stops early)."""
+        return self.recurrent.horizon if self.reduction == "last" else None
+
+    def _horizon_key(self, steps: int, device: str) -> int | None:
+        """What of the horizon an ``auto`` choice for ``steps`` depends on: the steps it predicts, to
+        a quarter of an octave (a choice is made again when they move further), on the CPU only."""
+        horizon = self._horizon() if device == "cpu" else None
+        if horizon is None or horizon.steps_over(steps) >= steps:
+            return None
+        return round(4 * math.log2(max(horizon.steps_over(steps), 1.0)))
+
     def _plan(self, steps: int, method: str, levels: int | None, batch: int, device: str,
               auto: bool) -> RecurrentPlan:
         recurrent = self.recurrent
         scans, affine = self._scans()
         cells = self._cell_flops()
         plan = RecurrentPlan(method, levels, steps, recurrent.state_size, scans, affine, device,
-                             cell_flops=cells)
+                             cell_flops=cells, horizon=self._horizon)
         if not auto:
             return plan
         full = depth(steps)
@@ -478,7 +509,7 @@ class RecurrentClassifier:
         criterion = (f"{AUTO_CRITERION}, for batch {batch} (cost model: {model.source})"
                      + (", back-propagation's blocks left factored" if device == "cpu" else ""))
         return RecurrentPlan(*chosen, steps, recurrent.state_size, scans, affine, device,
-                             ScheduleChoice(method, criterion, tuple(candidates)), cells)
+                             ScheduleChoice(method, criterion, tuple(candidates)), cells, self._horizon)
 
     # backward ---------------------------------------------------------------------------------------
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,

@@ -15,7 +15,9 @@ and the total, the next total through ``W_hh``, the input's gradient through ``W
 parameter gradients' sums, so no ``(T, B, ·)`` temporary is written and read back. Their shared
 arguments: ``weight_ih`` ``(R, I)`` and ``weight_hh`` ``(R, H_out)`` (``R`` gate rows), ``x``
 ``(T, B, I)`` and ``h_prev`` ``(T, B, H_out)`` time-major, ``direct`` ``(T, B, S)`` or ``(1, B, S)``
-(the last state's only), the outputs ``totals`` ``(T + 1, B, S)`` and ``grad_x`` ``(T, B, I)``,
+(the last state's only), the outputs ``totals`` ``(T + 1, B, S)``, ``grad_x`` ``(T, B, I)`` and
+``reached`` ``(B,)`` (the steps each sample ran: fewer than ``T`` where a last-state gradient
+vanished and the kernel stopped, the rest being zeros),
 float64 accumulators of the thread's sums ``weight_ih_sum``, ``weight_hh_sum``, ``bias_ih_sum`` and
 ``bias_hh_sum`` (overwritten), and the samples ``s0:s1``. The totals follow :func:`chain_factors`'s
 two exceptions to IEEE arithmetic; a zero gate gradient is skipped where its partner (a weight row,
@@ -245,7 +247,7 @@ def _zero_sums(weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum):
 
 
 @compiled
-def elman_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, slope,
+def elman_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, reached, slope,
                    weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum, s0, s1):
     """The Elman RNN's back-propagation (see the module docstring): per step the gate gradient
     ``slope[t-1, s] ⊙ totals[t, s]`` (both sides' pre-activations), ``totals[t-1, s] = W_hh^T``
@@ -259,11 +261,13 @@ def elman_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, slop
     gates = np.empty(size, dtype=totals.dtype)
     for s in range(s0, s1):
         totals[steps, s] = direct[direct.shape[0] - 1, s]
+        reached[s] = steps
         for t in range(steps, 0, -1):
             g, c = totals[t, s], slope[t - 1, s]
             if (last_only and _all_zero(g) and _rows_finite(slope, t, s) and _rows_finite(x, t, s)
                     and _rows_finite(h_prev, t, s)):
                 _zero_rows(totals, grad_x, t, s)
+                reached[s] = steps - t
                 break
             for i in range(size):
                 gates[i] = c[i] * g[i]
@@ -278,7 +282,7 @@ def elman_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, slop
 
 
 @compiled
-def gru_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, r, z, n, m,
+def gru_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, reached, r, z, n, m,
                  weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum, s0, s1):
     """The GRU's back-propagation (see :mod:`sparse_scan.recurrent._gru`): per step, with ``g`` the
     total and ``q = (1-z)(1-n²)``, the gate gradients ``(q m r(1-r) g, (h_prev - n) z(1-z) g, q r
@@ -294,12 +298,14 @@ def gru_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, r, z, 
     gates_hh = np.empty(3 * size, dtype=totals.dtype)
     for s in range(s0, s1):
         totals[steps, s] = direct[direct.shape[0] - 1, s]
+        reached[s] = steps
         for t in range(steps, 0, -1):
             g, h = totals[t, s], h_prev[t - 1, s]
             if (last_only and _all_zero(g) and _rows_finite(r, t, s) and _rows_finite(z, t, s)
                     and _rows_finite(n, t, s) and _rows_finite(m, t, s) and _rows_finite(x, t, s)
                     and _rows_finite(h_prev, t, s)):
                 _zero_rows(totals, grad_x, t, s)
+                reached[s] = steps - t
                 break
             rt, zt, nt, mt = r[t - 1, s], z[t - 1, s], n[t - 1, s], m[t - 1, s]
             for i in range(size):
@@ -322,9 +328,9 @@ def gru_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, r, z, 
 
 
 @compiled
-def lstm_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, weight_hr, i, f, g, o, tanh_c,
-                  c_prev, h_cell, weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum, weight_hr_sum,
-                  s0, s1):
+def lstm_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, reached, weight_hr, i, f, g, o,
+                  tanh_c, c_prev, h_cell, weight_ih_sum, weight_hh_sum, bias_ih_sum, bias_hh_sum,
+                  weight_hr_sum, s0, s1):
     """The LSTM's back-propagation (see :mod:`sparse_scan.recurrent._lstm`): per step, from the total
     ``(g_h, g_c)``, ``g̃ = W_hr^T g_h`` (``g_h`` when ``weight_hr`` is ``(0, 0)``: no projection; then
     ``h_cell`` and ``weight_hr_sum`` are empty too), ``g_c' = g_c + o(1 - tanh² c) g̃``, the gate
@@ -345,12 +351,14 @@ def lstm_backward(weight_ih, weight_hh, x, h_prev, direct, totals, grad_x, weigh
     gates = np.empty(4 * size, dtype=totals.dtype)
     for s in range(s0, s1):
         totals[steps, s] = direct[direct.shape[0] - 1, s]
+        reached[s] = steps
         for t in range(steps, 0, -1):
             if (last_only and _all_zero(totals[t, s]) and _rows_finite(i, t, s) and _rows_finite(f, t, s)
                     and _rows_finite(g, t, s) and _rows_finite(o, t, s) and _rows_finite(tanh_c, t, s)
                     and _rows_finite(c_prev, t, s) and _rows_finite(x, t, s) and _rows_finite(h_prev, t, s)
                     and (not projected or _rows_finite(h_cell, t, s))):
                 _zero_rows(totals, grad_x, t, s)
+                reached[s] = steps - t
                 break
             grad_h, grad_c = totals[t, s, :rows], totals[t, s, rows:]
             if projected:

@@ -30,7 +30,7 @@ from .. import backend as _backend
 from .._checks import as_float_dtype, as_rng, flag, integer, number
 from .._types import Array, RngLike
 from ..engine.schedule import checked_levels
-from ._base import Cell, Run, resolve_levels
+from ._base import Cell, Horizon, Run, resolve_levels
 
 __all__ = ["RecurrentModule", "as_real_array", "copy_parameters", "legacy_alias"]
 
@@ -223,6 +223,13 @@ class RecurrentModule:
     def factored_chain(self, direct: Array) -> Array:
         """BP through the factored blocks of a one-layer, one-direction module: ``(T + 1, B, S)``."""
         return self._single_run().factored_chain(direct)
+
+    @property
+    def horizon(self) -> Horizon | None:
+        """Where the last back-propagation on the CPU of the top layer's forward direction stopped
+        from a loss on its last state alone (:class:`~sparse_scan.recurrent._base.Horizon`; None
+        before one)."""
+        return self._runs[-1][0].horizon
 
     # states --------------------------------------------------------------------------------------------
     def _state_parts(self) -> list[tuple[str, int]]:
