@@ -121,7 +121,9 @@ def test_chain_through_factors_on_cupy_arrays_equals_the_compiled_host_chain(aff
 def previous_bp(layer, direct):
     """The previous implementation of BP's gradients: the factored chain (the compiled chain kernel,
     or the LSTM's NumPy steps), then the gate gradients and the two sums kernels."""
-    return _base._bp_gradients.twins["gpu"](CPU, layer._single_run(), direct, None)
+    result = _base._bp_gradients.twins["gpu"](CPU, layer._single_run(), direct, None)
+    assert result.pop("horizon") is None  # every step runs
+    return result
 
 
 def recurrent_layer(kind, dtype, steps, batch, seed=0):
@@ -171,6 +173,10 @@ def test_compiled_bp_of_a_vanishing_chain_stops_at_zeros_and_keeps_nan_from_a_no
     got = _base._bp_gradients.twins["cpu"](CPU, run, direct, None)
     want = previous_bp(layer, direct)
     assert np.all(got["state"][:10] == 0) and np.all(got["x"][:10] == 0)
+    # the steps each sample ran: those whose total (s_1 .. s_T) is not all zero
+    ran = (np.abs(got["state"][1:]).sum(axis=2) != 0).sum(axis=0)
+    horizon = got.pop("horizon")
+    assert horizon.steps == pytest.approx(ran.mean()) and ran.max() < steps and horizon.time_steps == steps
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6 * np.abs(value).max(), err_msg=key)
     run.saved["x"][3, 1, 0] = np.inf  # the input's gradient there is 0 · inf
@@ -179,3 +185,5 @@ def test_compiled_bp_of_a_vanishing_chain_stops_at_zeros_and_keeps_nan_from_a_no
         want = previous_bp(layer, direct)
     np.testing.assert_array_equal(np.isnan(got["weight_ih"]), np.isnan(want["weight_ih"]))
     assert np.isnan(got["weight_ih"]).any() and not np.isnan(got["state"]).any()
+    # sample 1 runs on to the non-finite row (3 rows before it are finite), the others stop as before
+    assert got["horizon"].steps == pytest.approx((ran.sum() - ran[1] + steps - 3) / batch)

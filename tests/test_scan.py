@@ -553,8 +553,13 @@ def test_a_chain_of_dense_mvs_plans_without_building_their_patterns():
 
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("shared", [True, False])
-def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threaded, shared):
-    """Rows cut at about equal non-zeros (empty rows included) or samples cut over the threads."""
+@pytest.mark.parametrize("dtypes", [("float64", "float64"), ("float32", "float32"), ("float32", "float64"),
+                                    ("float64", "float32")])
+def test_host_matvec_equals_scipy_bit_for_bit_inline_and_cut_over_threads(monkeypatch, threaded, shared,
+                                                                          dtypes):
+    """Rows cut at about equal non-zeros (empty rows included) or samples cut over the threads; every
+    value SciPy's (summed from zero in the row's order in the result dtype), explicit zeros kept (an
+    explicit zero times an infinity is NaN)."""
     if threaded:
         monkeypatch.setattr(host, "MATVEC_THREAD_MIN", 1)
         monkeypatch.setattr(host, "cpu_threads", lambda: 3)
@@ -565,13 +570,17 @@ def test_host_matvec_equals_scipy_inline_and_cut_over_threads(monkeypatch, threa
     matrix.eliminate_zeros()
     matrix.sort_indices()
     pattern = Pattern(matrix.indptr, matrix.indices, matrix.shape)
-    vectors = rng.standard_normal((5, 30))
-    data = matrix.data if shared else rng.standard_normal((5, matrix.nnz))
+    vectors = rng.standard_normal((5, 30)).astype(dtypes[1])
+    data = (matrix.data if shared else rng.standard_normal((5, matrix.nnz))).astype(dtypes[0])
+    data[..., 0] = 0  # an explicit zero, whose column holds an infinity in one sample
+    vectors[2, matrix.indices[0]] = np.inf
     got = host.matvec(pattern, data, vectors)
+    assert got.dtype == np.result_type(data, vectors)
     for sample in range(5):
         values = data if shared else data[sample]
         want = sp.csr_matrix((values, matrix.indices, matrix.indptr), shape=matrix.shape) @ vectors[sample]
-        np.testing.assert_allclose(got[sample], want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(got[sample], want)
+    assert np.isnan(got[2, 0])
 
 
 def pruned_pair(rng_offset=0):

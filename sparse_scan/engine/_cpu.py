@@ -2,34 +2,31 @@
 on NumPy arrays, and the host numeric products it is made of.
 
 Products run the plan's symbolic structure (:mod:`sparse_scan.engine.products`) through compiled host
-kernels (:mod:`sparse_scan._host_kernels`); matrix-vector products run SciPy's CSR kernels, which keep
-explicit zeros. The steps of a scan level are independent and run on a pool of threads (NumPy's,
-SciPy's and numba's kernels release the GIL). Callers go through :mod:`sparse_scan.engine.run`, the
-engine's one CPU/GPU dispatch.
+kernels (:mod:`sparse_scan._host_kernels`); matrix-vector products run a compiled CSR kernel that
+sums as SciPy's does and keeps explicit zeros. The steps of a scan level are independent and run on a
+pool of threads (NumPy's and numba's kernels release the GIL). Callers go through
+:mod:`sparse_scan.engine.run`, the engine's one CPU/GPU dispatch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .._host_kernels import BLOCK_ENTRIES, launch, parts, rows2d
-from .._threads import cpu_threads, even_parts, kernel_pool, run_parts, step_pool, thread_count, workers_for
+from .._threads import cpu_threads, step_pool, thread_count, workers_for
 from .._types import Array
 from ..csr import BatchedCSR, Pattern
 from ._blocks import multiply_blocks_host
-from ._kernels import first_term_products, rowwise_products, stored_products
+from ._kernels import csr_products, first_term_products, rowwise_products, stored_products
 from ._scaled_gather import Runs, find_runs, scaled_gather
 from ._selection import multiply_live
 from .plan import ScanPlan, Step
 from .products import ProductPlan
 from .schedule import Element
-
-if TYPE_CHECKING:  # SciPy loads on the first SpMV (0.14 s of import): planning needs none
-    import scipy.sparse
 
 __all__ = ["matvec", "multiply", "run_plan"]
 
@@ -197,56 +194,30 @@ def _multiply_rowwise(plan: ProductPlan, a: np.ndarray, b: np.ndarray, out: np.n
 
 MATVEC_THREAD_MIN = 2**21
 """Host SpMVs with this many multiply-adds (non-zeros times vectors) run on every core. Measured on 2
-cores, VGG-11's 97%-pruned convolution JTs: 1.2-1.5x faster from about 3M, 1.7x slower at 0.5M."""
+cores with SciPy's kernels, VGG-11's 97%-pruned convolution JTs: 1.2-1.5x faster from about 3M, 1.7x
+slower at 0.5M."""
 
 
 def matvec(pattern: Pattern, data: Array, vectors: Array) -> Array:
     """``A @ v`` for a batch of vectors ``(B, cols)`` on the host: returns ``(B, rows)``.
 
-    ``data`` is ``(nnz,)`` (one matrix for the batch: SciPy multi-vector products) or ``(B, nnz)``
-    (one matrix per sample: one SciPy product per sample). SciPy's compiled CSR kernels keep
-    explicit zeros in the matrix; the result is a dense vector, so its pattern is not at stake. From
-    :data:`MATVEC_THREAD_MIN` multiply-adds on, the work is cut over the cores (SciPy's kernels
-    release the GIL): runs of rows of about equal non-zeros, or the samples.
+    ``data`` is ``(nnz,)`` (one matrix for the batch) or ``(B, nnz)`` (one matrix per sample). A
+    compiled kernel (:func:`sparse_scan.engine._kernels.csr_products`) sums every row from zero in
+    its order in the result dtype, as SciPy's CSR kernels do (explicit zeros kept; the values are
+    SciPy's bit for bit), without building a SciPy matrix per call (60-90 µs each, measured: most of
+    a small model's backward). From :data:`MATVEC_THREAD_MIN` multiply-adds on, the work is cut over
+    the cores: the samples, or runs of rows of about equal non-zeros.
     """
     rows, batch = pattern.shape[0], vectors.shape[0]
-    dtype = np.result_type(data, vectors)
-    out = np.empty((batch, rows), dtype=dtype)
-    pool = kernel_pool() if pattern.nnz * batch >= MATVEC_THREAD_MIN else None
-    workers = 1 if pool is None else cpu_threads()
-    if data.ndim == 1:
-        stacked = np.ascontiguousarray(vectors.T)
-        indptr = np.asarray(pattern.indptr)
-        bounds = _balanced_cuts(indptr, pattern.nnz, workers, rows)
-
-        def rows_run(first: int, last: int) -> None:
-            if (first, last) == (0, rows):  # the whole matrix: no re-based copy of indptr
-                out[:] = (_scipy_matrix(pattern, data) @ stacked).T
-                return
-            start, stop = int(indptr[first]), int(indptr[last])
-            part = Pattern(indptr[first:last + 1] - indptr[first], pattern.indices[start:stop],
-                           (last - first, pattern.shape[1]))
-            out[:, first:last] = (_scipy_matrix(part, data[start:stop]) @ stacked).T
-
-        run_parts(pool, rows_run, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-                                   if b > a])
-        return out
-
-    def samples_run(first: int, last: int) -> None:
-        matrix = _scipy_matrix(pattern, data[first])
-        for sample in range(first, last):
-            matrix.data = data[sample]  # a view: SciPy's constructor would copy a row of a larger array
-            out[sample] = matrix @ vectors[sample]
-
-    run_parts(pool, samples_run, even_parts(batch, workers))
+    out = np.empty((batch, rows), dtype=np.result_type(data, vectors))
+    indptr = np.asarray(pattern.indptr)
+    pieces = parts(batch, rows, cpu_threads() if pattern.nnz * batch >= MATVEC_THREAD_MIN else 1)
+    if len(pieces) > 1 and batch < len(pieces):  # cut rows by non-zeros, not by rows
+        cuts = _balanced_cuts(indptr, pattern.nnz, len(pieces), rows)
+        pieces = [(0, batch, int(r0), int(r1)) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True) if r1 > r0]
+    launch(csr_products, (indptr, np.asarray(pattern.indices), rows2d(data, data.dtype),
+                          np.ascontiguousarray(vectors), out), pieces)
     return out
-
-
-def _scipy_matrix(pattern: Pattern, data: np.ndarray) -> scipy.sparse.csr_matrix:
-    import scipy.sparse  # noqa: PLC0415 - on the first SpMV: planning needs none
-
-    return scipy.sparse.csr_matrix((data, pattern.indices, pattern.indptr), shape=pattern.shape,
-                                   copy=False)
 
 
 def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],

@@ -85,6 +85,25 @@ def stored_products(a, b, a_pos, b_pos, starts, total, out, s0, s1, e0, e1, bloc
 
 
 @compiled
+def csr_products(indptr, indices, data, vectors, out, s0, s1, r0, r1):
+    """``out[s, r] = sum over m in indptr[r]:indptr[r + 1] of data[s, m] * vectors[s, indices[m]]``
+    (``data`` row 0 for every sample where it is shared) for samples ``s0:s1`` and rows ``r0:r1``:
+    a CSR matrix times a vector, summed from zero in the row's order in the output dtype, as SciPy's
+    ``csr_matvec`` and ``csr_matvecs`` sum (so the values equal theirs bit for bit)."""
+    shared = data.shape[0] == 1
+    zero = out.dtype.type(0)
+    for s in range(s0, s1):
+        d = data[0] if shared else data[s]
+        v = vectors[s]
+        o = out[s]
+        for r in range(r0, r1):
+            acc = zero
+            for m in range(indptr[r], indptr[r + 1]):
+                acc += d[m] * v[u(indices[m])]
+            o[r] = acc
+
+
+@compiled
 def first_term_products(a, b, a_pos, b_pos, starts, total, out, s0, s1, e0, e1, block):
     """:func:`stored_products` for plans whose entries mostly hold one multiply-add: per block of
     ``block`` entries, every entry's first term is streamed (``0 + a * b``, a loop with no branch

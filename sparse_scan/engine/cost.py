@@ -7,21 +7,21 @@ time, times the backend's seconds per unit of it (:class:`CostModel`):
   ``level`` (a level's synchronisation), ``pool_level`` (a level of several steps handed to the
   thread pool and waited for), ``mv_step`` and ``mm_step`` (an mv's or a product's launch:
   its dispatch, buffers, and the thread pool a level of several steps runs on), ``mm_sample`` (a
-  product's cost per sample it runs for, whatever its size), ``mv_sample`` (an SpMV by a matrix per
-  sample: one call per sample), ``mv_call`` (an operator applied through a layer's weights: a
-  residual block counts one per inner layer), ``fill_call`` (a JT whose values a run fills); the
-  recurrent scans' ``dense_level`` (a level of batched block products), ``dense_chain_step`` (a step
-  of a chain's tight loop), ``factored_step`` and ``factored_sample`` (a back-propagation step with
-  the blocks left factored, and per sample) and ``block_fill`` (filling one scan's blocks);
+  product's cost per sample it runs for, whatever its size), ``mv_call`` (an operator applied
+  through a layer's weights: a residual block counts one per inner layer), ``fill_call`` (a JT
+  whose values a run fills); the recurrent scans' ``dense_level`` (a level of batched block
+  products), ``dense_chain_step`` (a step of a chain's tight loop), ``factored_step`` and
+  ``factored_sample`` (a back-propagation step with the blocks left factored, and per sample) and
+  ``block_fill`` (filling one scan's blocks);
 - work over the backend's throughput for that kind of product, in FLOPs (docs/design.md's counting)
-  times the samples it runs for (one for a product of sample-independent JTs): ``mv_spmv``,
-  ``mv_gemm`` (an mv through a layer's weights: the dense layer's multiply-adds, pruned or not; and
-  ``mv_weights``, the weights it reads once for the batch), ``mv_csr`` (an mv by a layer's CSR
-  weights), ``mv_scale``, ``mm_scale`` (a scaling by a diagonal), ``mm_gather`` (a max-pool's
-  selection), ``mm_block`` (dense channel blocks), ``mm_general`` (stored multiply-adds, ``rowwise``
-  included), ``fill`` (JT entries whose values a run fills; and ``fill_flops``, a residual block's
-  products inside its fill), ``dense_flops`` (block products and mvs of a recurrent scan),
-  ``factored_flops`` (back-propagation's mvs with the blocks factored), ``block_fill_values`` (the
+  times the samples it runs for (one for a product of sample-independent JTs): ``mv_spmv``, ``mv_gemm``
+  (an mv through a layer's weights: the dense layer's multiply-adds, pruned or not; and ``mv_weights``,
+  the weights it reads once for the batch), ``mv_csr`` (an mv by a layer's CSR weights), ``mv_scale``,
+  ``mm_scale`` (a scaling by a diagonal), ``mm_gather`` (a max-pool's selection), ``mm_block`` (dense
+  channel blocks), ``mm_general`` (stored multiply-adds, ``rowwise`` included), ``fill`` (JT entries
+  whose values a run fills; and ``fill_flops``, a residual block's products inside its fill),
+  ``dense_flops`` (block products and mvs of a recurrent scan), ``factored_flops`` (back-propagation
+  with the blocks factored: its mvs and the cell's gradients, one kernel), ``block_fill_values`` (the
   blocks' entries), ``step_values`` (the state gradients every recurrent schedule passes over),
   ``cell_flops`` (the gate and parameter gradients after a recurrent scan) and ``exit_values`` (the
   values a back-propagation from the last state alone passes over where it stops early, its gradient
@@ -68,11 +68,11 @@ __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "P
            "CostModel", "cache_path", "current", "dense_features", "load", "max_plan_seconds",
            "predicted_plan_seconds", "save", "sparse_features"]
 
-FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sample", "mv_sample",
-            "mv_call", "mv_spmv", "mv_gemm", "mv_weights", "mv_csr", "mv_scale", "mm_scale", "mm_gather",
-            "mm_block", "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
-            "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
-            "block_fill_values", "step_values", "cell_flops", "exit_values", "plan_unit")
+FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sample", "mv_call", "mv_spmv",
+            "mv_gemm", "mv_weights", "mv_csr", "mv_scale", "mm_scale", "mm_gather", "mm_block", "mm_general",
+            "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step", "factored_step",
+            "factored_sample", "factored_flops", "dense_flops", "block_fill", "block_fill_values",
+            "step_values", "cell_flops", "exit_values", "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
 COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
@@ -90,7 +90,7 @@ PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
 
 _CPU_DEFAULTS = (
     ("call", 1.9e-04), ("layer", 1.2e-06), ("level", 1.2e-05), ("pool_level", 4.4e-04),
-    ("mv_step", 0.0e+00), ("mm_step", 2.8e-04), ("mm_sample", 5.4e-08), ("mv_sample", 7.7e-06),
+    ("mv_step", 0.0e+00), ("mm_step", 2.8e-04), ("mm_sample", 5.4e-08),
     ("mv_call", 2.2e-05), ("mv_spmv", 3.1e-10), ("mv_gemm", 2.3e-11), ("mv_weights", 1.8e-10),
     ("mv_csr", 1.2e-10), ("mv_scale", 1.0e-09), ("mm_scale", 6.3e-09), ("mm_gather", 9.0e-10),
     ("mm_block", 5.7e-11), ("mm_general", 1.5e-09), ("fill", 8.4e-09), ("fill_call", 2.3e-06),
@@ -110,7 +110,7 @@ _CPU_DEFAULTS = (
 # chain, throughputs a conservative fraction of an H100's.
 _GPU_DEFAULTS = (
     ("call", 1.0e-04), ("layer", 2.0e-05), ("level", 5.0e-06), ("pool_level", 0.0e+00),
-    ("mv_step", 2.0e-07), ("mm_step", 2.0e-07), ("mm_sample", 1.0e-08), ("mv_sample", 1.0e-08),
+    ("mv_step", 2.0e-07), ("mm_step", 2.0e-07), ("mm_sample", 1.0e-08),
     ("mv_call", 2.0e-06), ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12),
     ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11),
     ("mm_block", 2.0e-12), ("mm_general", 4.0e-11), ("fill", 1.0e-11), ("fill_call", 1.0e-06),
@@ -267,11 +267,8 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
                     _add(features, "mv_weights", share * path.weights)  # read once for the batch
                 if name in ("mv_gemm", "mv_csr"):
                     _add(features, "mv_call", share * (1 if path is None else path.calls))
-                elif name == "mv_spmv":
-                    if sizes[step.right][1]:  # a matrix per sample: one SpMV call per sample
-                        _add(features, "mv_sample", share * batch)
-                    if layer is not None:
-                        filled.add(layer)
+                elif name == "mv_spmv" and layer is not None:
+                    filled.add(layer)
                 _add(features, name, share * flops * batch)
             else:
                 samples = 1 if sizes[step.out][1] == 0 else batch

@@ -479,7 +479,8 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
     per block, every other schedule also fills the ``n * batch * size²`` block values first. Every
     schedule passes over the ``n * batch * size`` state gradients (``step_values``); ``cell_flops``
     (per step and sample: the gate and parameter gradients from the scan's totals) are work of every
-    schedule but factored back-propagation, whose cell kernel does it in its own loop.
+    schedule, after a scan (``cell_flops``) or, in factored back-propagation, inside the cell's
+    kernel with the chain's own (``factored_flops``).
 
     ``reach`` and ``exit_values``: factored back-propagation from a loss on the last state alone stops
     where the gradient vanishes (:class:`sparse_scan.recurrent.Horizon`), after ``reach`` of the ``n``
@@ -489,6 +490,7 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
     values = {"step_values": plan.n * batch * size}
     if factored and plan.levels in (0, None) and plan.method != "blelloch":
         features = dense_features(level_flops, (), batch, factored_steps=plan.n) | values
+        features["factored_flops"] += plan.n * batch * cell_flops
         if reach is not None and plan.n:
             for name in ("factored_step", "factored_sample", "factored_flops"):
                 features[name] *= reach / plan.n

@@ -155,8 +155,9 @@ def _bp_gradients_cpu(be: _backend.Backend, layer: Run, direct: Array,
 def _bp_gradients_gpu(be: _backend.Backend, layer: Run, direct: Array,
                       threads: int | None) -> dict[str, Array]:
     """CUDA twin: BP's totals (the blocks filled, the chain in one launch), then the gradients from
-    them."""
-    return layer.gradients(dense_scan(layer.transposed_jacobians(threads), direct, "linear"))
+    them; every step runs (no ``horizon``)."""
+    return layer.gradients(dense_scan(layer.transposed_jacobians(threads), direct, "linear")) | {
+        "horizon": None}
 
 
 _bp_gradients = _backend.twin(cpu=_bp_gradients_cpu, gpu=_bp_gradients_gpu)
@@ -243,8 +244,8 @@ def compiled_back_propagation(kernel: Callable[..., None], operands: tuple[Array
     -------
     dict
         ``state`` ``(T + 1, B, S)``, ``x`` ``(T, B, input)``, ``weight_ih``, ``weight_hh``, ``bias_ih``,
-        ``bias_hh`` and the ``extra`` sums, in the saved arrays' dtype, and where ``direct`` is the
-        last state's only, ``horizon`` (:class:`Horizon`).
+        ``bias_hh`` and the ``extra`` sums, in the saved arrays' dtype, and ``horizon``: where
+        ``direct`` is the last state's only, how far it went (:class:`Horizon`), else None.
     """
     dtype = saved["h"].dtype
     x, weight_hh = saved["x"], p["weight_hh"]
@@ -262,7 +263,7 @@ def compiled_back_propagation(kernel: Callable[..., None], operands: tuple[Array
     launch(kernel, (*shared, direct if direct.ndim == 3 else direct[None], totals, grad_x, reached,
                     *(np.ascontiguousarray(a, dtype=dtype) for a in operands)),
            [(*(value[k] for value in sums.values()), s0, s1) for k, (s0, s1) in enumerate(pieces)])
-    grads: dict[str, Any] = {"state": totals, "x": grad_x}
+    grads: dict[str, Any] = {"state": totals, "x": grad_x, "horizon": None}
     grads.update({key: value.sum(axis=0).astype(dtype) for key, value in sums.items()})
     if direct.ndim == 2 and batch:  # the rows a stop checks (the saved ones) and zeroes
         checked = sum(a.shape[-1] for a in (*operands, x, saved["h_prev"]) if a.ndim == 3)
@@ -496,7 +497,7 @@ class Run:
         be = _backend.of(self.saved["h"])
         if method == "linear" or (method == "hybrid" and levels == 0):
             grads = _bp_gradients(be, self, direct, threads)
-            self.horizon = grads.pop("horizon", self.horizon)
+            self.horizon = grads.pop("horizon") or self.horizon
         else:
             totals = dense_scan(self.transposed_jacobians(threads), direct, method, levels, threads)
             grads = self.gradients(totals)

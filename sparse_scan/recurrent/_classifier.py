@@ -195,12 +195,12 @@ class RecurrentPlan:
         cells = self.cell_flops or (0,) * len(self.affine)
         horizon = self.horizon() if factored and self.horizon is not None else None
         for affine, cell_flops in zip(self.affine, cells, strict=True):
-            reach = exit_values = None
+            reach, exit_values = None, 0.0
             if horizon is not None and not affine:
                 reach = horizon.steps_over(self.time_steps)
                 exit_values = (self.time_steps - reach) * horizon.row_values
             for name, count in scan_features(shape, batch, self.state_size, factored, affine, cell_flops,
-                                             reach, exit_values or 0.0).items():
+                                             reach, exit_values).items():
                 features[name] = features.get(name, 0.0) + count
         return features
 
