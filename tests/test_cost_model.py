@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from sparse_scan import Sequential
+from sparse_scan import Sequential, load_model
 from sparse_scan import calibration as calibration_module
 from sparse_scan.calibration import Measurement, fit
 from sparse_scan.cli import app
@@ -66,6 +66,19 @@ def test_a_gemm_through_the_weights_counts_the_dense_layers_work_and_its_weights
         assert features["mv_gemm"] == 3 * 2 * 64 * 64 and features["mv_weights"] == 64 * 64
         assert features["mv_call"] == 1
     assert gemm.flops < 2 * 64 * 64 * 0.3  # the pruned JT's own count is far lower
+
+
+def test_a_transposed_convolution_counts_the_taps_it_adds_into_place():
+    # Conv2d(3, 8, 3, padding=1) on 3x6x6, back-propagated through its weights: its GEMM gives 3·9
+    # taps per input channel and output pixel, added into place per sample; a linear layer adds none
+    model = Sequential(Conv2d(3, 8, 3, padding=1, rng=0), ReLU(), Flatten(), Linear(8 * 6 * 6, 4, rng=1),
+                       input_shape=(3, 6, 6))
+    plan = model.plan((3, 6, 6), "linear")
+    assert sum(step.method == "gemm" for step in plan.steps) == 2
+    assert plan.features(batch=5, threads=1)["mv_taps"] == 5 * 3 * 9 * 6 * 6
+    # in a residual block, its convolutions' taps add up
+    block = load_model(DATA / "resnet20.yaml").layers[3]  # conv, bn, relu, conv, bn on 16x32x32
+    assert block.weights_path((16, 32, 32)).taps == 2 * 16 * 9 * 32 * 32
 
 
 def test_filled_jts_are_counted_per_call_and_an_spmvs_work_per_sample():
@@ -125,6 +138,11 @@ def test_the_recurrent_plans_prediction_weighs_its_scans_features():
     cell = 2 * 4 * (2 * 1 + 4) + 4 * 4
     assert linear.features(8) == {"call": 1, "factored_flops": 8 * linear.work_flops + 20 * 8 * cell,
                                   "factored_step": 20, "factored_sample": 160, "step_values": 20 * 8 * 4}
+    # on 3 threads BP's samples run 3, 3 and 2 to a thread: the longest run's count
+    threaded = linear.features(8, 3)
+    assert (threaded["factored_sample"], threaded["factored_flops"]) == (20 * 3, 3 * (linear.work_flops
+                                                                                       + 20 * cell))
+    assert threaded["step_values"] == 20 * 8 * 4
     features = blelloch.features(8)
     assert features["block_fill_values"] == 20 * 8 * 16 and features["block_fill"] == 1
     assert features["cell_flops"] == 20 * 8 * cell  # after a scan
@@ -175,8 +193,12 @@ def test_a_last_state_back_propagation_is_predicted_as_far_as_its_gradient_last_
     assert features["step_values"] == full["step_values"]
     assert blelloch.features(batch) == scan  # a scan runs every step whatever the gradient
     defaults = CostModel("cpu", 2, DEFAULTS["cpu"])
-    assert linear.predicted_seconds(batch, defaults) == pytest.approx(defaults.predict(features))
-    assert linear.predicted_seconds(batch, defaults) < defaults.predict(full)
+    assert linear.predicted_seconds(batch, defaults) == pytest.approx(
+        defaults.predict(linear.features(batch, defaults.threads)))
+    threaded = linear.features(batch, 3)  # 3 samples on 3 threads: one each
+    for name in ("factored_sample", "factored_flops", "exit_values"):
+        assert threaded[name] == pytest.approx(features[name] / 3)
+    assert defaults.predict(features) < defaults.predict(full)
     model.backward(np.ones_like(logits), "blelloch")
     assert model.recurrent.horizon is horizon  # a scan keeps the last one seen
 

@@ -66,12 +66,17 @@ class WeightsPath:
     weights : int
         Weight entries one application reads (once for the batch): the cost model's memory traffic
         of a GEMM (a convolution's are far fewer than its multiply-adds, a linear layer's as many).
+    taps : int
+        Per sample, the values a transposed convolution's taps add into place after its GEMM
+        (``col2im``: input channels × kernel taps × output pixels; none for a linear layer or
+        through CSR weights): the cost model's ``mv_taps``.
     """
 
     multiply_adds: int
     csr: bool = False
     calls: int = 1
     weights: int = 0
+    taps: int = 0
 
 
 def gemm_pays(nnz: int, path: WeightsPath | None) -> bool:

@@ -15,8 +15,9 @@ time, times the backend's seconds per unit of it (:class:`CostModel`):
   ``block_fill`` (filling one scan's blocks);
 - work over the backend's throughput for that kind of product, in FLOPs (docs/design.md's counting)
   times the samples it runs for (one for a product of sample-independent JTs): ``mv_spmv``, ``mv_gemm``
-  (an mv through a layer's weights: the dense layer's multiply-adds, pruned or not; and ``mv_weights``,
-  the weights it reads once for the batch), ``mv_csr`` (an mv by a layer's CSR weights), ``mv_scale``,
+  (an mv through a layer's weights: the dense layer's multiply-adds, pruned or not; ``mv_weights``,
+  the weights it reads once for the batch; ``mv_taps``, the values a transposed convolution adds into
+  place after its GEMM), ``mv_csr`` (an mv by a layer's CSR weights), ``mv_scale``,
   ``mm_scale`` (a scaling by a diagonal), ``mm_gather`` (a max-pool's selection), ``mm_block`` (dense
   channel blocks), ``mm_general`` (stored multiply-adds, ``rowwise`` included), ``fill`` (JT entries
   whose values a run fills; and ``fill_flops``, a residual block's products inside its fill),
@@ -69,10 +70,10 @@ __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "P
            "predicted_plan_seconds", "save", "sparse_features"]
 
 FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sample", "mv_call", "mv_spmv",
-            "mv_gemm", "mv_weights", "mv_csr", "mv_scale", "mm_scale", "mm_gather", "mm_block", "mm_general",
-            "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step", "factored_step",
-            "factored_sample", "factored_flops", "dense_flops", "block_fill", "block_fill_values",
-            "step_values", "cell_flops", "exit_values", "plan_unit")
+            "mv_gemm", "mv_weights", "mv_taps", "mv_csr", "mv_scale", "mm_scale", "mm_gather", "mm_block",
+            "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
+            "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
+            "block_fill_values", "step_values", "cell_flops", "exit_values", "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
 COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
@@ -89,35 +90,34 @@ PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
 :data:`MAX_PLAN_SECONDS`); the command line's way to raise it."""
 
 _CPU_DEFAULTS = (
-    ("call", 1.9e-04), ("layer", 1.2e-06), ("level", 1.2e-05), ("pool_level", 4.4e-04),
-    ("mv_step", 0.0e+00), ("mm_step", 2.8e-04), ("mm_sample", 5.4e-08),
-    ("mv_call", 2.2e-05), ("mv_spmv", 3.1e-10), ("mv_gemm", 2.3e-11), ("mv_weights", 1.8e-10),
-    ("mv_csr", 1.2e-10), ("mv_scale", 1.0e-09), ("mm_scale", 6.3e-09), ("mm_gather", 9.0e-10),
-    ("mm_block", 5.7e-11), ("mm_general", 1.5e-09), ("fill", 8.4e-09), ("fill_call", 2.3e-06),
-    ("fill_flops", 1.4e-10), ("dense_level", 7.4e-05), ("dense_chain_step", 1.2e-05),
-    ("factored_step", 1.5e-07), ("factored_sample", 6.4e-07), ("factored_flops", 4.1e-10),
-    ("dense_flops", 2.0e-11), ("block_fill", 3.2e-04), ("block_fill_values", 2.5e-09),
-    ("step_values", 2.0e-09), ("cell_flops", 1.2e-09), ("exit_values", 1.1e-09), ("plan_unit", 3.0e-07))
+    ("call", 1.7e-04), ("layer", 1.2e-06), ("level", 1.2e-05), ("pool_level", 2.4e-04), ("mv_step", 6.1e-07),
+    ("mm_step", 1.4e-04), ("mm_sample", 6.4e-08), ("mv_call", 6.0e-06), ("mv_spmv", 5.5e-10),
+    ("mv_gemm", 2.3e-11), ("mv_weights", 1.8e-10), ("mv_taps", 1.2e-09), ("mv_csr", 1.9e-10),
+    ("mv_scale", 1.0e-09), ("mm_scale", 4.4e-09), ("mm_gather", 9.0e-10), ("mm_block", 6.9e-11),
+    ("mm_general", 8.0e-10), ("fill", 3.5e-09), ("fill_call", 4.3e-06), ("fill_flops", 1.2e-10),
+    ("dense_level", 3.1e-06), ("dense_chain_step", 3.0e-06), ("factored_step", 0.0e+00),
+    ("factored_sample", 7.0e-07), ("factored_flops", 1.8e-10), ("dense_flops", 2.0e-11),
+    ("block_fill", 7.9e-04), ("block_fill_values", 0.0e+00), ("step_values", 6.1e-09),
+    ("cell_flops", 1.7e-09), ("exit_values", 0.0e+00), ("plan_unit", 3.0e-07))
 # CPU: the median of three `sparse-scan calibrate` runs on the 2-core development machine
-# (OPENBLAS_NUM_THREADS=1, 2026-11-28), rounded; mv_scale and mm_gather, which its workloads do not
-# tell apart from the fixed costs, are hand-set (about 1e9 entries/s), dense_flops is the bound its
-# RNN of 64x64 blocks sets (Blelloch at batch 16: 840 MFLOP of batched block products in 19 ms; the
-# fit puts that time on the levels), plan_unit the 160-470 ns per pattern entry or multiply-add
-# measured of building plans; exit_values (added later) the median of three calibrations with the
-# LSTM workload that stops early (2026-11-28, afternoon).
+# (OPENBLAS_NUM_THREADS=1, 2026-11-28 11:20 UTC), rounded; mv_scale and mm_gather, which its workloads
+# do not tell apart from the fixed costs, are hand-set (about 1e9 entries/s), dense_flops is the bound
+# its RNN of 64x64 blocks sets (Blelloch at batch 16: 840 MFLOP of batched block products in 19 ms;
+# the fit puts that time on the levels), plan_unit the 160-470 ns per pattern entry or multiply-add
+# measured of building plans.
 # GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
 _GPU_DEFAULTS = (
-    ("call", 1.0e-04), ("layer", 2.0e-05), ("level", 5.0e-06), ("pool_level", 0.0e+00),
-    ("mv_step", 2.0e-07), ("mm_step", 2.0e-07), ("mm_sample", 1.0e-08),
-    ("mv_call", 2.0e-06), ("mv_spmv", 2.0e-11), ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12),
-    ("mv_csr", 2.0e-11), ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11),
-    ("mm_block", 2.0e-12), ("mm_general", 4.0e-11), ("fill", 1.0e-11), ("fill_call", 1.0e-06),
-    ("fill_flops", 2.0e-12), ("dense_level", 5.0e-06), ("dense_chain_step", 2.0e-06),
-    ("factored_step", 2.0e-06), ("factored_sample", 1.0e-08), ("factored_flops", 2.0e-13),
-    ("dense_flops", 2.0e-13), ("block_fill", 5.0e-05), ("block_fill_values", 1.0e-11),
-    ("step_values", 1.0e-11), ("cell_flops", 2.0e-13), ("exit_values", 0.0e+00), ("plan_unit", 3.0e-07))
+    ("call", 1.0e-04), ("layer", 2.0e-05), ("level", 5.0e-06), ("pool_level", 0.0e+00), ("mv_step", 2.0e-07),
+    ("mm_step", 2.0e-07), ("mm_sample", 1.0e-08), ("mv_call", 2.0e-06), ("mv_spmv", 2.0e-11),
+    ("mv_gemm", 2.0e-11), ("mv_weights", 1.0e-12), ("mv_taps", 1.0e-12), ("mv_csr", 2.0e-11),
+    ("mv_scale", 1.0e-11), ("mm_scale", 1.0e-11), ("mm_gather", 2.0e-11), ("mm_block", 2.0e-12),
+    ("mm_general", 4.0e-11), ("fill", 1.0e-11), ("fill_call", 1.0e-06), ("fill_flops", 2.0e-12),
+    ("dense_level", 5.0e-06), ("dense_chain_step", 2.0e-06), ("factored_step", 2.0e-06),
+    ("factored_sample", 1.0e-08), ("factored_flops", 2.0e-13), ("dense_flops", 2.0e-13),
+    ("block_fill", 5.0e-05), ("block_fill_values", 1.0e-11), ("step_values", 1.0e-11),
+    ("cell_flops", 2.0e-13), ("exit_values", 0.0e+00), ("plan_unit", 3.0e-07))
 
 
 @dataclass(frozen=True)
@@ -265,6 +265,7 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
                 elif name == "mv_gemm" and path is not None:  # the dense layer's work, pruned or not
                     flops = 2 * path.multiply_adds
                     _add(features, "mv_weights", share * path.weights)  # read once for the batch
+                    _add(features, "mv_taps", share * path.taps * batch)  # added into place after it
                 if name in ("mv_gemm", "mv_csr"):
                     _add(features, "mv_call", share * (1 if path is None else path.calls))
                 elif name == "mv_spmv" and layer is not None:

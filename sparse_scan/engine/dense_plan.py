@@ -471,7 +471,7 @@ def build_dense_plan(n: int, method: str = "blelloch", levels: int | None = None
 
 def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = False,
                   affine: bool = True, cell_flops: int = 0, reach: float | None = None,
-                  exit_values: float = 0.0) -> dict[str, float]:
+                  exit_values: float = 0.0, threads: int = 1) -> dict[str, float]:
     """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of one scan of
     ``plan`` (:func:`dense_shape`) over ``size×size`` blocks for ``batch`` samples. ``factored``: the
     blocks are not filled yet and back-propagation (depth 0) would not need them (recurrent layers'
@@ -485,16 +485,19 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
     ``reach`` and ``exit_values``: factored back-propagation from a loss on the last state alone stops
     where the gradient vanishes (:class:`sparse_scan.recurrent.Horizon`), after ``reach`` of the ``n``
     steps per sample (its factored features scale by ``reach / n``), passing over ``exit_values`` per
-    sample to stop (the rows it checks and zeroes)."""
+    sample to stop (the rows it checks and zeroes). Factored back-propagation runs the samples on
+    ``threads`` threads, a run of samples each: its per-sample features count the longest run's
+    ``ceil(batch / threads)`` samples."""
     level_flops = plan.level_flops(size, affine)
     values = {"step_values": plan.n * batch * size}
     if factored and plan.levels in (0, None) and plan.method != "blelloch":
-        features = dense_features(level_flops, (), batch, factored_steps=plan.n) | values
-        features["factored_flops"] += plan.n * batch * cell_flops
+        lane = -(-batch // max(1, threads))  # the samples of the longest run
+        features = dense_features(level_flops, (), lane, factored_steps=plan.n) | values
+        features["factored_flops"] += plan.n * lane * cell_flops
         if reach is not None and plan.n:
             for name in ("factored_step", "factored_sample", "factored_flops"):
                 features[name] *= reach / plan.n
-            features["exit_values"] = exit_values * batch
+            features["exit_values"] = exit_values * lane
         return features
     chained = {index for start, stop in plan.chains.items() for index in range(start, stop)}
     return dense_features(level_flops, chained, batch,
@@ -519,7 +522,8 @@ def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bo
     model = current(device) if model is None else model
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
-        cost = model.predict(scan_features(dense_shape(n, "hybrid", levels), batch, size, factored))
+        cost = model.predict(scan_features(dense_shape(n, "hybrid", levels), batch, size, factored,
+                                           threads=model.threads))
         if best_cost is None or cost < best_cost:
             best, best_cost = levels, cost
     return best

@@ -283,7 +283,8 @@ class Conv2d(WeightedLayer):
         csr = bool(self._csr_pays() and (np.count_nonzero(self._support()) * plane
                                          <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape)))
         return WeightsPath(multiply_adds, csr=csr,
-                           weights=g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1])
+                           weights=g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1],
+                           taps=0 if csr else multiply_adds // g.cout_per_group)
 
     def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
         """``JT @ g`` for a batch ``g`` of ``(B, out_size)``: the transposed convolution.

@@ -447,13 +447,14 @@ class Residual(Layer):
         (:func:`~sparse_scan.engine._weights_path.gemm_pays`): a product holds more entries than its
         factors together, so every block with a convolution or more than one layer takes it."""
         inner_shapes, short_shapes = self._shapes(self.check_in_shape(self._sizes(in_shape)))
-        cost = weights = 0
+        cost = weights = taps = 0
         for layers, shapes in ((self.layers, inner_shapes), (self.shortcut, short_shapes)):
             for layer, shape in zip(layers, shapes, strict=False):
                 path = layer.weights_path(shape)
                 cost += layer.pattern_nnz(shape) if path is None or path.csr else path.multiply_adds
                 weights += 0 if path is None else path.weights
-        return WeightsPath(cost, calls=len(self.layers) + len(self.shortcut) + 1, weights=weights)
+                taps += 0 if path is None else path.taps
+        return WeightsPath(cost, calls=len(self.layers) + len(self.shortcut) + 1, weights=weights, taps=taps)
 
     def weights_matvec(self, in_shape: Shape, device: str = "cpu") -> Callable[[Array], Array]:
         """``g -> JT @ g`` for batches ``(B, out_size) -> (B, in_size)`` at the last :meth:`forward`,

@@ -184,9 +184,9 @@ class RecurrentPlan:
                  levels: int | None = None) -> dict[str, float]:
         """The cost model's features (:func:`~sparse_scan.engine.cost.dense_features`) of every scan of
         ``method``/``levels`` (by default the plan's own) for ``batch`` samples, one scan after
-        another (the levels' block products are batched: ``threads`` changes nothing). With the
-        blocks left factored (:meth:`factored`), back-propagation fills none, and from the last state
-        alone runs as far as the :attr:`horizon` last seen."""
+        another (the levels' block products are batched). With the blocks left factored
+        (:meth:`factored`), back-propagation fills none, runs its samples on ``threads`` threads, and
+        from the last state alone runs as far as the :attr:`horizon` last seen."""
         if method is None:
             method, levels = self.method, self.levels
         features: dict[str, float] = {"call": 1}
@@ -200,7 +200,7 @@ class RecurrentPlan:
                 reach = horizon.steps_over(self.time_steps)
                 exit_values = (self.time_steps - reach) * horizon.row_values
             for name, count in scan_features(shape, batch, self.state_size, factored, affine, cell_flops,
-                                             reach, exit_values).items():
+                                             reach, exit_values, threads).items():
                 features[name] = features.get(name, 0.0) + count
         return features
 
