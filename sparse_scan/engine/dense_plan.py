@@ -507,23 +507,24 @@ def scan_features(plan: DenseShape, batch: int, size: int, factored: bool = Fals
 
 @functools.lru_cache(maxsize=256)
 def auto_levels(n: int, batch: int, size: int, device: str = "cpu", factored: bool = False,
-                model: CostModel | None = None) -> int:
+                model: CostModel | None = None, cell_flops: tuple[int, ...] = (0,)) -> int:
     """The hybrid depth (0 = BP .. ``depth(n)`` = Blelloch) with the least predicted time.
 
     The time is the cost model's (``model``, by default :func:`~sparse_scan.engine.cost.current` for
-    ``device``) of :func:`scan_features`: each level costs a fixed overhead plus its FLOPs over the
-    device's throughput; on a 2-core CPU the scan's extra work usually outweighs the shorter critical
-    path, on a GPU it does not. ``factored`` (:func:`scan_features`) is the CPU's only. The choice is
-    cached per arguments. (A :class:`~sparse_scan.recurrent.RecurrentClassifier` weighs its own scans'
-    candidates instead, each with its cell's gradients.)
+    ``device``) of :func:`scan_features` of one scan per entry of ``cell_flops`` (a recurrent layer's
+    scans, each with its cell's gradients per step and sample; ``(0,)``: one scan of given blocks):
+    each level costs a fixed overhead plus its FLOPs over the device's throughput; on a 2-core CPU the
+    scan's extra work usually outweighs the shorter critical path, on a GPU it does not. ``factored``
+    (:func:`scan_features`) is the CPU's only. The choice is cached per arguments.
     """
     if factored and device != "cpu":
         raise ValueError(f"factored back-propagation runs on the CPU only, not on {device!r}")
     model = current(device) if model is None else model
     best, best_cost = 0, None
     for levels in range(depth(n) + 1):
-        cost = model.predict(scan_features(dense_shape(n, "hybrid", levels), batch, size, factored,
-                                           threads=model.threads))
+        shape = dense_shape(n, "hybrid", levels)
+        cost = sum(model.predict(scan_features(shape, batch, size, factored, cell_flops=cells,
+                                               threads=model.threads)) for cells in cell_flops)
         if best_cost is None or cost < best_cost:
             best, best_cost = levels, cost
     return best

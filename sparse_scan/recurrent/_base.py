@@ -37,8 +37,8 @@ from ..engine.dense_plan import auto_levels
 from ..engine.run import dense_scan
 from ._kernels import chain_factors, gradient_sums
 
-__all__ = ["Cell", "Horizon", "Run", "chain_through_factors", "compiled_back_propagation", "fill_blocks",
-           "resolve_levels"]
+__all__ = ["Cell", "Horizon", "Run", "cell_flops", "chain_through_factors", "compiled_back_propagation",
+           "fill_blocks", "resolve_levels"]
 
 CHUNK_BYTES = 2**20  # blocks filled per task on the CPU
 
@@ -277,11 +277,20 @@ def _parameters_on(source: Any, names: dict[str, str], xp: ModuleType) -> dict[s
 
 
 def resolve_levels(method: str, levels: int | str | None, steps: int, batch: int, size: int,
-                   device: str) -> int | str | None:
-    """``levels="auto"`` of a hybrid as the modelled best depth (the CPU's BP runs factored)."""
+                   device: str, cell_flops: tuple[int, ...]) -> int | str | None:
+    """``levels="auto"`` of a hybrid as the modelled best depth of the scans whose cells' gradients
+    take ``cell_flops`` per step and sample (:func:`cell_flops`; the CPU's BP runs factored)."""
     if method == "hybrid" and levels == "auto":
-        return auto_levels(steps, batch, size, device, factored=device == "cpu")
+        return auto_levels(steps, batch, size, device, factored=device == "cpu", cell_flops=cell_flops)
     return levels
+
+
+def cell_flops(cell: Cell, input_size: int) -> int:
+    """The FLOPs per step and sample of a cell's gradients from its totals: the input's and both
+    weights' (``2·rows·(2·input_size + output_size)``, ``rows`` its gate rows) and the gates' own (a
+    few per row, counted as 4): the cost model's ``cell_flops``."""
+    rows = cell.gates * cell.hidden_size
+    return 2 * rows * (2 * input_size + cell.output_size) + 4 * rows
 
 
 class Cell:

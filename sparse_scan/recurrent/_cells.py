@@ -33,7 +33,7 @@ from .. import backend as _backend
 from .._checks import as_float_dtype, as_rng, flag, integer
 from .._types import Array, RngLike
 from ..engine.schedule import checked_levels
-from ._base import Cell, Run, resolve_levels
+from ._base import Cell, Run, cell_flops, resolve_levels
 from ._gru import GRUSteps
 from ._lstm import LSTMSteps
 from ._module import as_real_array, copy_parameters
@@ -168,7 +168,8 @@ class RecurrentCell:
         saved = run.saved
         be = _backend.of(saved["h"])
         steps, batch = saved["h"].shape[:2]
-        levels = resolve_levels(method, levels, steps, batch, run.cell.state_size, be.name)
+        levels = resolve_levels(method, levels, steps, batch, run.cell.state_size, be.name,
+                                (cell_flops(run.cell, saved["x"].shape[-1]),))
         levels = checked_levels(steps, method, levels, unit="time steps")
         result = run.backward(direct, method, levels, threads)
         grad_x = result.pop("x")

@@ -462,17 +462,6 @@ class RecurrentClassifier:
                        for layer, direction in order)
         return scans, affine
 
-    def _cell_flops(self) -> tuple[int, ...]:
-        """Per scan (:meth:`_scans`' order), the FLOPs per step and sample of its gradients from the
-        totals: the input's and both weights' (``2·rows·(2·columns + out)``), and the gates' own
-        (a few per row, counted as 4)."""
-        recurrent = self.recurrent
-        rows, out = recurrent.gates * recurrent.hidden_size, recurrent.output_size
-        return tuple(2 * rows * (2 * (recurrent.input_size if layer == 0 else out * recurrent.num_directions)
-                                 + out) + 4 * rows
-                     for layer in reversed(range(recurrent.num_layers))
-                     for _ in range(recurrent.num_directions))
-
     def _horizon(self) -> Horizon | None:
         """The recurrent layer's :attr:`~sparse_scan.recurrent.RNN.horizon` where the head reads the
         last state alone (else no back-propagation stops early)."""
@@ -490,7 +479,7 @@ class RecurrentClassifier:
               auto: bool) -> RecurrentPlan:
         recurrent = self.recurrent
         scans, affine = self._scans()
-        cells = self._cell_flops()
+        cells = self.recurrent.scan_cell_flops()
         plan = RecurrentPlan(method, levels, steps, recurrent.state_size, scans, affine, device,
                              cell_flops=cells, horizon=self._horizon)
         if not auto:

@@ -30,7 +30,7 @@ from .. import backend as _backend
 from .._checks import as_float_dtype, as_rng, flag, integer, number
 from .._types import Array, RngLike
 from ..engine.schedule import checked_levels
-from ._base import Cell, Horizon, Run, resolve_levels
+from ._base import Cell, Horizon, Run, cell_flops, resolve_levels
 
 __all__ = ["RecurrentModule", "as_real_array", "copy_parameters", "legacy_alias"]
 
@@ -223,6 +223,12 @@ class RecurrentModule:
     def factored_chain(self, direct: Array) -> Array:
         """BP through the factored blocks of a one-layer, one-direction module: ``(T + 1, B, S)``."""
         return self._single_run().factored_chain(direct)
+
+    def scan_cell_flops(self) -> tuple[int, ...]:
+        """Per layer and direction, in the order the backward scans them (layers from the top, each
+        direction), the FLOPs per step and sample of its cell's gradients (:func:`cell_flops`)."""
+        return tuple(cell_flops(run.cell, self.input_size if layer == 0 else self.output_size * len(runs))
+                     for layer, runs in reversed(list(enumerate(self._runs))) for run in runs)
 
     @property
     def horizon(self) -> Horizon | None:
@@ -471,7 +477,7 @@ class RecurrentModule:
         steps, batch, _ = self._record["shape"]
         width = self.num_directions * self.output_size
         state_size = self._runs[0][0].cell.state_size
-        levels = resolve_levels(method, levels, steps, batch, state_size, be.name)
+        levels = resolve_levels(method, levels, steps, batch, state_size, be.name, self.scan_cell_flops())
         levels = checked_levels(steps, method, levels, unit="time steps")
         dense = last = None
         if grad is not None:
