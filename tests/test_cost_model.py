@@ -348,17 +348,24 @@ def test_calibrate_command_writes_and_shows_the_constants(tmp_path, monkeypatch)
     assert unwritable.exit_code == 2 and "cannot write the calibration" in unwritable.output
 
 
-def test_the_command_line_refuses_a_schedule_over_the_planning_limit_in_one_line(monkeypatch):
+@pytest.mark.parametrize("variable, value, spec, levels, says, limit", [
     # VGG-11's hybrid 1 enumerates ~2.3e8 pattern entries and multiply-adds: ~70 s by the defaults
-    monkeypatch.setenv(cost.PLAN_SECONDS_VARIABLE, "10")
+    (cost.PLAN_SECONDS_VARIABLE, "10", "vgg11.yaml", "1", "vgg11.yaml: planning hybrid 1 would take ~",
+     "over the planning limit of 10 s (raise it with max_plan_seconds= or SPARSE_SCAN_MAX_PLAN_SECONDS)"),
+    ("SPARSE_SCAN_MEMORY_BUDGET", "2M", "vgg11-pruned.yaml", "2",
+     "vgg11-pruned.yaml: planning hybrid 2: scan step",
+     "over the memory budget of 2.0 MiB (raise it with memory_budget= or SPARSE_SCAN_MEMORY_BUDGET")],
+    ids=["planning-limit", "memory-budget"])
+def test_the_command_line_refuses_a_schedule_over_a_limit_in_one_line(monkeypatch, variable, value, spec,
+                                                                        levels, says, limit):
+    monkeypatch.setenv(variable, value)
     start = time.perf_counter()
-    result = CliRunner().invoke(app.main, ["flops", str(DATA / "vgg11.yaml"), "--method", "hybrid",
-                                           "--levels", "1", "--quiet"])
+    result = CliRunner().invoke(app.main, ["flops", str(DATA / spec), "--method", "hybrid",
+                                           "--levels", levels, "--quiet"])
     assert result.exit_code == 2 and time.perf_counter() - start < 30
     line = result.output.strip()
-    assert "\n" not in line and "vgg11.yaml: planning hybrid 1 would take ~" in line
-    assert "over the planning limit of 10 s (raise it with max_plan_seconds= or " \
-           "SPARSE_SCAN_MAX_PLAN_SECONDS)" in line
+    assert "\n" not in line and says in line
+    assert limit in line
     assert "--max-step-flops" not in line  # not the limit that refused it
 
 
@@ -394,13 +401,3 @@ def test_the_memory_budget_comes_from_the_model_the_environment_or_the_machine(m
     assert default_memory_budget() > 0
 
 
-def test_the_command_line_refuses_a_schedule_over_the_memory_budget_in_one_line(monkeypatch):
-    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "2M")
-    start = time.perf_counter()
-    result = CliRunner().invoke(app.main, ["flops", str(DATA / "vgg11-pruned.yaml"), "--method", "hybrid",
-                                           "--levels", "2", "--quiet"])
-    assert result.exit_code == 2 and time.perf_counter() - start < 30
-    line = result.output.strip()
-    assert "\n" not in line and "vgg11-pruned.yaml: planning hybrid 2: scan step" in line
-    assert "over the memory budget of 2.0 MiB (raise it with memory_budget= or " \
-           "SPARSE_SCAN_MEMORY_BUDGET" in line
