@@ -14,7 +14,8 @@ over ``--rounds`` rounds; the figures are medians over the rounds. Per case:
 - ``ratio`` per schedule: the cost model's predicted time (:meth:`ScanPlan.predicted_seconds`, the
   model :func:`sparse_scan.engine.cost.current` gives: this machine's calibration where one is cached)
   over the measured median, predicted after the timings (a recurrent back-propagation from the last
-  state as far as it was seen to go, :class:`sparse_scan.recurrent.Horizon`; ``auto``'s choice is the
+  state as far as it was seen to go, :class:`sparse_scan.recurrent.Horizon`; a chain with the
+  subnormal values its gradients held, :mod:`sparse_scan.engine.subnormals`; ``auto``'s choice is the
   one the timed runs used, made after the warm-up);
 - schedules an explicit request refuses before building (the planning limit) are listed as refused.
 
@@ -127,7 +128,7 @@ def run_case(model: Model, batch: int, rounds: int, cost: Any) -> dict[str, Any]
             refused[f"{method}{'' if levels is None else f' {levels}'}"] = str(error)[:200]
     entries = list(plans) + ["auto"]
     times: dict[Any, list[float]] = {entry: [] for entry in entries}
-    for entry in entries:  # warm-up: kernels compiled, buffers allocated, a horizon seen
+    for entry in entries:  # warm-up: kernels compiled, buffers allocated, a horizon and subnormals seen
         model.backward(grad, *(("auto", None) if entry == "auto" else entry))
     auto = model.plan(shape, "auto", batch=batch)  # the choice the timed runs use
     chosen = (auto.method, auto.levels)

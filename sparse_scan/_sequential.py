@@ -49,6 +49,7 @@ from .engine.plan import (
 from .engine.products import ProductPlan
 from .engine.run import run_plan, through_inputs, through_weights
 from .engine.schedule import SCHEDULES, Element, checked_levels, depth, schedule_at_depth
+from .engine.subnormals import SubnormalWatch
 from .layers import Layer
 from .model import JacobianSize
 
@@ -208,6 +209,9 @@ class Sequential:
         The longest predicted planning time of an explicit schedule
         (:func:`~sparse_scan.engine.cost.max_plan_seconds`: None for ``SPARSE_SCAN_MAX_PLAN_SECONDS``
         or 60 s); a costlier one is refused before anything is built.
+    subnormals : SubnormalWatch
+        The subnormal values the host backward's gradients were last seen to hold
+        (:mod:`sparse_scan.engine.subnormals`): the cost model weighs the products they slow down.
     """
 
     def __init__(self, *layers: Layer, memory_budget: int | None = None,
@@ -230,6 +234,7 @@ class Sequential:
         self.max_plan_seconds = max_plan_seconds
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.plan_builds = 0
+        self.subnormals = SubnormalWatch()
         self._plans: dict[Hashable, ScanPlan] = {}
         self._products: dict[Hashable, dict[tuple[Element, Element], ProductPlan]] = {}
         self._activations: list[Array] | None = None
@@ -352,10 +357,11 @@ class Sequential:
         if not auto:
             checked_levels(len(self.layers), method, levels)
         structure = tuple(layer._structure_key() for layer in self.layers)
-        # the auto choice depends on the limit, the batch and the device (abandoned depths are not
-        # cached plans)
+        # the auto choice depends on the limit, the batch, the device and on the host the subnormal
+        # values last seen (abandoned depths are not cached plans)
+        seen = self.subnormals.last if device == "cpu" else None
         key = (shape, method, levels, self.memory_budget, structure) + (
-            (max_step_flops, int(batch), device) if auto else ())
+            (max_step_flops, int(batch), device, 0 if seen is None else seen.bucket()) if auto else ())
         plan = self._plans.get(key)
         if plan is None:
             plan = (self._auto_plan(shape, method, max_step_flops, progress, int(batch), device) if auto
@@ -394,6 +400,7 @@ class Sequential:
             limit, why_limit = max_step_flops, "--max-step-flops"
         for k in depths[1:]:
             estimate = estimate_plan(chain, *schedule_of(k))
+            estimate.subnormals = self.subnormals
             verdict, stops = stop, True
             if stop is None:
                 verdict, stops = _auto_verdict(estimate, best_s, batch, model, max_step_flops, budget)
@@ -486,7 +493,9 @@ class Sequential:
         self.plan_builds += 1
         chain = self.chain_info(shape, operands_needing_patterns(len(self.layers), method, levels), progress,
                                 sized=sized)
-        return build_plan(chain, method, levels, products, budget, max_step_flops, progress)
+        plan = build_plan(chain, method, levels, products, budget, max_step_flops, progress)
+        plan.subnormals = self.subnormals  # what its predictions weigh of the gradients' values
+        return plan
 
     # --- parameters ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Array]:
@@ -627,6 +636,8 @@ class Sequential:
             be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")
         flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
+        if be.name == "cpu":  # a GPU runs subnormals at full speed
+            self.subnormals.observe(flat)
         if timings is not None:
             be.synchronize()
         lap("scan_s")

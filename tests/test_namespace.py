@@ -60,6 +60,7 @@ PUBLIC = {
                                 "build_plan", "estimate_plan", "operands_needing_patterns"],
     "sparse_scan.engine.products": ["PlanBudgetError", "ProductPlan", "count_multiply_adds", "plan_product"],
     "sparse_scan.engine.run": ["dense_scan", "multiply", "run_plan", "through_inputs", "through_weights"],
+    "sparse_scan.engine.subnormals": ["OBSERVE_EVERY", "SubnormalWatch", "Subnormals", "count_subnormals"],
     "sparse_scan.engine.schedule": ["IDENTITY", "METHODS", "SCHEDULES", "Element", "checked_levels", "depth",
                                     "live_schedule", "live_segments", "scan_outputs", "schedule",
                                     "schedule_at_depth"],

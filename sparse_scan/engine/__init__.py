@@ -8,6 +8,8 @@
 :mod:`.dense_plan`                :class:`DenseScanPlan`: the schedule over dense blocks (recurrent)
 :mod:`.cost`                      the cost model: a plan's predicted time on a backend (``CostModel``,
                                   its defaults and this machine's calibration, ``current``)
+:mod:`.subnormals`                what a host run's gradients tell the cost model: their subnormal
+                                  values, which slow the products that read them (``SubnormalWatch``)
 :mod:`.figures`                   :class:`ScanPlanLike`: the figures both plan kinds report, in the
                                   same names and units (what ``sparse_scan.flops`` reads)
 :mod:`.run`                       the numeric phase on the CPU or the GPU: the engine's one

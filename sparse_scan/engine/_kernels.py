@@ -7,9 +7,10 @@ takes them, items ``e0:e1``) of a preallocated output, so callers cut the work o
 (:func:`~sparse_scan._host_kernels.parts`, :func:`~sparse_scan._host_kernels.launch`). Products are
 exact IEEE products in the output dtype, and sums run in the order stated per kernel. Callers:
 :mod:`sparse_scan.engine._cpu` (the host executor), :mod:`sparse_scan.engine._scaled_gather`
-(scalings by a diagonal), :mod:`sparse_scan.engine._selection` (max-pool gathers) and
-:mod:`sparse_scan.engine._blocks` (dense channel blocks). The CUDA sources in ``rawkernels/`` are
-their GPU twins.
+(scalings by a diagonal), :mod:`sparse_scan.engine._selection` (max-pool gathers),
+:mod:`sparse_scan.engine._blocks` (dense channel blocks) and :mod:`sparse_scan.engine.subnormals`
+(counting a run's subnormal gradient values, which reads and writes nothing else). The CUDA sources
+in ``rawkernels/`` are the products' GPU twins.
 """
 
 from __future__ import annotations
@@ -101,6 +102,21 @@ def csr_products(indptr, indices, data, vectors, out, s0, s1, r0, r1):
             for m in range(indptr[r], indptr[r + 1]):
                 acc += d[m] * v[u(indices[m])]
             o[r] = acc
+
+
+@compiled
+def subnormal_count(values, tiny):
+    """How many entries of the 2-D array ``values`` are subnormal: ``0 < |v| < tiny``, ``tiny`` the
+    smallest normal number of their dtype (read-only: the cost model's observation,
+    :mod:`sparse_scan.engine.subnormals`)."""
+    count = 0
+    for s in range(values.shape[0]):
+        row = values[s]
+        for e in range(values.shape[1]):
+            magnitude = abs(row[e])
+            if magnitude < tiny and magnitude > 0:
+                count += 1
+    return count
 
 
 @compiled

@@ -27,6 +27,10 @@ time, times the backend's seconds per unit of it (:class:`CostModel`):
   ``cell_flops`` (the gate and parameter gradients after a recurrent scan) and ``exit_values`` (the
   values a back-propagation from the last state alone passes over where it stops early, its gradient
   vanished: the saved rows it checks, the totals it zeroes);
+- the multiply-adds an x86 processor slows down with a microcode assist, as last observed
+  (:mod:`sparse_scan.engine.subnormals`): those of the mvs that read a subnormal gradient value,
+  ``mv_subnormal`` for the compiled SpMVs (a scalar loop: an assist per multiply-add) and
+  ``gemm_subnormal`` for the GEMMs through a layer's weights and the scalings by a diagonal;
 - the backend's parallelism: the steps of one level run side by side on the CPU's threads (the GPU's
   lanes), so a step of a level of ``s`` steps adds ``1 / min(threads, s)`` of its features.
 
@@ -73,7 +77,8 @@ FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sa
             "mv_gemm", "mv_weights", "mv_taps", "mv_csr", "mv_scale", "mm_scale", "mm_gather", "mm_block",
             "mm_general", "fill", "fill_call", "fill_flops", "dense_level", "dense_chain_step",
             "factored_step", "factored_sample", "factored_flops", "dense_flops", "block_fill",
-            "block_fill_values", "step_values", "cell_flops", "exit_values", "plan_unit")
+            "block_fill_values", "step_values", "cell_flops", "exit_values", "mv_subnormal", "gemm_subnormal",
+            "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
 COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
@@ -98,13 +103,17 @@ _CPU_DEFAULTS = (
     ("dense_level", 3.1e-06), ("dense_chain_step", 3.0e-06), ("factored_step", 0.0e+00),
     ("factored_sample", 7.0e-07), ("factored_flops", 1.8e-10), ("dense_flops", 2.0e-11),
     ("block_fill", 7.9e-04), ("block_fill_values", 0.0e+00), ("step_values", 6.1e-09),
-    ("cell_flops", 1.7e-09), ("exit_values", 0.0e+00), ("plan_unit", 3.0e-07))
+    ("cell_flops", 1.7e-09), ("exit_values", 0.0e+00), ("mv_subnormal", 7.5e-08), ("gemm_subnormal", 2.5e-09),
+    ("plan_unit", 3.0e-07))
 # CPU: the median of three `sparse-scan calibrate` runs on the 2-core development machine
 # (OPENBLAS_NUM_THREADS=1, 2026-11-28 11:20 UTC), rounded; mv_scale and mm_gather, which its workloads
 # do not tell apart from the fixed costs, are hand-set (about 1e9 entries/s), dense_flops is the bound
 # its RNN of 64x64 blocks sets (Blelloch at batch 16: 840 MFLOP of batched block products in 19 ms;
 # the fit puts that time on the levels), plan_unit the 160-470 ns per pattern entry or multiply-add
-# measured of building plans.
+# measured of building plans. mv_subnormal and gemm_subnormal: the median of three calibrations of
+# 13:12 UTC, whose workloads include a 512-layer MLP through subnormal gradients (timed directly, the
+# same backwards with the upstream gradient scaled by 1e30, none subnormal: 70-90 ns more per SpMV
+# multiply-add at batch 16, 3-15 ns per GEMM's, on the noisy machine).
 # GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
@@ -117,7 +126,8 @@ _GPU_DEFAULTS = (
     ("dense_level", 5.0e-06), ("dense_chain_step", 2.0e-06), ("factored_step", 2.0e-06),
     ("factored_sample", 1.0e-08), ("factored_flops", 2.0e-13), ("dense_flops", 2.0e-13),
     ("block_fill", 5.0e-05), ("block_fill_values", 1.0e-11), ("step_values", 1.0e-11),
-    ("cell_flops", 2.0e-13), ("exit_values", 0.0e+00), ("plan_unit", 3.0e-07))
+    ("cell_flops", 2.0e-13), ("exit_values", 0.0e+00), ("mv_subnormal", 0.0e+00), ("gemm_subnormal", 0.0e+00),
+    ("plan_unit", 3.0e-07))
 
 
 @dataclass(frozen=True)
@@ -235,19 +245,22 @@ _MM_FEATURES = {"block": "mm_block", "gather": "mm_gather", "general": "mm_gener
 _MV_FEATURES = {"spmv": "mv_spmv", "gemm": "mv_gemm", "scale": "mv_scale"}
 
 
-def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
+def sparse_features(plan: Any, batch: int, threads: int, subnormals: Any = None) -> dict[str, float]:
     """The features of a run of a sparse :class:`~sparse_scan.engine.plan.ScanPlan` (built or
     estimated) for ``batch`` samples, its steps of a level spread over ``threads``.
 
     A product of sample-independent JTs runs once for the batch, every other step per sample. The
     JT values a run fills are those the products read and those the SpMVs read (an mv through its
     layer's weights, or by a diagonal from its layer's input, fills none); a residual block's fill
-    adds its products' FLOPs (``plan.fill_flops``).
+    adds its products' FLOPs (``plan.fill_flops``). ``subnormals``
+    (:class:`~sparse_scan.engine.subnormals.Subnormals`, per sample as observed): an mv's
+    multiply-adds per value of the gradient it reads, times that gradient's subnormal values.
     """
     features: dict[str, float] = {"call": 1, "layer": plan.n}
     sizes = plan.element_bytes
     paths = dict(plan.weights.paths)
     filled: set[int] = set()
+    gradient_of = {element: i for i, element in enumerate(plan.outputs)} if subnormals is not None else {}
     for level in plan.levels_of_steps:
         share = 1.0 / max(1, min(threads, len(level)))
         _add(features, "level", 1)
@@ -271,6 +284,11 @@ def sparse_features(plan: Any, batch: int, threads: int) -> dict[str, float]:
                 elif name == "mv_spmv" and layer is not None:
                     filled.add(layer)
                 _add(features, name, share * flops * batch)
+                if step.left in gradient_of:  # flops / 2 multiply-adds over the values it reads
+                    per_value = flops / 2 / max(1, sizes[step.left][1])
+                    slowed = subnormals.per_sample(gradient_of[step.left]) * per_value
+                    _add(features, "mv_subnormal" if name in ("mv_spmv", "mv_csr") else "gemm_subnormal",
+                         share * slowed * batch)
             else:
                 samples = 1 if sizes[step.out][1] == 0 else batch
                 _add(features, "mm_sample", share * samples)

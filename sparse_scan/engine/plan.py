@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..csr import Pattern
 from ._chain import ChainInfo, ElementInfo
@@ -31,6 +31,9 @@ from ._weights_path import WeightsPath, WeightsPlan, gemm_pays, weights_plan
 from .cost import CostModel, current, sparse_features
 from .products import PRODUCT_PLAN_BYTES, PlanBudgetError, ProductPlan, count_multiply_adds, plan_product
 from .schedule import Element, checked_levels, live_schedule, scan_outputs
+
+if TYPE_CHECKING:
+    from .subnormals import Subnormals
 
 __all__ = ["Candidate", "ChainInfo", "ElementInfo", "ScanCostError", "ScanMemoryError", "ScanPlan",
            "ScheduleChoice", "Step", "WeightsPath", "WeightsPlan", "build_plan", "estimate_plan",
@@ -211,6 +214,11 @@ class ScanPlan:
         The fills precede the products and are independent of each other, so the critical path
         holds the costliest and the work all of them; both are in :attr:`critical_flops` and
         :attr:`work_flops`. An mv step applies such a layer through its chains (no fill).
+    subnormals : callable, optional
+        Returns the subnormal values its model's gradients were last seen to hold
+        (:class:`~sparse_scan.engine.subnormals.Subnormals`, or None: none counted), which
+        :meth:`features` weighs; set by the model that caches the plan
+        (:class:`~sparse_scan.engine.subnormals.SubnormalWatch`).
     """
 
     method: str
@@ -224,6 +232,7 @@ class ScanPlan:
     choice: ScheduleChoice | None = None
     weights: WeightsPlan = field(default_factory=WeightsPlan)
     fill_flops: tuple[int, int] = (0, 0)
+    subnormals: Callable[[], Subnormals | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def critical_flops(self) -> int:
@@ -273,8 +282,9 @@ class ScanPlan:
 
     def features(self, batch: int, threads: int) -> dict[str, float]:
         """The cost model's features of a run for ``batch`` samples, a level's steps spread over
-        ``threads`` (:func:`~sparse_scan.engine.cost.sparse_features`)."""
-        return sparse_features(self, batch, threads)
+        ``threads`` (:func:`~sparse_scan.engine.cost.sparse_features`), with the subnormal values
+        last observed (:attr:`subnormals`)."""
+        return sparse_features(self, batch, threads, self.subnormals() if self.subnormals else None)
 
     def predicted_seconds(self, batch: int = 1, model: CostModel | str = "cpu") -> float:
         """Predicted seconds of a backward's scan for ``batch`` samples: ``model``'s
