@@ -234,13 +234,19 @@ class Sequential:
         self.max_plan_seconds = max_plan_seconds
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.plan_builds = 0
-        self.subnormals = SubnormalWatch()
+        self._subnormals = SubnormalWatch()
         self._plans: dict[Hashable, ScanPlan] = {}
         self._products: dict[Hashable, dict[tuple[Element, Element], ProductPlan]] = {}
         self._activations: list[Array] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def subnormals(self) -> SubnormalWatch:
+        """The watch over the host backward's subnormal gradient values (the one object the model's
+        plans read: set its ``every``, not the attribute)."""
+        return self._subnormals
 
     def __repr__(self) -> str:
         inner = "\n".join(f"  ({layer.name}): {layer!r}" for layer in self.layers)
@@ -334,7 +340,9 @@ class Sequential:
         products); a depth whose estimated time is over that factor is not built. Depth 0 builds no
         product, so the choice never fails. The returned plan's ``method``/``levels`` are the chosen
         schedule's and its ``choice`` (:class:`~sparse_scan.engine.plan.ScheduleChoice`) says why,
-        with every candidate's predicted time.
+        with every candidate's predicted time. On the host the prediction weighs the subnormal
+        gradient values last observed (:attr:`subnormals`): the choice is made again when their
+        count per sample moves by an octave (:meth:`~sparse_scan.engine.subnormals.Subnormals.bucket`).
 
         An explicit schedule is refused with :class:`~sparse_scan.engine.plan.ScanCostError` before
         any pattern or product is built where its estimate says building it would take over
@@ -372,7 +380,9 @@ class Sequential:
     def estimate(self, in_shape: Sequence[int], method: str, levels: int | None = None) -> ScanPlan:
         """:func:`~sparse_scan.engine.plan.estimate_plan` of a schedule for ``in_shape``: its figures
         estimated from the JTs' shapes and ``nnz``, nothing built (not cached, not runnable)."""
-        return estimate_plan(self.chain_info(in_shape), method, levels)
+        estimate = estimate_plan(self.chain_info(in_shape), method, levels)
+        estimate.subnormals = self.subnormals
+        return estimate
 
     def _auto_plan(self, shape: Shape, method: str, max_step_flops: int | None,
                    progress: Callable[[str, int, int], None] | None, batch: int, device: str) -> ScanPlan:
@@ -636,9 +646,9 @@ class Sequential:
             be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")
         flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
-        if be.name == "cpu":  # a GPU runs subnormals at full speed
-            self.subnormals.observe(flat)
         if timings is not None:
             be.synchronize()
         lap("scan_s")
+        if be.name == "cpu":  # a GPU runs subnormals at full speed
+            self.subnormals.observe(flat)
         return [g.reshape((batch,) + shape) for g, shape in zip(flat, shapes, strict=True)]

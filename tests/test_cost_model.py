@@ -296,7 +296,10 @@ def test_the_cache_file_round_trips_and_is_what_runs_use(tmp_path, monkeypatch):
     assert current("cpu").source == "defaults"  # nothing cached yet
     mine = CostModel("cpu", 3, (("call", 1e-3), ("mv_gemm", 2e-10)), "calibrated in a test")
     path = save(mine)
-    assert path.parent == tmp_path / "sparse-scan" and load(path) == mine and current("cpu") == mine
+    assert path.parent == tmp_path / "sparse-scan" and current("cpu") == load(path)
+    # what the file lists, and the defaults of what it does not (a calibration of an older version)
+    assert load(path).seconds == dict(DEFAULTS["cpu"]) | dict(mine.constants)
+    assert (load(path).threads, load(path).source) == (3, "calibrated in a test")
     monkeypatch.setenv(cost.COST_MODEL_VARIABLE, "defaults")  # what the tests set: the cache ignored
     assert current("cpu") == CostModel("cpu", current("cpu").threads, DEFAULTS["cpu"])
     other = save(CostModel("cpu", 1, (("call", 5e-3),), "elsewhere"), tmp_path / "other.json")

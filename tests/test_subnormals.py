@@ -8,11 +8,13 @@ asserted uses constants built in the test, never a calibration.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from sparse_scan import Sequential, backend
-from sparse_scan.engine.cost import CostModel
+from sparse_scan.engine.cost import DEFAULTS, CostModel, load
 from sparse_scan.engine.subnormals import OBSERVE_EVERY, Subnormals, SubnormalWatch, count_subnormals
 from sparse_scan.layers import Linear, Tanh
 
@@ -38,16 +40,19 @@ def test_subnormal_values_are_counted_exactly(dtype):
     assert seen.total == sum(seen.values)
 
 
-def test_the_watch_counts_the_first_backward_a_new_batch_size_and_every_nth():
+def test_the_watch_counts_the_first_backward_of_each_batch_size_and_every_nth():
     watch = SubnormalWatch(every=3)
     assert watch() is None and SubnormalWatch().every == OBSERVE_EVERY
-    small = [np.full((2, 5), 1e-40, dtype=np.float32)]
-    counted = [watch.observe(small) for _ in range(4)]
-    assert counted == [True, False, False, True]
-    assert watch() == Subnormals(2, (10,))
-    assert watch.observe([np.zeros((3, 5), dtype=np.float32)])  # another batch size: counted at once
-    assert watch() == Subnormals(3, (0,)) and watch().bucket() == 0
-    assert Subnormals(1, (1,)).bucket() == 2 and Subnormals(2, (6, 0)).bucket() == 3
+    two = [np.full((2, 5), 1e-40, dtype=np.float32)]
+    three = [np.zeros((3, 5), dtype=np.float32)]
+    counted = [watch.observe(g) for g in (two, three) * 4]  # alternating batch sizes: each its own count
+    assert counted == [True, True, False, False, False, False, True, True]
+    assert watch() == Subnormals(3, (0,), (5,)) and watch().bucket() == 0
+    watch.observe(two)
+    assert watch() is not None and watch().batch == 3  # not yet the 3rd of batch 2: the newest count stays
+    assert SubnormalWatch(every=0).observe(two) is False  # 0: never counts
+    assert Subnormals(1, (1,), (1,)).bucket() == 1 and Subnormals(2, (6, 0), (3, 3)).bucket() == 2
+    assert Subnormals(4, (1, 2), (3, 3)).bucket() == 0  # under one per sample
 
 
 def _chain_with_subnormal_gradients(batch: int = 3):
@@ -101,14 +106,49 @@ def test_the_prediction_adds_the_observed_subnormals_cost_and_auto_chooses_again
     assert [c.predicted_s for c in again.choice.candidates][0] > chosen.choice.candidates[0].predicted_s
 
 
-def test_the_observation_changes_no_gradient():
+def test_the_observation_changes_no_gradient_and_runs_on_its_schedule_inside_the_model():
     model, grad_out = _chain_with_subnormal_gradients()
-    first = model.backward(grad_out, "linear")
-    model.subnormals = SubnormalWatch(every=10**9)  # a backward that counts nothing
-    model.subnormals.observe([np.zeros((3, 1), dtype=np.float32)])
-    second = model.backward(grad_out, "linear")
-    for a, b in zip(first, second, strict=True):
+    model.subnormals.every = 2
+    first = model.backward(grad_out, "linear")  # counted
+    counted = model.subnormals()
+    second = model.backward(grad_out, "linear")  # not counted
+    assert model.subnormals() is counted
+    third = model.backward(grad_out, "linear")  # counted: the 2nd since
+    assert model.subnormals() is not counted and model.subnormals() == counted
+    for a, b, c in zip(first, second, third, strict=True):  # counting writes nothing
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    with pytest.raises(AttributeError):
+        model.subnormals = SubnormalWatch()  # the one watch its plans read
+
+
+def test_an_observation_of_other_gradients_is_not_weighed():
+    # shape-agnostic layers: an observation at input (4,) says nothing of the plans for (6,)
+    model = Sequential(Tanh(), Tanh(), Tanh())
+    model.forward(np.full((2, 4), 3.0, dtype=np.float32))
+    model.backward(np.full((2, 4), 1e-40, dtype=np.float32), "linear")
+    assert model.subnormals().total == 2 * 4 * 4 and model.subnormals().sizes == (4, 4, 4, 4)
+    assert "gemm_subnormal" in model.plan((4,), "linear").features(2, 1)
+    plans = (model.plan((6,), "linear"), model.plan((6,), "auto", batch=2), model.estimate((6,), "blelloch"))
+    for plan in plans:
+        assert not {"gemm_subnormal", "mv_subnormal"} & set(plan.features(2, 1))
+
+
+def test_estimates_weigh_the_observation_as_built_plans_do():
+    model, grad_out = _chain_with_subnormal_gradients()
+    model.backward(grad_out, "linear")
+    built = model.plan((6,), "hybrid", 1).features(3, 1)
+    estimated = model.estimate((6,), "hybrid", 1).features(3, 1)
+    assert estimated["mv_subnormal"] == built["mv_subnormal"] > 0
+    assert estimated["gemm_subnormal"] == built["gemm_subnormal"] > 0
+
+
+def test_a_calibration_file_without_the_subnormal_features_takes_their_defaults(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"device": "cpu", "threads": 2, "seconds": {"call": 1e-4}}), encoding="utf-8")
+    model = load(path)
+    assert model.seconds["call"] == 1e-4
+    assert model.seconds["mv_subnormal"] == dict(DEFAULTS["cpu"])["mv_subnormal"] > 0
 
 
 @pytest.mark.gpu

@@ -63,11 +63,14 @@ import pathlib
 import platform
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from .._threads import cpu_threads
 from .._version import __version__
 from .schedule import Element
+
+if TYPE_CHECKING:
+    from .subnormals import Subnormals
 
 __all__ = ["COST_MODEL_VARIABLE", "DEFAULTS", "FEATURES", "MAX_PLAN_SECONDS", "PLAN_SECONDS_VARIABLE",
            "CostModel", "cache_path", "current", "dense_features", "load", "max_plan_seconds",
@@ -113,7 +116,8 @@ _CPU_DEFAULTS = (
 # measured of building plans. mv_subnormal and gemm_subnormal: the median of three calibrations of
 # 13:12 UTC, whose workloads include a 512-layer MLP through subnormal gradients (timed directly, the
 # same backwards with the upstream gradient scaled by 1e30, none subnormal: 70-90 ns more per SpMV
-# multiply-add at batch 16, 3-15 ns per GEMM's, on the noisy machine).
+# multiply-add at batch 16, 3-15 ns per GEMM's, whose 1-10 ms more on a 10-25 ms backward the noisy
+# machine blurs; the fit's 2.5 ns keeps every such schedule within 2x of its time, bench/auto_regret.py).
 # GPU: placeholders, to be filled from the first lent GPU's timings (no GPU has run a calibration yet:
 # docs/gpu.md): a launch of a few microseconds per level, a chain step inside the one launch of a
 # chain, throughputs a conservative fraction of an H100's.
@@ -203,13 +207,14 @@ def save(model: CostModel, path: pathlib.Path | None = None) -> pathlib.Path:
 
 
 def load(path: pathlib.Path | str) -> CostModel:
-    """The cost model a calibration file holds; a ``ValueError`` naming the file and field if it is
-    not one."""
+    """The cost model a calibration file holds, a feature it does not list (a file of an older
+    version) at its device's default; a ``ValueError`` naming the file and field if it is not one."""
     try:
         fields = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-        seconds = fields["seconds"]
-        return CostModel(str(fields["device"]), int(fields["threads"]),
-                         tuple((str(name), float(value)) for name, value in seconds.items()),
+        seconds = {str(name): float(value) for name, value in fields["seconds"].items()}
+        device = str(fields["device"])
+        return CostModel(device, int(fields["threads"]),
+                         tuple((dict(DEFAULTS.get(device, ())) | seconds).items()),
                          str(fields.get("source", path)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: not a sparse-scan calibration file ({error})") from None
@@ -245,7 +250,8 @@ _MM_FEATURES = {"block": "mm_block", "gather": "mm_gather", "general": "mm_gener
 _MV_FEATURES = {"spmv": "mv_spmv", "gemm": "mv_gemm", "scale": "mv_scale"}
 
 
-def sparse_features(plan: Any, batch: int, threads: int, subnormals: Any = None) -> dict[str, float]:
+def sparse_features(plan: Any, batch: int, threads: int,
+                    subnormals: Subnormals | None = None) -> dict[str, float]:
     """The features of a run of a sparse :class:`~sparse_scan.engine.plan.ScanPlan` (built or
     estimated) for ``batch`` samples, its steps of a level spread over ``threads``.
 
@@ -253,14 +259,17 @@ def sparse_features(plan: Any, batch: int, threads: int, subnormals: Any = None)
     JT values a run fills are those the products read and those the SpMVs read (an mv through its
     layer's weights, or by a diagonal from its layer's input, fills none); a residual block's fill
     adds its products' FLOPs (``plan.fill_flops``). ``subnormals``
-    (:class:`~sparse_scan.engine.subnormals.Subnormals`, per sample as observed): an mv's
-    multiply-adds per value of the gradient it reads, times that gradient's subnormal values.
+    (:class:`~sparse_scan.engine.subnormals.Subnormals`, per sample as observed, where it is of
+    gradients of this plan's sizes): an mv's multiply-adds per value of the gradient it reads, times
+    that gradient's subnormal values.
     """
     features: dict[str, float] = {"call": 1, "layer": plan.n}
     sizes = plan.element_bytes
     paths = dict(plan.weights.paths)
     filled: set[int] = set()
-    gradient_of = {element: i for i, element in enumerate(plan.outputs)} if subnormals is not None else {}
+    gradient_of: dict[Element, int] = {}
+    if subnormals is not None and subnormals.fits(sizes.get(element, (0, 0))[1] for element in plan.outputs):
+        gradient_of = {element: i for i, element in enumerate(plan.outputs)}
     for level in plan.levels_of_steps:
         share = 1.0 / max(1, min(threads, len(level)))
         _add(features, "level", 1)
