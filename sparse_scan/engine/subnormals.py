@@ -20,6 +20,8 @@ speed: its cost model weighs them 0.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -64,9 +66,10 @@ class Subnormals:
     values: tuple[int, ...]
     sizes: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
-        """Subnormal entries over every gradient."""
+        """Subnormal entries over every gradient (summed once: :meth:`bucket` is read by every
+        ``auto`` plan lookup)."""
         return sum(self.values)
 
     def per_sample(self, i: int) -> float:
@@ -82,7 +85,7 @@ class Subnormals:
         """A coarse key of the observation, on which an ``auto`` choice depends: 0 for fewer than one
         subnormal entry per sample, else 1 + the octave of the entries per sample."""
         per_sample = self.total / self.batch
-        return 0 if per_sample < 1 else 1 + int(np.log2(per_sample))
+        return 0 if per_sample < 1 else 1 + int(math.log2(per_sample))
 
 
 _TINY = {np.dtype(t): np.dtype(t).type(np.finfo(t).tiny) for t in (np.float32, np.float64)}
