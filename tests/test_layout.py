@@ -21,6 +21,7 @@ import pathlib
 import re
 
 import pytest
+import torch_optional
 from test_namespace import PUBLIC
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def _defines(owner: object, name: str) -> bool:
 
 def dotted_problem(name: str) -> str | None:
     """Why the dotted ``name`` names nothing, or None: the longest prefix that is a module, then
-    attributes of it (a module that cannot be imported here, PyTorch's without torch, is trusted)."""
+    attributes of it (one that needs PyTorch where it is not installed, :mod:`torch_optional`, is trusted)."""
     parts = name.split(".")
     for count in range(len(parts), 0, -1):
         path = _module_path(parts[:count])
@@ -94,11 +95,10 @@ def dotted_problem(name: str) -> str | None:
     rest = parts[count:]
     if not rest:
         return None
-    try:
-        owner = importlib.import_module(".".join(parts[:count]))
-    except ImportError:
-        return None
+    owner = torch_optional.import_module(".".join(parts[:count]))
     for attribute in rest:
+        if owner is None or torch_optional.resolve(owner, attribute, None) is torch_optional.MISSING:
+            return None  # needs PyTorch, which is not installed here: trusted
         if not _defines(owner, attribute):
             return f"{'.'.join(parts[:count])} has no {attribute!r}"
         owner = getattr(owner, attribute, None)
