@@ -37,7 +37,8 @@ INSTANTIATIONS: Final[dict[str, dict[str, tuple[tuple[np.dtype[Any], ...], ...]]
     "dense_scan.cu": {"dense_scan_level": (_VALUE,), "dense_scan_tiled": (_VALUE,),
                       "dense_scan_chain": (_VALUE,)},
     "pooling.cu": {"pool_row_counts": (_INDEX,), "pool_fill": (_INDEX,), "maxpool_values": (_INDEX, _VALUE)},
-    "conv_jt.cu": {"conv_jt_fill_pattern": (_INDEX,), "conv_jt_fill_values": (_INDEX, _VALUE)},
+    "conv.cu": {"conv_jt_fill_pattern": (_INDEX,), "conv_jt_fill_values": (_INDEX, _VALUE),
+                "pruned_conv_forward": (_VALUE,), "pruned_conv_weight_grad": (_VALUE,)},
 }
 
 _MODULES: dict[tuple[int, str], Any] = {}

@@ -8,7 +8,9 @@ layers with ``prune_pattern=True`` that are zero when the optimizer is created s
 gradients count as zero (non-finite ones too), so only the live weights are updated (with state for
 those only: 3% of the work on a 97%-pruned layer, written through the layer's ``update_weights``), and
 the pruned Jacobian pattern stays valid: a step changes it only where a live weight lands on exactly
-zero (or weights loaded since made a pruned one live), and then the next backward re-plans.
+zero (or weights loaded since made a pruned one live), and then the next backward re-plans. (A pruned
+layer's gradient is its current zero set's kept weights' alone, so a weight zeroed since the optimizer
+was built gets a zero gradient: only a momentum or Adam's moments can move it.)
 
 Examples
 --------

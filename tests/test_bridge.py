@@ -406,10 +406,36 @@ def test_on_the_gpu_the_engine_holds_views_of_the_parameters(on_the_gpu):
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_pruned_layers_are_refused(on_the_gpu):
+def test_on_the_gpu_patterns_from_weights_are_refused(on_the_gpu):
     net = build("lenet").eval().to(on_the_gpu)
-    with pytest.raises(RuntimeError, match="pruned layers run on CPU tensors only"):
+    with pytest.raises(RuntimeError, match="without a torch.nn.utils.prune mask .* runs on CPU tensors only"):
         bppsa(net, prune_pattern=True)(batches("lenet", 1)[0][0].to(on_the_gpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_on_the_gpu_torch_pruned_layers_give_autograds_gradients(on_the_gpu, method):
+    """Layers pruned with torch.nn.utils.prune on CUDA tensors: the pattern from the mask, the direct
+    sparse forward and the sampled weight gradient (the GPU's kernels), every gradient autograd's."""
+    import torch.nn.utils.prune as prune
+
+    net = build("lenet").eval().to(on_the_gpu)
+    for module in (net.conv1, net.conv2, net.fc1):
+        prune.l1_unstructured(module, "weight", amount=0.9)
+    bnet = bppsa(net, method)
+    x = batches("lenet", 1)[0][0].to(on_the_gpu)
+    out = bnet(x)
+    out.sum().backward()
+    (engine,) = next(iter(bnet._engines.values()))
+    assert engine.model.layers[0].prune_pattern and engine.model.layers[0].pruned_weights().density < 0.2
+    ours = {name: p.grad.clone() for name, p in net.named_parameters()}
+    net.zero_grad()
+    expected = net(x)
+    expected.sum().backward()
+    np.testing.assert_allclose(out.detach().cpu().numpy(), expected.detach().cpu().numpy(), rtol=1e-12)
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(ours[name].cpu().numpy(), p.grad.cpu().numpy(), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
 
 
 def test_cuda_tensors_without_a_usable_gpu_are_refused(monkeypatch):
@@ -420,19 +446,26 @@ def test_cuda_tensors_without_a_usable_gpu_are_refused(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["lstm", "lenet"])
+@pytest.mark.parametrize("kind", ["lstm", "lenet", "lenet-pruned"])
 def test_on_the_gpu_a_warm_iteration_uploads_nothing_and_waits_only_where_documented(on_the_gpu, device_stats,
                                                                                      kind):
     """After the first iteration, a forward and backward through the bridge wait for the GPU only where
     docs/gpu.md says: no upload from pageable memory (the weights are the tensors' memory), the
-    max-pools' NaN flag, the recurrent layer's check of its input."""
-    net = build(kind).eval().to(on_the_gpu)
+    max-pools' NaN flag, the recurrent layer's check of its input, a pruned layer's check that its
+    batch is finite (its sparse forward and weight gradient)."""
+    import torch.nn.utils.prune as prune
+
+    net = build(kind.partition("-")[0]).eval().to(on_the_gpu)
+    if kind == "lenet-pruned":
+        for module in (net.conv1, net.conv2, net.fc1):
+            prune.l1_unstructured(module, "weight", amount=0.9)
     bnet = bppsa(net, "blelloch")
-    x = batches(kind, 1)[0][0].to(on_the_gpu)
+    x = batches(kind.partition("-")[0], 1)[0][0].to(on_the_gpu)
     bnet(x).sum().backward()
     device_stats.clear()
     bnet(x).sum().backward()
-    documented = (("in _max_selection_gpu",), ("recurrent/_module.py:", "in _sequence"))  # file, function
+    documented = (("in _max_selection_gpu",), ("recurrent/_module.py:", "in _sequence"),  # file, function
+                  ("in _direct_forward_gpu",), ("in _sampled_weight_gradient_gpu",))
     unexpected = [sync for sync in device_stats.syncs
                   if not any(all(part in sync for part in where) for where in documented)]
     assert unexpected == [], unexpected

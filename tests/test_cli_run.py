@@ -65,7 +65,9 @@ def test_gradients_equal_torch_autograd(tmp_path, spec, method, levels):
         np.testing.assert_allclose(got[f"{layer.name}.out.grad"], tensor.grad.numpy(), rtol=1e-9, atol=1e-12)
     for layer, module in zip(model.layers, net, strict=True):
         if hasattr(layer, "weight"):
-            np.testing.assert_allclose(got[f"{layer.name}.weight.grad"], module.weight.grad.numpy(),
+            # a pruned layer's gradient is its kept weights' (autograd's times the mask)
+            kept = (layer.weight != 0) if getattr(layer, "prune_pattern", False) else 1
+            np.testing.assert_allclose(got[f"{layer.name}.weight.grad"], module.weight.grad.numpy() * kept,
                                        rtol=1e-9, atol=1e-12)
             np.testing.assert_allclose(got[f"{layer.name}.bias.grad"], module.bias.grad.numpy(),
                                        rtol=1e-9, atol=1e-12)

@@ -14,7 +14,7 @@ from sparse_scan import backend
 from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import Conv2d
 from sparse_scan.layers._conv_jt import _structural_pattern_cpu
-from sparse_scan.layers._conv_pruned import CSR_PATH_MAX_PADDED_SHARE, SPARSE_FORWARD_MAX_DENSITY
+from sparse_scan.layers._conv_pruned import CSR_PATH_MAX_PADDED_SHARE, TRANSPOSED_MAX_DENSITY
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
 # asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.
@@ -240,7 +240,7 @@ VALUES(values_int64_float64, long long, double)
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("launch", [(1, 1), (3, 5), (64, 32)])
 def test_kernel_source_on_cpu_matches_numpy_twin(cfg, index_dtype, launch):
-    library = compile_for_cpu("conv_jt.cu", WRAPPERS)
+    library = compile_for_cpu("conv.cu", WRAPPERS)
     conv = make_conv(cfg)
     geometry = conv.geometry((cfg[0], cfg[7], cfg[8]))
     expected, expected_widx = _structural_pattern_cpu(backend.get("cpu"), geometry, index_dtype)
@@ -320,20 +320,20 @@ def test_the_gemm_over_the_weights_pays_for_unpruned_weights_not_for_heavily_pru
 @pytest.mark.parametrize("cfg", [cfg for cfg in CONFIGS if make_conv(cfg).weight.size >= 20])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
-    """At most SPARSE_FORWARD_MAX_DENSITY non-zeros: the CPU forward and the transposed convolution
-    take CSR weights (every geometry), equal to the direct definition and to JT, following assigned
-    values (same zero set: the kept CSR structure) and zero sets."""
+    """At most TRANSPOSED_MAX_DENSITY non-zeros: the CPU forward runs direct and the transposed
+    convolution takes CSR weights (every geometry), equal to the direct definition and to JT, following
+    assigned values (same zero set: the kept structure) and zero sets."""
     conv, x = make_conv(cfg, dtype=dtype, prune_pattern=True), make_input(cfg, dtype=dtype)
     weight = conv.weight.copy()
-    keep = max(1, int(SPARSE_FORWARD_MAX_DENSITY * weight.size))
+    keep = max(1, int(TRANSPOSED_MAX_DENSITY * weight.size))
     weight.ravel()[np.random.default_rng(4).permutation(weight.size)[keep:]] = 0
     conv.weight = weight
-    assert conv._sparse_weights() is not None
+    assert conv._transposed_weights() is not None
     rtol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
-    layout = conv._sparse_layout()
+    layout = conv.pruned_weights()
     conv.weight = conv.weight * 3  # same zero set: the kept structure, the current values
-    assert conv._sparse_layout() is layout
+    assert conv.pruned_weights() is layout
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     # the transposed convolution through the same CSR weights is JT @ g (finite differences)
     grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size)).astype(dtype)
@@ -348,7 +348,7 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
         np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
     np.testing.assert_allclose(got, grad @ conv.transposed_jacobian(x).todense().T, rtol=rtol, atol=rtol)
     conv.weight = np.where(conv.weight == 0, dtype(1), conv.weight)  # dense now: back to the GEMM
-    assert conv._sparse_weights() is None and not conv.weights_path(x.shape[1:]).csr
+    assert conv._transposed_weights() is None and not conv.weights_path(x.shape[1:]).csr
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     weight = np.where(conv.weight == 1.0, dtype(0), conv.weight)
     weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error
@@ -467,16 +467,18 @@ def test_csr_weights_and_jt_values_take_the_values_of_every_version_once():
     values = conv.transposed_jacobian(x).data
     assert conv.transposed_jacobian(x[:1]).data is values  # every batch reads the same values
     conv.forward(x)
-    filled = list(conv._sparse_structure[2])
+    pruned = conv.pruned_weights()
+    kept = pruned._values["cpu"][1]
     conv.forward(x)
-    assert conv._sparse_structure[2] == filled == [conv._version, None]
+    assert pruned._values["cpu"] == (conv._version, kept) and pruned._transposed is None
     live = np.flatnonzero(conv.weight)
     conv.update_weights(live, conv.weight.ravel()[live] * 3)
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=1e-12, atol=1e-12)
     grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size))
     np.testing.assert_allclose(conv.weights_matvec(x.shape[1:])(grad),
                                grad @ conv.transposed_jacobian(x).todense().T, rtol=1e-12, atol=1e-12)
-    assert conv._sparse_structure[2] == [conv._version, conv._version]
+    assert conv.pruned_weights() is pruned  # the same zero set: the same kept weights
+    assert pruned._values["cpu"][0] == pruned._transposed[2][0] == conv._version
     np.testing.assert_allclose(conv.transposed_jacobian(x).todense(),
                                finite_difference_jt(lambda v: naive_conv(conv, v), x[0]), atol=1e-8)
     assert not np.array_equal(conv.transposed_jacobian(x).data, values)

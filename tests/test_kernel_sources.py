@@ -152,7 +152,7 @@ def test_name_expressions_spell_every_combination():
         "pool_row_counts<int>", "pool_row_counts<long long>", "pool_fill<int>", "pool_fill<long long>",
         "maxpool_values<int, float>", "maxpool_values<int, double>", "maxpool_values<long long, float>",
         "maxpool_values<long long, double>"]
-    assert len(all_expressions()) == 24
+    assert len(all_expressions()) == 28
     with pytest.raises(ValueError, match="no kernel source"):
         _gpu_kernels.name_expressions("nope.cu")
 
@@ -164,7 +164,7 @@ def test_name_expressions_spell_every_combination():
     ("scan.cu", "scan_level", np.float32, np.int32),
     ("scan.cu", "scan_level", np.int32),
     ("pooling.cu", "pool_fill", np.int32, np.float32),
-    ("conv_jt.cu", "conv_jt_fill_pattern", np.uint32),
+    ("conv.cu", "conv_jt_fill_pattern", np.uint32),
 ], ids=["file", "kernel", "dtype", "order", "too-few", "too-many", "unsigned"])
 def test_function_refuses_an_unregistered_request_before_importing_cupy(request_, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # importing CuPy now raises ImportError

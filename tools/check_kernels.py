@@ -32,7 +32,7 @@ maximum, without ``CUPY_COMPILE_WITH_PTX``). The rest runs without a driver.
 
 Cost, measured on the shared 2-core development machine (CuPy 14.2, NVRTC 13.5 from the
 nvidia-cuda-nvrtc wheel): 24 instantiations from 4 files for each of sm_80 and sm_90, i.e. 8 NVRTC
-compilations of 0.4 s (scan.cu) to 1.8 s (conv_jt.cu) each, 5.4-6.1 s in all; 6.0-6.6 s of wall time
+compilations of 0.4 s (scan.cu) to 1.8 s (conv.cu) each, 5.4-6.1 s in all; 6.0-6.6 s of wall time
 with Python start-up and CuPy's import (0.5 s).
 """
 

@@ -3,17 +3,17 @@
 :class:`Conv2d` is the layer: its arguments, shapes, forward, parameter gradients and the choice of how
 ``JT @ g`` runs. Its JT (one weight per entry, shared by the batch) is built by
 :mod:`~sparse_scan.layers._conv_jt`; the forward is one GEMM per group over the batch's columns
-(im2col, :mod:`~sparse_scan.layers._conv_columns`), and so is ``JT @ g`` through the weights (the
-transposed convolution, :meth:`Conv2d.weights_matvec`). Pruned weights (``prune_pattern=True``) at
-most :data:`~sparse_scan.layers._conv_pruned.SPARSE_FORWARD_MAX_DENSITY` dense skip the pruned
-multiply-adds on the CPU: the forward multiplies them as a SciPy CSR matrix, the transposed
-convolution runs compiled over their non-zeros (:mod:`~sparse_scan.layers._conv_pruned`).
+(im2col, :mod:`~sparse_scan.layers._conv_columns`), and so are ``JT @ g`` through the weights (the
+transposed convolution, :meth:`Conv2d.weights_matvec`) and the weight gradient. Pruned weights
+(``prune_pattern=True``) skip the pruned multiply-adds in all three
+(:mod:`~sparse_scan.layers._conv_pruned`): a direct sparse convolution forward, a compiled transposed
+convolution over their non-zeros, and a sampled weight gradient at the kept weights.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,18 +27,13 @@ from ._conv_columns import col2im, im2col
 from ._conv_jt import fill_plan, fill_values, inside_taps, structural_pattern
 from ._conv_pruned import (
     CSR_PATH_MAX_PADDED_SHARE,
-    SPARSE_FORWARD_MAX_DENSITY,
-    grouped_product,
-    host_sparse_weights,
+    DIRECT_MAX_DENSITY,
+    TRANSPOSED_MAX_DENSITY,
+    direct_forward,
     pruned_transposed_convolution,
-    transposed_weights_csr,
-    weights_as_csr,
 )
 from ._geometry import ConvGeometry, IntPair, output_size, pair, window_extent
 from ._weighted import WeightedLayer
-
-if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs none
-    import scipy.sparse
 
 __all__ = ["Conv2d"]
 
@@ -121,8 +116,6 @@ class Conv2d(WeightedLayer):
             (self.out_channels, self.in_channels // self.groups) + self.kernel_size,
             bias, fan_in, dtype, rng, prune_pattern,
         )
-        self._sparse_structure: tuple[Any, Any, list[int | None]] | None = None
-        self._counted_support: tuple[Any, np.ndarray, int] | None = None  # (zero-set key, per tap, total)
 
     def _resolve_padding(self, label: str) -> tuple[int, int, int, int]:
         """(top, bottom, left, right) from an int pair, 'valid' or 'same'."""
@@ -180,77 +173,30 @@ class Conv2d(WeightedLayer):
         g = self.geometry(x.shape[1:])
         be = _backend.of(x)
         xp = be.xp
+        pruned = self.pruned_weights()
+        if pruned is not None and pruned.density <= DIRECT_MAX_DENSITY:
+            out = direct_forward(be, g, pruned, self._kept_values(be, pruned), x, self.bias)
+            if out is not None:
+                return out
         columns = self._columns(x, g)
         batch = x.shape[0]
-        sparse = host_sparse_weights(be, self, False)
-        if sparse is None:
-            weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
-            out = xp.matmul(weight, columns)
-        else:
-            out = grouped_product(sparse, columns)
-        out = out.reshape(g.out_channels, batch, g.out_height, g.out_width)
+        weight = xp.asarray(self.weight).reshape(g.groups, g.cout_per_group, columns.shape[1])
+        out = xp.matmul(weight, columns).reshape(g.out_channels, batch, g.out_height, g.out_width)
         if self.bias is not None:
             out += xp.asarray(self.bias, dtype=out.dtype)[:, None, None, None]
         return xp.ascontiguousarray(out.transpose(1, 0, 2, 3))
 
-    def _sparse_weights(self, transposed: bool = False) -> list[scipy.sparse.csr_matrix] | None:
-        """Per group, the pruned weights ``(cout / groups, taps)`` as CSR for the forward on the host
-        (SciPy; :func:`~sparse_scan.layers._conv_pruned.host_sparse_weights` is the dispatch), or,
-        ``transposed``, one matrix ``W^T`` of every group (rows ``(ci, kh, kw)``, columns ``co``:
-        :func:`~sparse_scan.layers._conv_pruned.transposed_weights_csr`) for the compiled transposed
-        convolution; None where they are not pruned or too dense to pay (:meth:`_csr_pays`). The
-        matrices are kept per zero set; their values are gathered from the weights, into the kept
-        arrays, once per version of the weights (1.8 ms per backward of the pruned VGG-11 where it was
-        every call)."""
-        if self._sparse_layout() is None:
-            return None
-        _, layout, filled = self._sparse_structure
-        side = 1 if transposed else 0
-        if filled[side] != self._version:
-            flat = self._weight.ravel()
-            for matrix, positions in layout[side]:
-                np.take(flat, positions, out=matrix.data, mode="clip")  # valid positions by construction
-            filled[side] = self._version
-        return [matrix for matrix, _ in layout[side]]
+    def _weight_groups(self) -> int:
+        return self.groups
 
-    def _sparse_layout(self) -> tuple[list[tuple[scipy.sparse.csr_matrix, np.ndarray]], ...] | None:
-        """:meth:`_sparse_weights`' matrices per group with the weights' flat position of each stored
-        value (as they are, and transposed), or None; kept per zero set (with the weight versions
-        whose values they hold)."""
-        if not self.prune_pattern:
+    def _transposed_weights(self) -> Any:
+        """The pruned weights ``W^T`` as CSR for the compiled transposed convolution on the host
+        (:meth:`~sparse_scan.layers._conv_pruned.PrunedWeights.transposed`), or None where they are
+        not pruned or keep over :data:`~sparse_scan.layers._conv_pruned.TRANSPOSED_MAX_DENSITY`."""
+        pruned = self.pruned_weights()
+        if pruned is None or pruned.density > TRANSPOSED_MAX_DENSITY:
             return None
-        try:
-            key = self._structure_key()
-        except ValueError:  # non-finite weights define no zero set: the GEMM gives NaN, like PyTorch
-            return None
-        key = (key, self._weight.dtype)  # the kept matrices hold values of that dtype
-        if self._sparse_structure is None or self._sparse_structure[0] != key:
-            groups = self._support().reshape(self.groups, self.out_channels // self.groups, -1)
-            layout = None
-            if self._csr_pays():
-                dtype = self._weight.dtype
-                layout = ([], [transposed_weights_csr(groups, dtype)])
-                for index, group in enumerate(groups):
-                    layout[0].append(weights_as_csr(group, index * group.size, group.shape[1], 1, dtype))
-            self._sparse_structure = (key, layout, [None, None])
-        return self._sparse_structure[1]
-
-    def _csr_pays(self) -> bool:
-        """Whether the weights are pruned to at most
-        :data:`~sparse_scan.layers._conv_pruned.SPARSE_FORWARD_MAX_DENSITY` non-zeros,
-        so that they multiply as CSR on the host."""
-        return (self.prune_pattern
-                and self._support_counts()[1] <= SPARSE_FORWARD_MAX_DENSITY * self._weight.size)
-
-    def _support_counts(self) -> tuple[np.ndarray, int]:
-        """A pruned layer's kept weights per kernel tap ``(kh, kw)`` and in all, counted once per zero
-        set (planning asks for them per layer and schedule: 0.18 s of the pruned VGG-11's ``auto``)."""
-        key = self._structure_key()  # a non-finite weight cannot define a pruned pattern
-        known = self._counted_support
-        if known is None or known[0] != key:
-            per_tap = np.count_nonzero(self._support(), axis=(0, 1))
-            known = self._counted_support = (key, per_tap, int(per_tap.sum()))
-        return known[1], known[2]
+        return pruned.transposed(np.asarray(self._kept_source()), self._version)
 
     def _columns(self, x: Array, g: ConvGeometry) -> Array:
         """``(groups, taps, B * out pixels)``: the input element each kernel tap of each output reads
@@ -266,7 +212,8 @@ class Conv2d(WeightedLayer):
         cols = inside_taps(g.width, g.out_width, g.kernel[1], g.stride[1], g.pad_left, g.dilation[1])
         inside = np.outer(rows, cols)
         if self.prune_pattern:
-            weights = self._support_counts()[0]
+            self._structure_key()  # a non-finite weight cannot define a pruned pattern
+            weights = self.pruned_weights().per_tap
         else:
             weights = np.full(g.kernel, g.out_channels * g.cin_per_group)
         return int((weights * inside).sum())
@@ -274,14 +221,16 @@ class Conv2d(WeightedLayer):
     # --- JT @ g through the weights -----------------------------------------------------------
     def weights_path(self, in_shape: Shape) -> WeightsPath:
         """The transposed convolution: one GEMM of every weight with every output pixel per sample,
-        or CSR weights where they are heavily pruned (:meth:`_csr_pays`) and the compiled kernel's
+        or CSR weights where they are heavily pruned (at most
+        :data:`~sparse_scan.layers._conv_pruned.TRANSPOSED_MAX_DENSITY` kept) and the compiled kernel's
         taps are not mostly padding
         (:data:`~sparse_scan.layers._conv_pruned.CSR_PATH_MAX_PADDED_SHARE`)."""
         g = self.geometry(in_shape)
         plane = g.out_height * g.out_width
         multiply_adds = g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1] * plane
-        csr = bool(self._csr_pays() and (np.count_nonzero(self._support()) * plane
-                                         <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape)))
+        pruned = self.pruned_weights()
+        csr = bool(pruned is not None and pruned.density <= TRANSPOSED_MAX_DENSITY
+                   and pruned.nnz * plane <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape))
         return WeightsPath(multiply_adds, csr=csr,
                            weights=g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1],
                            taps=0 if csr else multiply_adds // g.cout_per_group)
@@ -292,14 +241,14 @@ class Conv2d(WeightedLayer):
         One GEMM per group over all samples, ``W_g^T (taps, cout) @ g (cout, B * pixels)``, gives
         every tap's contribution; they are added into the padded input at their strided positions
         (the adjoint of :meth:`_columns`) and the padding is cropped. Heavily pruned weights
-        (:meth:`_sparse_weights`) skip both on the CPU: a compiled direct transposed convolution over
-        their non-zeros (:func:`pruned_transposed_convolution`).
+        (:meth:`_transposed_weights`) skip both on the CPU: a compiled direct transposed convolution
+        over their non-zeros (:func:`pruned_transposed_convolution`).
         """
         g = self.geometry(in_shape)
         be = _backend.get(device)
-        sparse = host_sparse_weights(be, self, True)
+        sparse = self._transposed_weights() if be.name == "cpu" else None
         if sparse is not None:
-            return functools.partial(pruned_transposed_convolution, g, sparse[0])
+            return functools.partial(pruned_transposed_convolution, g, sparse)
         weight = be.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
         taps_of = functools.partial(be.xp.matmul, weight.transpose(0, 2, 1))
         return functools.partial(self._transposed_convolution, g, taps_of)
@@ -317,17 +266,22 @@ class Conv2d(WeightedLayer):
     def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch.
 
-        ``dW[g] = sum_b grad_out[b, g] @ columns[b, g]^T``: one GEMM per group over all samples.
+        ``dW[g] = sum_b grad_out[b, g] @ columns[b, g]^T``: one GEMM per group over all samples; pruned
+        weights: the kept weights' alone, a sampled product (:attr:`sampled_gradient`).
         """
         x = self._check_input(x)
         g = self.geometry(x.shape[1:])
-        xp = _backend.of(x).xp
-        columns = self._columns(x, g)
+        be = _backend.of(x)
         batch, pixels = x.shape[0], g.out_height * g.out_width
-        grad = _backend.of(x).asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
-        # (groups, cout, B * pixels) @ (groups, B * pixels, taps)
-        left = grad.transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels)
-        grads = {"weight": xp.matmul(left, columns.transpose(0, 2, 1)).reshape(self.weight.shape)}
+        grad = be.asarray(grad_out).reshape(batch, g.groups, g.cout_per_group, pixels)
+
+        def dense() -> Array:  # (groups, cout, B * pixels) @ (groups, B * pixels, taps)
+            columns = self._columns(x, g)
+            left = grad.transpose(1, 2, 0, 3).reshape(g.groups, g.cout_per_group, batch * pixels)
+            return be.xp.matmul(left, columns.transpose(0, 2, 1)).reshape(self._weight_shape)
+
+        grads = {"weight": self._weight_gradient(
+            be, g, x, grad.reshape(batch, g.out_channels, g.out_height, g.out_width), dense)}
         if self.bias is not None:
             grads["bias"] = grad.sum(axis=(0, 3)).reshape(-1)
         return grads

@@ -10,7 +10,7 @@ Along each axis, the taps of an input position depend only on its position class
 stride's residue in the interior). The host's pattern and values fill exploit that (a fill plan per
 geometry): the rows of one class pair hold the same weights in the same order and lie at affine
 offsets, so each class pair is one strided block copy instead of an ``nnz``-long gather. On the GPU,
-``rawkernels/conv_jt.cu`` computes every entry from the geometry. :func:`structural_pattern`,
+``rawkernels/conv.cu`` computes every entry from the geometry. :func:`structural_pattern`,
 :func:`fill_plan` and :func:`fill_values` are the dispatch (:func:`sparse_scan.backend.twin`);
 :class:`~sparse_scan.layers.Conv2d` calls them.
 """
@@ -30,7 +30,7 @@ from ._geometry import ConvGeometry
 
 __all__ = ["axis_taps", "fill_plan", "fill_values", "inside_taps", "structural_pattern"]
 
-KERNEL_FILE = "conv_jt.cu"
+KERNEL_FILE = "conv.cu"
 
 
 def axis_taps(size: int, kernel: int, stride: int, pad_lo: int, dilation: int,

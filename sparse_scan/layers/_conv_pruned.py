@@ -1,35 +1,80 @@
-"""Pruned convolution weights as CSR: the forward's sparse product and the compiled transposed
-convolution over the non-zeros, on the host.
+"""Pruned weights, sparse in the whole iteration: the forward, the input gradient and the weight
+gradient of a pruned :class:`~sparse_scan.layers.Conv2d` or :class:`~sparse_scan.layers.Linear` cost
+in proportion to its kept weights, on the host and on the GPU.
 
-A :class:`~sparse_scan.layers.Conv2d` with ``prune_pattern=True`` whose weights are at most
-:data:`SPARSE_FORWARD_MAX_DENSITY` dense keeps them as CSR matrices (per group for the forward, and
-``W^T`` of every group for the transposed convolution: :func:`weights_as_csr`,
-:func:`transposed_weights_csr`), refilled from the weights once per version. The forward multiplies
-the columns by them (SciPy, :func:`grouped_product`); ``JT @ g`` runs compiled over their non-zeros
-(:func:`pruned_transposed_convolution`: :func:`~sparse_scan.layers._kernels.transposed_conv` and
-:func:`~sparse_scan.layers._kernels.transposed_conv_taps`), without JT's values or a dense GEMM.
-On the GPU the dense weights multiply (:func:`host_sparse_weights` is the dispatch).
+A layer with ``prune_pattern=True`` keeps, per zero set, one :class:`PrunedWeights`: its kept
+weights by output channel (CSR rows ``co``, entries in flat weight order, each the flat position of
+a kept weight), and what is derived from them once (the transposed weights' CSR matrix, per input
+geometry the tables of the direct convolution). Their values are gathered from the weights once per
+version of the weights. A :class:`~sparse_scan.layers.Linear` is the 1x1 convolution of 1x1 planes
+(:func:`linear_geometry`), so one set of kernels serves both. Where the weights keep more than a
+crossover share of their entries, the dense path (one GEMM) is faster and stays:
+
+* **forward** (:func:`direct_forward`, at most :data:`DIRECT_MAX_DENSITY` kept): a direct sparse
+  convolution over the kept taps, no im2col. On the host the input is laid out once as zero-padded
+  phase planes (:func:`~sparse_scan.layers._kernels.to_planes`, one per input channel and stride
+  phase, every sample's plane after the other), so that a kept weight's multiply-adds over the whole
+  batch are one contiguous run at a constant shift
+  (:func:`~sparse_scan.layers._kernels.direct_conv`); on the GPU one thread per output sums its
+  channel's kept taps (``rawkernels/conv.cu``).
+* **input gradient** ``JT @ g`` (the scan's): the pattern leaves the pruned weights out; through the
+  weights on the host, ``W^T`` as CSR and a compiled transposed convolution over its non-zeros
+  (:func:`pruned_transposed_convolution`, at most :data:`TRANSPOSED_MAX_DENSITY` kept).
+* **weight gradient** (:func:`sampled_weight_gradient`, at most :data:`SAMPLED_MAX_DENSITY` kept): a
+  sampled dense-dense product (SDDMM): each kept weight's gradient is one dot product of its output
+  channel's gradient with its tap of the input, summed over the batch and the output pixels; the
+  pruned weights' gradients are exactly zero, what autograd's gradient of ``weight_orig`` gives through
+  ``weight_orig * weight_mask``. On the host a compiled dot product per kept weight over the same
+  phase planes (:func:`~sparse_scan.layers._kernels.sampled_conv_weights`); on the GPU a thread block
+  per kept weight.
+
+IEEE semantics stay PyTorch's: a dense convolution multiplies the pruned (zero) weights too, so an
+infinite or NaN input or gradient makes NaN outputs and gradients that the sparse products would not
+(``0 * inf``). Where the input (or the gradient) holds one, both functions return None and the caller
+runs the dense path (the host's planes note it while they are copied; the GPU checks the batch, one
+synchronisation per call).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _gpu_kernels
 from .. import backend as _backend
 from .._host_kernels import launch
-from .._threads import workers_for
+from .._threads import even_parts, workers_for
+from .._types import Array
 from ..csr import choose_index_dtype
 from ._geometry import ConvGeometry
-from ._kernels import transposed_conv, transposed_conv_taps
+from ._kernels import direct_conv, sampled_conv_weights, to_planes, transposed_conv, transposed_conv_taps
 
 if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs none
     import scipy.sparse
 
-__all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MIN_WIDTH", "SPARSE_FORWARD_MAX_DENSITY", "grouped_product",
-           "host_sparse_weights", "pruned_transposed_convolution", "transposed_weights_csr",
-           "weights_as_csr"]
+__all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "SAMPLED_MAX_DENSITY",
+           "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward", "linear_geometry",
+           "pruned_transposed_convolution", "sampled_weight_gradient", "transposed_weights_csr"]
+
+KERNEL_FILE = "conv.cu"
+
+DIRECT_MAX_DENSITY = 0.25
+"""Pruned weights keeping at most this share of their entries run the forward as a direct sparse
+convolution (:func:`direct_forward`), denser ones the dense GEMM. The crossover measured by
+``bench/pruned.py`` (``results/pruned-2core-cpu.json``, docs/design.md)."""
+
+SAMPLED_MAX_DENSITY = 0.25
+"""Pruned weights keeping at most this share of their entries compute their weight gradient as a
+sampled product (:func:`sampled_weight_gradient`), denser ones the dense GEMM, masked. The crossover
+measured by ``bench/pruned.py``."""
+
+TRANSPOSED_MAX_DENSITY = 0.05
+"""Pruned convolution weights keeping at most this share of their entries run ``JT @ g`` through the
+weights as the compiled transposed convolution over their CSR ``W^T``
+(:func:`pruned_transposed_convolution`; the scan's planner weighs it against JT's SpMV), denser ones
+the dense GEMM. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16)."""
 
 CSR_PATH_MAX_PADDED_SHARE = 2.0
 """The compiled sparse transposed convolution runs every tap of every non-zero weight over whole output
@@ -39,22 +84,252 @@ shared) values. Measured on the pruned VGG-11 (2 cores, float32, batch 1 / 4 / 1
 the entries) 192 / 431 / 1149 us against the SpMV's 292 / 1141 / 2047; 2x2 planes (2.25x) 260 / 557 /
 996 us against 115 / 392 / 914."""
 
-SPARSE_FORWARD_MAX_DENSITY = 0.05
-"""Pruned weights with at most this fraction of non-zeros multiply the forward's columns as a CSR
-matrix on the CPU. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16): 2-4x
-faster at 3%, slower from about 6-10% (SciPy's product runs on one core). ``JT @ g`` through such
-weights runs compiled (:func:`pruned_transposed_convolution`)."""
+DIRECT_MIN_WIDTH = 32
+"""Output rows at least this wide take :func:`sparse_scan.layers._kernels.transposed_conv` (per output row),
+narrower ones :func:`~sparse_scan.layers._kernels.transposed_conv_taps` (per whole plane). Measured on the
+pruned VGG-11 at batch 16: conv1 (32 wide) 0.42 ms against 0.75, conv2 (16 wide) 5.2 against 1.7."""
 
-# SciPy's CSR weights multiply on the host; the GPU multiplies the dense weights
-host_sparse_weights = _backend.twin(cpu=lambda be, conv, transposed: conv._sparse_weights(transposed),
-                                    gpu=lambda be, conv, transposed: None)
+SAMPLED_BLOCK_THREADS = 128
+"""Threads of the GPU's sampled weight gradient (``PRUNED_BLOCK_THREADS`` of ``rawkernels/conv.cu``):
+one block per kept weight, a tree sum in shared memory."""
 
 
+def linear_geometry(in_features: int, out_features: int) -> ConvGeometry:
+    """A Linear layer as the 1x1 convolution of 1x1 planes it is (its weight ``(out, in)`` is the
+    convolution's ``(out, in, 1, 1)``): the geometry the pruned kernels take.
+
+    Examples
+    --------
+    >>> linear_geometry(4, 3).shape
+    (4, 3)
+    """
+    return ConvGeometry(in_features, 1, 1, out_features, 1, 1, (1, 1), (1, 1), 0, 0, (1, 1), 1)
+
+
+class PrunedWeights:
+    """A pruned layer's kept weights, derived once per zero set.
+
+    Parameters
+    ----------
+    support : ndarray
+        The weight's shape, non-zero where a weight is kept (the pattern mask, or the weights).
+    groups : int
+        The convolution's groups (1 for a Linear layer).
+
+    Attributes
+    ----------
+    indptr : ndarray of int64, shape (out + 1,)
+        Output channel ``co``'s kept weights are entries ``indptr[co]:indptr[co + 1]``.
+    positions : ndarray of int64
+        Each entry's flat position in the weight, increasing.
+    density : float
+        The share of the weights kept.
+    """
+
+    def __init__(self, support: np.ndarray, groups: int) -> None:
+        self.shape = tuple(support.shape)
+        self.groups = int(groups)
+        self.per_output = math.prod(self.shape[1:])
+        self.positions = np.flatnonzero(support).astype(np.int64)
+        counts = np.bincount(self.positions // max(1, self.per_output), minlength=self.shape[0])
+        self.indptr = np.zeros(self.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.indptr[1:])
+        self.density = self.positions.size / max(1, support.size)
+        self.per_tap = (np.count_nonzero(support, axis=(0, 1)) if support.ndim == 4 else None)
+        self._values: dict[Any, tuple[int, Array]] = {}  # device -> (weights version, kept values)
+        self._tables: dict[ConvGeometry, tuple[np.ndarray, np.ndarray, int, int, int]] = {}
+        self._device: dict[int, tuple[Array, Array]] = {}  # GPU id -> (indptr, positions) there
+        self._transposed: tuple[scipy.sparse.csr_matrix, np.ndarray, list[Any]] | None = None
+
+    @property
+    def nnz(self) -> int:
+        """The kept weights."""
+        return int(self.positions.size)
+
+    def values(self, be: _backend.Backend, weight: Array, version: int) -> Array:
+        """The kept weights' values (``weight`` at :attr:`positions`) where ``be`` computes, gathered
+        once per ``version`` of the weights."""
+        key = be.name if be.name == "cpu" else _gpu_kernels.current_device()
+        known = self._values.get(key)
+        if known is None or known[0] != version:
+            positions = self.positions if be.name == "cpu" else self.on_device()[1]
+            known = self._values[key] = (version, be.xp.take(be.xp.asarray(weight).ravel(), positions))
+        return known[1]
+
+    def on_device(self) -> tuple[Array, Array]:
+        """:attr:`indptr` and :attr:`positions` on the current GPU (copied once per device)."""
+        device = _gpu_kernels.current_device()
+        known = self._device.get(device)
+        if known is None:
+            xp = _gpu_kernels.cupy_module()
+            known = self._device[device] = (xp.asarray(self.indptr), xp.asarray(self.positions))
+        return known
+
+    def tables(self, g: ConvGeometry) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+        """The host's direct convolution of geometry ``g``, once per geometry: per entry its input
+        plane (``ci`` and the tap's stride phase) and the tap's shift in that plane; the planes' height
+        and width ``(Hq, Wq)`` (the output's, plus the taps' reach); the zero tail the last plane's
+        shifted runs read."""
+        known = self._tables.get(g)
+        if known is None:
+            kh, kw = g.kernel
+            (sh, sw), (dh, dw) = g.stride, g.dilation
+            hq = g.out_height + (dh * (kh - 1)) // sh
+            wq = g.out_width + (dw * (kw - 1)) // sw
+            co, tap = np.divmod(self.positions, self.per_output)
+            ci, offset = np.divmod(tap, kh * kw)
+            a, b = np.divmod(offset, kw)
+            channel = (co // g.cout_per_group) * g.cin_per_group + ci
+            planes = (channel * sh + (a * dh) % sh) * sw + (b * dw) % sw
+            shifts = (a * dh // sh) * wq + b * dw // sw
+            tail = int((dh * (kh - 1)) // sh * wq + (dw * (kw - 1)) // sw)
+            known = self._tables[g] = (planes.astype(np.int64), shifts.astype(np.int64), hq, wq, tail)
+        return known
+
+    def transposed(self, source: np.ndarray, version: int) -> scipy.sparse.csr_matrix:
+        """``W^T`` of every group as CSR (:func:`transposed_weights_csr`), its structure once per zero
+        set, its values once per ``version`` of the weights, permuted from the kept values
+        (:meth:`values` of ``source``: the weights are read once per version, not once per use)."""
+        values = self.values(_backend.get("cpu"), source, version)
+        if self._transposed is None:
+            support = np.zeros(math.prod(self.shape), dtype=bool)
+            support[self.positions] = True
+            groups = support.reshape(self.groups, self.shape[0] // self.groups, -1)
+            matrix, positions = transposed_weights_csr(groups, values.dtype)
+            self._transposed = (matrix, np.searchsorted(self.positions, positions), [None])
+        matrix, order, filled = self._transposed
+        if matrix.dtype != values.dtype:
+            matrix.data = matrix.data.astype(values.dtype)
+            filled[0] = None
+        if filled[0] != version:
+            np.take(values, order, out=matrix.data)
+            filled[0] = version
+        return matrix
+
+
+# --- the phase planes and the pieces of work (host) -------------------------------------------------
+def _planes(x: np.ndarray, geometry: tuple[int, ...], length: int, tail: int) -> tuple[np.ndarray, bool]:
+    """:func:`~sparse_scan.layers._kernels.to_planes` of the batch ``x`` (``(B, C, H, W)``) into one
+    array with a zero ``tail``, its channels cut over the kernel pool's threads; and whether a value
+    copied is not finite."""
+    channels, sh, sw = geometry[0], geometry[3], geometry[4]
+    out = np.empty(channels * sh * sw * length + tail, dtype=x.dtype)
+    out[out.size - tail:] = 0
+    nonfinite = np.zeros(channels, dtype=np.bool_)
+    launch(to_planes, (np.ascontiguousarray(x), geometry, out, nonfinite),
+           even_parts(channels, workers_for(out.size)))
+    return out, bool(nonfinite.any())
+
+
+def _channel_pieces(indptr: np.ndarray, work: int) -> list[tuple[int, int]]:
+    """Runs of output channels of about equal kept weights, one per thread for ``work`` multiply-adds."""
+    workers = workers_for(work)
+    channels = indptr.size - 1
+    nnz = int(indptr[-1])
+    if workers <= 1 or nnz == 0:
+        return [(0, channels)]
+    cuts = np.searchsorted(indptr, np.arange(1, workers) * (nnz / workers))
+    bounds = [0, *(min(int(c), channels) for c in cuts), channels]
+    return [(first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True) if last > first]
+
+
+def _input_planes(g: ConvGeometry, x: np.ndarray, hq: int, wq: int,
+                  tail: int) -> tuple[np.ndarray, int, bool]:
+    """The input's phase planes, their run length (every sample's plane) and whether one is not finite."""
+    length = x.shape[0] * hq * wq
+    geometry = (g.in_channels, g.height, g.width, *g.stride, g.pad_top, g.pad_left, hq, wq)
+    source, nonfinite = _planes(x.reshape(x.shape[0], g.in_channels, g.height, g.width), geometry,
+                                length, tail)
+    return source, length, nonfinite
+
+
+# --- forward --------------------------------------------------------------------------------------
+def _direct_forward_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights, values: np.ndarray,
+                        x: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
+    planes, shifts, hq, wq, tail = pruned.tables(g)
+    batch = x.shape[0]
+    source, length, nonfinite = _input_planes(g, x, hq, wq, tail)
+    if nonfinite:
+        return None
+    out = np.empty((batch, g.out_channels, g.out_height, g.out_width), dtype=x.dtype)
+    shift = np.zeros(0, x.dtype) if bias is None else np.asarray(bias, dtype=x.dtype)
+    sizes = (batch, hq, wq, g.out_height, g.out_width)
+    launch(direct_conv, (pruned.indptr, planes, shifts, values.astype(x.dtype, copy=False), source, sizes,
+                         shift, out.reshape(-1)), _channel_pieces(pruned.indptr, pruned.nnz * length))
+    return out
+
+
+def _direct_forward_gpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights, values: Array,
+                        x: Array, bias: Array | None) -> Array | None:
+    xp = be.xp
+    if not bool(xp.isfinite(x).all()):  # sync: IEEE results need the dense path
+        return None
+    batch = x.shape[0]
+    indptr, positions = pruned.on_device()
+    out = xp.empty((batch, g.out_channels, g.out_height, g.out_width), dtype=x.dtype)
+    shift = xp.zeros(0, x.dtype) if bias is None else xp.asarray(bias, dtype=x.dtype)
+    kernel = _gpu_kernels.function(KERNEL_FILE, "pruned_conv_forward", x.dtype)
+    _gpu_kernels.launch(kernel, out.size, g.kernel_args() + (
+        np.int64(batch), indptr, positions, values.astype(x.dtype, copy=False), xp.ascontiguousarray(x),
+        shift, np.int64(shift.size), out))
+    return out
+
+
+direct_forward = _backend.twin(cpu=_direct_forward_cpu, gpu=_direct_forward_gpu)
+"""``direct_forward(be, g, pruned, values, x, bias)``: the convolution of the batch ``x`` by the kept
+weights (values ``values``, :meth:`PrunedWeights.values`) plus ``bias`` (or None), ``(B, Cout, Ho,
+Wo)``; None where ``x`` holds a value that is not finite."""
+
+
+# --- the weight gradient ----------------------------------------------------------------------------
+def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights,
+                                 x: np.ndarray, grad_out: np.ndarray) -> np.ndarray | None:
+    planes, shifts, hq, wq, tail = pruned.tables(g)
+    batch = x.shape[0]
+    source, length, nonfinite = _input_planes(g, x, hq, wq, tail)
+    grad_geometry = (g.out_channels, g.out_height, g.out_width, 1, 1, 0, 0, hq, wq)
+    dtype = np.result_type(x.dtype, grad_out.dtype)
+    grad = np.asarray(grad_out, dtype=dtype).reshape(batch, g.out_channels, g.out_height, g.out_width)
+    planes_of_grad, grad_nonfinite = _planes(grad, grad_geometry, length, 0)
+    if nonfinite or grad_nonfinite:
+        return None
+    out = np.zeros(math.prod(pruned.shape), dtype=dtype)
+    launch(sampled_conv_weights, (pruned.indptr, planes, shifts, pruned.positions, planes_of_grad,
+                                  source.astype(dtype, copy=False), length, out),
+           _channel_pieces(pruned.indptr, pruned.nnz * length))
+    return out.reshape(pruned.shape)
+
+
+def _sampled_weight_gradient_gpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights, x: Array,
+                                 grad_out: Array) -> Array | None:
+    xp = be.xp
+    batch = x.shape[0]
+    dtype = np.result_type(x.dtype, grad_out.dtype)
+    grad = xp.ascontiguousarray(grad_out, dtype=dtype)
+    source = xp.ascontiguousarray(x, dtype=dtype)
+    if not bool(xp.isfinite(source).all() & xp.isfinite(grad).all()):  # sync: IEEE needs the dense path
+        return None
+    indptr, positions = pruned.on_device()
+    out = xp.zeros(math.prod(pruned.shape), dtype=dtype)
+    kernel = _gpu_kernels.function(KERNEL_FILE, "pruned_conv_weight_grad", dtype)
+    _gpu_kernels.launch_blocks(kernel, pruned.nnz, SAMPLED_BLOCK_THREADS,
+                               g.kernel_args() + (np.int64(batch), np.int64(pruned.nnz), indptr, positions,
+                                                  source, grad, out))
+    return out.reshape(pruned.shape)
+
+
+sampled_weight_gradient = _backend.twin(cpu=_sampled_weight_gradient_cpu, gpu=_sampled_weight_gradient_gpu)
+"""``sampled_weight_gradient(be, g, pruned, x, grad_out)``: the weight gradient summed over the batch
+at the kept weights (exactly zero elsewhere), the weight's shape; None where ``x`` or ``grad_out``
+holds a value that is not finite."""
+
+
+# --- the input gradient through the weights (host) ---------------------------------------------------
 def weights_as_csr(weights: np.ndarray, offset: int, row_stride: int, column_stride: int,
-                    dtype: Any) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
-    """A CSR matrix of ``dtype`` over the non-zeros of ``weights`` (a 2-D view of a layer's weights, or
-    of its pattern mask; the values are refilled at every use) and the flat weight position of each
-    stored value: ``offset + row * row_stride + column * column_stride``."""
+                   dtype: Any) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
+    """A CSR matrix of ``dtype`` over the non-zeros of ``weights`` (a 2-D view of a layer's kept
+    weights; the values are refilled at every use) and the flat weight position of each stored value:
+    ``offset + row * row_stride + column * column_stride``."""
     import scipy.sparse  # noqa: PLC0415 - on first use: planning needs none
 
     matrix = scipy.sparse.csr_matrix(weights != 0, dtype=dtype)
@@ -66,8 +341,8 @@ def weights_as_csr(weights: np.ndarray, offset: int, row_stride: int, column_str
 def transposed_weights_csr(groups: np.ndarray, dtype: Any) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
     """``W^T`` of every group as one CSR matrix, rows ``(ci, kh, kw)`` (global input channel), columns
     ``co`` (global output channel; block-diagonal over the groups), with the weights' flat position of
-    each stored value (:func:`weights_as_csr`). ``groups``: the weights as ``(groups, cout / groups,
-    taps)``."""
+    each stored value (:func:`weights_as_csr`). ``groups``: the weights (or their support) as
+    ``(groups, cout / groups, taps)``."""
     count, cout, taps = groups.shape
     parts = [weights_as_csr(group.T, index * group.size, 1, taps, dtype)
              for index, group in enumerate(groups)]
@@ -84,14 +359,8 @@ def transposed_weights_csr(groups: np.ndarray, dtype: Any) -> tuple[scipy.sparse
     return matrix, np.concatenate([positions for _, positions in parts])
 
 
-DIRECT_MIN_WIDTH = 32
-"""Output rows at least this wide take :func:`sparse_scan.layers._kernels.transposed_conv` (per output row),
-narrower ones :func:`~sparse_scan.layers._kernels.transposed_conv_taps` (per whole plane). Measured on the
-pruned VGG-11 at batch 16: conv1 (32 wide) 0.42 ms against 0.75, conv2 (16 wide) 5.2 against 1.7."""
-
-
 def pruned_transposed_convolution(g: ConvGeometry, weights: scipy.sparse.csr_matrix,
-                                   grad_out: np.ndarray) -> np.ndarray:
+                                  grad_out: np.ndarray) -> np.ndarray:
     """``JT @ grad_out`` (``(B, out size) -> (B, in size)``) through pruned weights ``W^T``
     (:func:`transposed_weights_csr`): :mod:`sparse_scan.layers._kernels`' transposed convolutions,
     runs of input channels of about equal non-zeros on the kernel pool's threads."""
@@ -115,10 +384,3 @@ def pruned_transposed_convolution(g: ConvGeometry, weights: scipy.sparse.csr_mat
     common = (weights.indptr, weights.indices, data, grad.reshape(-1), geometry)
     launch(transposed_conv_taps if taps else transposed_conv, (*common, out), pieces)
     return out.reshape(batch, -1)
-
-
-def grouped_product(matrices: list[scipy.sparse.csr_matrix], blocks: np.ndarray) -> np.ndarray:
-    """``matrices[g] @ blocks[g]`` stacked over the groups (one group: no stacking copy)."""
-    if len(matrices) == 1:
-        return np.asarray(matrices[0] @ blocks[0])[None]
-    return np.stack([matrix @ block for matrix, block in zip(matrices, blocks, strict=True)])

@@ -84,7 +84,7 @@ class ConvGeometry:
                 self.out_channels * self.out_height * self.out_width)
 
     def kernel_args(self) -> tuple[np.int64, ...]:
-        """The scalar arguments every conv kernel takes, in ``conv_jt.cu``'s order."""
+        """The scalar arguments every conv kernel takes, in ``conv.cu``'s order."""
         return tuple(np.int64(v) for v in (
             self.in_channels, self.height, self.width, self.out_channels, self.out_height,
             self.out_width, self.kernel[0], self.kernel[1], self.stride[0], self.stride[1],

@@ -272,6 +272,124 @@ def transposed_conv_taps(indptr, indices, data, grad, geometry, out, first, last
 
 
 @compiled
+def to_planes(x, geometry, out, nonfinite, c0, c1):
+    """The channels ``c0:c1`` of a batch ``x`` (``(B, C, H, W)``) as zero-padded phase planes for the
+    direct sparse convolution (:mod:`sparse_scan.layers._conv_pruned`): ``out[((c sh + py) sw + px),
+    b, i, j]`` is ``x[b, c, i sh + py - pt, j sw + px - pl]``, 0 outside the input, for ``i < Hq``,
+    ``j < Wq``; ``geometry`` is ``(C, H, W, sh, sw, pt, pl, Hq, Wq)``. A stride's phases make every
+    kernel tap a constant shift of one plane, so a tap's multiply-adds over the whole batch are one
+    contiguous run. ``nonfinite[c]`` is set where channel ``c`` copied a value that is not finite (an
+    infinity or a NaN read through a tap that is not an output's would poison a sampled sum: the
+    callers then take the dense path, whose IEEE results are PyTorch's)."""
+    channels, height, width, sh, sw, pt, pl, hq, wq = geometry
+    batch = x.shape[0]
+    flat_x, flat_out = x.reshape(-1), out.reshape(-1)
+    zero = out.dtype.type(0)
+    plane = batch * hq * wq
+    for c in range(c0, c1):
+        finite = True
+        for py in range(sh):
+            for px in range(sw):
+                base = ((c * sh + py) * sw + px) * plane
+                j0, j1 = _inside(wq, width, sw, px - pl)
+                for b in range(batch):
+                    source = (b * channels + c) * height * width
+                    for i in range(hq):
+                        line = u(base + (b * hq + i) * wq)
+                        ih = i * sh + py - pt
+                        if ih < 0 or ih >= height:
+                            for j in range(wq):
+                                flat_out[line + j] = zero
+                            continue
+                        row = source + ih * width + px - pl
+                        for j in range(j0):
+                            flat_out[line + j] = zero
+                        for j in range(j0, j1):
+                            value = flat_x[u(row + j * sw)]
+                            finite &= (value - value) == 0
+                            flat_out[line + j] = value
+                        for j in range(j1, wq):
+                            flat_out[line + j] = zero
+        nonfinite[c] = not finite
+
+
+@compiled
+def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1):
+    """The output channels ``c0:c1`` of a convolution by pruned weights, straight from their non-zeros:
+    per output channel ``co``, ``sum_e values[e] * source[planes[e] * n + shifts[e] : ... + n]`` over its
+    entries ``indptr[co]:indptr[co + 1]``, in order, four per pass, plus ``bias[co]`` (``bias`` empty:
+    none). ``source`` holds :func:`to_planes`' planes of ``n = B Hq Wq`` values (every sample's
+    ``Hq x Wq`` plane) and a zero tail; ``sizes`` is ``(B, Hq, Wq, Ho, Wo)``; ``out`` the ``(B, Cout,
+    Ho, Wo)`` output, flat. A run's positions past an output row or column sum taps that belong to no
+    output: computed (one vectorised loop per four weights instead of one per output row), then
+    dropped when the output's rows are written."""
+    batch, hq, wq, ho, wo = sizes
+    channels = out.size // (batch * ho * wo)
+    n = u(batch * hq * wq)
+    acc = np.empty(n, dtype=out.dtype)
+    for co in range(c0, c1):
+        for j in range(n):
+            acc[j] = 0
+        e, end = indptr[co], indptr[co + 1]
+        while e + 4 <= end:
+            w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
+            s0, s1 = u(planes[e]) * n + u(shifts[e]), u(planes[e + 1]) * n + u(shifts[e + 1])
+            s2, s3 = u(planes[e + 2]) * n + u(shifts[e + 2]), u(planes[e + 3]) * n + u(shifts[e + 3])
+            for j in range(n):
+                acc[j] += ((w0 * source[s0 + j] + w1 * source[s1 + j])
+                           + (w2 * source[s2 + j] + w3 * source[s3 + j]))
+            e += 4
+        for rest in range(e, end):
+            w, s = values[rest], u(planes[rest]) * n + u(shifts[rest])
+            for j in range(n):
+                acc[j] += w * source[s + j]
+        shift = bias[co] if bias.size else out.dtype.type(0)
+        for b in range(batch):
+            for oh in range(ho):
+                src, dst = u((b * hq + oh) * wq), u(((b * channels + co) * ho + oh) * wo)
+                for ow in range(wo):
+                    out[dst + ow] = acc[src + ow] + shift
+
+
+@compiled(fastmath={"reassoc"})
+def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length, out, c0, c1):
+    """The weight gradient of a convolution at its kept weights only (a sampled dense-dense product):
+    for every entry ``e`` of the output channels ``c0:c1``, ``out[positions[e]]`` is the dot product of
+    the output gradient's plane ``grad[co, :length]`` (:func:`to_planes` of the gradient: zero where
+    no output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over the batch
+    and the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM computes
+    for that weight. Four entries per pass over the gradient's run; the sums are reassociated
+    (``fastmath={"reassoc"}`` alone: vector lanes, no change to infinities or NaNs), so they round
+    differently from a GEMM's, within the dtype's epsilon times the terms' magnitudes."""
+    n = u(length)
+    zero = out.dtype.type(0)
+    for co in range(c0, c1):
+        base = u(co) * n
+        e, end = indptr[co], indptr[co + 1]
+        while e + 4 <= end:
+            s0, s1 = u(planes[e]) * n + u(shifts[e]), u(planes[e + 1]) * n + u(shifts[e + 1])
+            s2, s3 = u(planes[e + 2]) * n + u(shifts[e + 2]), u(planes[e + 3]) * n + u(shifts[e + 3])
+            a0 = a1 = a2 = a3 = zero
+            for j in range(n):
+                g = grad[base + j]
+                a0 += g * source[s0 + j]
+                a1 += g * source[s1 + j]
+                a2 += g * source[s2 + j]
+                a3 += g * source[s3 + j]
+            out[u(positions[e])] = a0
+            out[u(positions[e + 1])] = a1
+            out[u(positions[e + 2])] = a2
+            out[u(positions[e + 3])] = a3
+            e += 4
+        for rest in range(e, end):
+            s = u(planes[rest]) * n + u(shifts[rest])
+            a = zero
+            for j in range(n):
+                a += grad[base + j] * source[s + j]
+            out[u(positions[rest])] = a
+
+
+@compiled
 def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
     """Max-pool values of 2x2 windows of stride 2 that tile the input exactly (``H = 2 Ho``,
     ``W = 2 Wo``, no padding or dilation): 1 at each window's first maximum (PyTorch's order a, b /

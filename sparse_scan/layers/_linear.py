@@ -1,4 +1,6 @@
-"""Linear (fully connected) layer: ``y = x W^T + b``; its transposed Jacobian is ``W^T``."""
+"""Linear (fully connected) layer: ``y = x W^T + b``; its transposed Jacobian is ``W^T``. Pruned, its
+forward and weight gradient are the pruned 1x1 convolution's (:mod:`~sparse_scan.layers._conv_pruned`),
+costing in proportion to the kept weights."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from .._types import Array, RngLike
 from ..csr import Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
 from ._base import Shape
+from ._conv_pruned import DIRECT_MAX_DENSITY, direct_forward, linear_geometry
 from ._weighted import WeightedLayer
 
 __all__ = ["Linear"]
@@ -72,14 +75,25 @@ class Linear(WeightedLayer):
         x = self._check_input(x)
         self._check_input_dtype(x)
         be = _backend.of(x)
+        pruned = self.pruned_weights()
+        if pruned is not None and pruned.density <= DIRECT_MAX_DENSITY:
+            y = direct_forward(be, linear_geometry(self.in_features, self.out_features), pruned,
+                               self._kept_values(be, pruned), x.reshape(x.shape[0], -1, 1, 1), self.bias)
+            if y is not None:
+                return y.reshape(x.shape[0], -1)
         y = x @ be.asarray(self.weight).T
         return y if self.bias is None else y + be.asarray(self.bias)
 
     def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
-        """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch."""
+        """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch; pruned
+        weights: the kept weights' alone, a sampled product (:attr:`sampled_gradient`)."""
         x = self._check_input(x)
-        grad = _backend.of(x).asarray(grad_out)  # on x's device, wherever the backward ran
-        grads = {"weight": grad.T @ x}
+        be = _backend.of(x)
+        grad = be.asarray(grad_out)  # on x's device, wherever the backward ran
+        batch = x.shape[0]
+        grads = {"weight": self._weight_gradient(
+            be, linear_geometry(self.in_features, self.out_features), x.reshape(batch, -1, 1, 1),
+            grad.reshape(batch, -1, 1, 1), lambda: grad.T @ x)}
         if self.bias is not None:
             grads["bias"] = grad.sum(axis=0)
         return grads

@@ -2,13 +2,15 @@
 
 Their transposed Jacobian does not depend on the sample: every stored entry is one weight, so the
 values fill is a gather ``weight.flat[widx]`` through an index array built with the pattern. Layers
-may provide a faster structured fill for their unpruned pattern.
+may provide a faster structured fill for their unpruned pattern. A pruned layer's kept weights
+(:class:`~sparse_scan.layers._conv_pruned.PrunedWeights`, once per zero set) serve its sparse
+forward and its sampled weight gradient.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
@@ -17,6 +19,8 @@ from .._checks import as_float_dtype, as_rng
 from .._types import Array, RngLike
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
+from ._conv_pruned import SAMPLED_MAX_DENSITY, PrunedWeights, sampled_weight_gradient
+from ._geometry import ConvGeometry
 
 
 def device_or_host(value: Any) -> Array:
@@ -37,7 +41,9 @@ class WeightedLayer(Layer):
     layer keeps its own copy of the weights and hands out a read-only ``weight``: they change by
     assignment (``layer.weight = w``, ``load_state_dict``) or through :meth:`update_weights` (the
     optimizers), which count the changes, so a pass over unchanged weights finds its pattern and plan
-    without looking at the weights (the zero set is hashed once per change, not once per use).
+    without looking at the weights (the zero set is hashed once per change, not once per use). Its
+    products cost in proportion to the kept weights (:mod:`~sparse_scan.layers._conv_pruned`), and its
+    weight gradient is the kept weights' (:attr:`sampled_gradient`).
     """
 
     sample_independent = True
@@ -58,7 +64,10 @@ class WeightedLayer(Layer):
         self._zero_set_version = 0  # counts assignments and the changes of the zero set
         self._zero_set: tuple[int, Hashable] | None = None  # (zero-set version, structure key) last derived
         self._pattern_mask: np.ndarray | None = None  # the kept entries, where the caller fixes them
-        self._masked: tuple[np.ndarray, np.ndarray] | None = None
+        self._masked: tuple[Array, Array] | None = None  # assign_masked's mask values and target
+        self._pending: Array | None = None  # assign_masked's values, not multiplied by the mask yet
+        self._pruned: tuple[Hashable, PrunedWeights] | None = None  # (zero-set key, its kept weights)
+        self._sampled_gradient = True
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._prune_pattern = bool(prune_pattern)
@@ -76,7 +85,47 @@ class WeightedLayer(Layer):
     @property
     def weight(self) -> np.ndarray:
         """The weight array, PyTorch's shape (read-only where ``prune_pattern``: assign to change it)."""
+        self._settle()
         return self._weight_view
+
+    @property
+    def _weight(self) -> Array:
+        """The dense weights held (an :meth:`assign_masked` multiplied by the mask first)."""
+        self._settle()
+        return self._dense_weight
+
+    @_weight.setter
+    def _weight(self, value: Array) -> None:
+        self._dense_weight, self._pending = value, None
+
+    def _settle(self) -> None:
+        """Multiply a pending :meth:`assign_masked` by the mask, into the array the layer keeps: only
+        what reads the dense weights pays for it (the sparse products read the kept values)."""
+        pending = self._pending
+        if pending is not None:
+            mask, target = self._masked
+            _backend.of(target).xp.multiply(pending, mask, out=target)
+            self._pending = None
+
+    def _kept_source(self) -> Array:
+        """An array whose values at the kept weights are the weights': a pending :meth:`assign_masked`'s
+        values as they are (the mask keeps them unchanged), else the weights."""
+        return self._dense_weight if self._pending is None else self._pending
+
+    @property
+    def sampled_gradient(self) -> bool:
+        """With ``prune_pattern``: whether the weight gradient is the kept weights' alone (True, the
+        default: a sampled product costing in proportion to them; the pruned weights' gradients are
+        exactly zero, as autograd's gradient of ``weight_orig`` through ``weight_orig * weight_mask``),
+        or every weight's (False: the dense product, for a caller whose zero weights may come alive,
+        such as the PyTorch bridge's ``prune_pattern=True`` without masks). Above
+        :data:`~sparse_scan.layers._conv_pruned.SAMPLED_MAX_DENSITY` kept, or where the input or the
+        gradient is not finite, the dense product runs and is masked (IEEE results as autograd's)."""
+        return self._sampled_gradient
+
+    @sampled_gradient.setter
+    def sampled_gradient(self, value: bool) -> None:
+        self._sampled_gradient = bool(value)
 
     @weight.setter
     def weight(self, value: Any) -> None:
@@ -107,7 +156,8 @@ class WeightedLayer(Layer):
 
     @pattern_mask.setter
     def pattern_mask(self, mask: Any) -> None:
-        self._masked: tuple[np.ndarray, np.ndarray] | None = None  # assign_masked's mask values and target
+        self._settle()
+        self._masked = None
         if mask is None:
             self._pattern_mask = None
         else:
@@ -119,34 +169,53 @@ class WeightedLayer(Layer):
         self._store_weight(self._weight)
         self._zero_set_version += 1  # a new mask (or none) is a new pattern, whatever the weights
 
-    def assign_masked(self, values: Array) -> None:
-        """``weight = values * pattern_mask``, into an array the layer keeps (no allocation per call):
-        how the PyTorch bridge gives a layer pruned with ``torch.nn.utils.prune`` its
-        ``weight_orig * weight_mask`` of each forward, zero outside the mask by construction.
+    def assign_masked(self, values: Array, mask: Any = None) -> None:
+        """``weight = values * pattern_mask``, zero outside the mask by construction: how the PyTorch
+        bridge gives a layer pruned with ``torch.nn.utils.prune`` its ``weight_orig * weight_mask`` of
+        each forward. Nothing is copied or multiplied per call: the layer reads ``values`` (a view of
+        the caller's memory, host or GPU) at the kept weights, and multiplies them by the mask into an
+        array it keeps only where the dense weights are read (:attr:`weight`, a dense product). The
+        caller must not change ``values`` until its next assignment.
+
+        Parameters
+        ----------
+        values : ndarray
+            The unmasked weights, the weight's shape and dtype.
+        mask : array_like, optional
+            A new :attr:`pattern_mask` (a new zero set), set with the values; by default the current.
 
         Raises
         ------
         ValueError
             No pattern mask is set, or ``values`` has another shape or dtype than the weight.
         """
-        if self._pattern_mask is None:
-            raise self._error("weight", "assign_masked needs a pattern_mask")
-        values = np.asarray(values)
+        values = device_or_host(values)
         if values.shape != self._weight_shape or values.dtype != self._dtype:
             raise self._error("weight", f"expected {self._dtype} of shape {self._weight_shape}, got "
                               f"{values.dtype} of shape {values.shape}")
-        kept = self._masked
-        if kept is None or kept[0].dtype != self._dtype:  # the mask as 0/1 values, and the target
-            kept = self._masked = (self._pattern_mask.astype(self._dtype),
-                                   np.empty(self._weight_shape, self._dtype))
-        np.multiply(values, kept[0], out=kept[1])
-        self._weight = self._weight_view = kept[1]
+        if mask is not None:  # the weights are values * mask: inside the new mask by construction
+            kept = np.asarray(_backend.of(mask).to_host(mask)) != 0
+            if kept.shape != self._weight_shape:
+                raise self._error("pattern_mask", f"expected shape {self._weight_shape}, got {kept.shape}")
+            self._pattern_mask, self._masked = kept, None
+            self._zero_set_version += 1
+        if self._pattern_mask is None:
+            raise self._error("weight", "assign_masked needs a pattern_mask")
+        be = _backend.of(values)
+        kept_values = self._masked
+        if (kept_values is None or kept_values[0].dtype != self._dtype
+                or _backend.of(kept_values[0]).name != be.name):  # the mask as 0/1 values, and the target
+            kept_values = self._masked = (be.asarray(self._pattern_mask.astype(self._dtype)),
+                                          be.xp.empty(self._weight_shape, self._dtype))
+        self._dense_weight = self._weight_view = kept_values[1]
+        self._pending = values
         self._version += 1
 
     def _check_inside(self, weight: Array, kept: np.ndarray | None) -> None:
         """Refuse weights that are not zero outside the pattern mask ``kept`` (their gradient and their
         products would be left out silently)."""
-        if kept is not None and bool(np.any(np.asarray(weight)[~kept])):
+        be = _backend.of(weight)
+        if kept is not None and bool(be.xp.any(weight[be.asarray(~kept)])):  # sync on the GPU
             raise self._error("weight", "non-zero outside the pattern mask (pattern_mask keeps only the "
                               "masked weights): zero them, or set a mask that keeps them")
 
@@ -154,13 +223,52 @@ class WeightedLayer(Layer):
         """The array whose non-zeros the pruned pattern keeps: the pattern mask, or the weights."""
         return self._weight if self._pattern_mask is None else self._pattern_mask
 
+    def pruned_weights(self) -> PrunedWeights | None:
+        """With ``prune_pattern``: the kept weights of the current zero set
+        (:class:`~sparse_scan.layers._conv_pruned.PrunedWeights`, derived once per zero set); None
+        without, or where non-finite weights define no zero set (the dense products then give NaN, as
+        PyTorch's)."""
+        if not self._prune_pattern:
+            return None
+        try:
+            key = self._structure_key()
+        except ValueError:
+            return None
+        known = self._pruned
+        if known is None or known[0] != key:
+            known = self._pruned = (key, PrunedWeights(np.asarray(self._support()), self._weight_groups()))
+        return known[1]
+
+    def _weight_groups(self) -> int:
+        """The groups the weight's output channels fall in (a convolution's ``groups``)."""
+        return 1
+
+    def _kept_values(self, be: _backend.Backend, pruned: PrunedWeights) -> Array:
+        """The kept weights' values where ``be`` computes (once per version of the weights)."""
+        return pruned.values(be, self._kept_source(), self._version)
+
+    def _weight_gradient(self, be: _backend.Backend, g: ConvGeometry, x: Array, grad: Array,
+                         dense: Callable[[], Array]) -> Array:
+        """The weight gradient of the batch ``x`` ``(B, C, H, W)`` and output gradient ``grad``
+        ``(B, Cout, Ho, Wo)`` (a Linear layer's as 1x1 planes): the sampled product at the kept weights
+        (:attr:`sampled_gradient`), else ``dense()`` (the GEMM), masked where the layer is pruned."""
+        pruned = self.pruned_weights() if self._sampled_gradient else None
+        if pruned is not None and pruned.density <= SAMPLED_MAX_DENSITY:
+            sampled = sampled_weight_gradient(be, g, pruned, x, grad)
+            if sampled is not None:
+                return sampled
+        full = dense()
+        if pruned is not None:  # 0 at the pruned weights; NaN stays NaN (autograd's mask multiplies)
+            full *= be.asarray(self._support() != 0)
+        return full
+
     def _store_weight(self, weight: Array) -> None:
         """Hold ``weight`` (a pruned layer: a copy of it, handed out read-only; with a pattern mask, as
         it is: its pattern does not depend on it) as a new version."""
-        if self._prune_pattern and _backend.of(weight).name == "gpu":
-            raise self._error("weight", "a pruned layer (prune_pattern) keeps its weights on the host (its "
-                              "pattern is derived there); assign a NumPy array")
         masked = self._prune_pattern and getattr(self, "_pattern_mask", None) is not None
+        if self._prune_pattern and not masked and _backend.of(weight).name == "gpu":
+            raise self._error("weight", "a pruned layer (prune_pattern) without a pattern mask keeps its "
+                              "weights on the host (its pattern is derived there); assign a NumPy array")
         if masked:
             self._check_inside(weight, self._pattern_mask)
             self._weight, self._weight_view, self._dtype = weight, weight, weight.dtype
@@ -291,7 +399,12 @@ class WeightedLayer(Layer):
             return be.xp.take(be.asarray(self._weight.ravel()), aux["widx"])
         kept = aux.get("values")
         if kept is None or kept[0] != self._version:
-            kept = aux["values"] = (self._version, be.xp.take(be.asarray(self._weight.ravel()), aux["widx"]))
+            pruned = self.pruned_weights()  # the pattern's zero set: widx holds kept weights only
+            if "kept_order" not in aux:  # each entry's kept weight, once per pattern
+                aux["kept_order"] = be.asarray(np.searchsorted(pruned.positions, be.to_host(aux["widx"])))
+            # gathered from the kept values (read once per version), not from the whole weights
+            kept = aux["values"] = (self._version,
+                                    be.xp.take(self._kept_values(be, pruned), aux["kept_order"]))
         return kept[1]
 
     def _structured_values(self, be: _backend.Backend, pattern: Pattern, aux: dict[str, Any]) -> Array:

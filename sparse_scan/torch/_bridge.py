@@ -14,8 +14,10 @@ against the module at every forward, so a weight PyTorch changes in place (``opt
 ``p.data.mul_()``, ``load_state_dict``) is read as it is, and one replaced (``p.data = w``, a new
 ``nn.Parameter``) is bound anew. A weight changed between a forward and its backward is refused by
 autograd's own check of the tensors the forward saved. A layer pruned with ``torch.nn.utils.prune`` is
-read as ``weight_orig * weight_mask`` at each forward, and ``weight_orig``'s gradient is the weight's
-times the mask.
+``weight_orig * weight_mask``: the engine reads ``weight_orig`` (a view) at the kept weights, its
+pattern is the mask's (derived again only when the mask changes), and ``weight_orig``'s gradient is
+the kept weights' sampled product, zero at the pruned ones (autograd's gradient times the mask), so
+that sparsity pays in the forward, the scan and the weight gradient, on the CPU and on CUDA.
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ def bppsa(module: torch.nn.Module, method: str = "auto", levels: int | str | Non
     prune_pattern : bool, optional
         Which Conv2d and Linear layers leave their exactly-zero weights out of the Jacobians' patterns
         (the paper's pruned networks): None, those pruned with ``torch.nn.utils.prune`` (their masks
-        fix the zeros); True, every one (a change of the zeros re-plans); False, none. Such a layer's
-        weights are copied into the engine at each forward (a pruned pattern needs weights no one
-        changes unseen).
+        fix the zeros; nothing per forward scales with the weights); True, every one (a layer without
+        a mask: its weights are copied into the engine at each forward, a change of the zeros re-plans,
+        and its weight gradient is every weight's, a zero one's included, as autograd's); False, none.
 
     Returns
     -------
@@ -180,12 +182,13 @@ class _Engine:
             layer, attribute = self.targets[key]
             if attribute == "weight" and hasattr(layer, "prune_pattern"):
                 pruned = source.mask is not None if prune_pattern is None else prune_pattern
-                if pruned and device == "gpu":
-                    raise RuntimeError(f"bppsa: layer {key.rpartition('.')[0]!r} is pruned: a pruned "
-                                       "pattern is derived from weights on the host, so pruned layers run "
-                                       "on CPU tensors only (prune_pattern=False on CUDA treats the zeros "
-                                       "as weights)")
+                if pruned and source.mask is None and device == "gpu":
+                    raise RuntimeError(f"bppsa: layer {key.rpartition('.')[0]!r}: prune_pattern=True "
+                                       "without a torch.nn.utils.prune mask derives the pattern from the "
+                                       "weights on the host, so it runs on CPU tensors only (prune the "
+                                       "layer with torch.nn.utils.prune, or prune_pattern=None)")
                 layer.prune_pattern = pruned
+                layer.sampled_gradient = source.mask is not None  # zero weights without a mask: live
         self.gradients = [key for key, source in captured.sources.items() if source.parameter is not None]
         self.masks: dict[int, tuple[int, int]] = {}  # layer id -> the (pointer, version) of its mask
         self.forwards = 0
@@ -229,7 +232,7 @@ class _Engine:
         for key, source in self.capture.sources.items():
             layer, attribute = self.targets[key]
             if source.mask is not None and getattr(layer, "prune_pattern", False):
-                self._bind_masked(layer, attribute, root, source)
+                self._bind_masked(layer, root, source)
                 continue
             array = self.array(source.read(root))
             if not _same_memory(getattr(layer, attribute), array):
@@ -238,19 +241,23 @@ class _Engine:
         return ([root.get_parameter(source.parameter) for source in sources],
                 [None if source.mask is None else root.get_buffer(source.mask) for source in sources])
 
-    def _bind_masked(self, layer: Any, attribute: str, root: torch.nn.Module, source: Any) -> None:
-        """A layer pruned with ``torch.nn.utils.prune``: its pattern the module's mask (set again when
-        the mask changed: its memory or its version), its weight ``weight_orig * weight_mask`` of now,
-        multiplied by the layer into an array it keeps (neither a new pattern nor an allocation per
-        forward)."""
+    def _bind_masked(self, layer: Any, root: torch.nn.Module, source: Any) -> None:
+        """A layer pruned with ``torch.nn.utils.prune``: its weight ``weight_orig * weight_mask`` of now,
+        as a view of ``weight_orig`` the layer reads at the kept weights (nothing copied or multiplied
+        per forward), its pattern the module's mask, set again only when the mask changed (its memory
+        or its version)."""
         mask = root.get_buffer(source.mask)
         seen = (mask.data_ptr(), mask._version)
-        if self.masks.get(id(layer)) != seen:
-            layer.pattern_mask = None  # the last forward's weights may lie outside the new mask
-            setattr(layer, attribute, self.array(source.read(root)))
-            layer.pattern_mask = mask.detach().cpu().numpy()
-            self.masks[id(layer)] = seen
-        layer.assign_masked(self.array(root.get_parameter(source.parameter)))
+        values = self.array(root.get_parameter(source.parameter))
+        if self.masks.get(id(layer)) == seen:
+            layer.assign_masked(values)
+            return
+        kept = mask.detach().cpu().numpy()
+        if not np.isin(kept, (0, 1)).all():
+            raise RuntimeError(f"bppsa: the pruning mask {source.mask!r} holds values other than 0 and 1; "
+                               "the engine keeps the weights where it is 1 and prunes them where it is 0")
+        layer.assign_masked(values, kept)
+        self.masks[id(layer)] = seen
 
     # --- the passes --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -273,8 +280,12 @@ class _Engine:
         out = []
         for key, mask in zip(self.gradients, masks, strict=True):
             value = parameters[key]
-            if mask is not None:  # weight_orig's gradient: the weight's, masked (in place: the engine's)
-                value = np.multiply(value, mask.detach().numpy(), out=value, casting="unsafe")
+            layer, _ = self.targets[key]
+            if mask is not None and not getattr(layer, "prune_pattern", False):
+                # weight_orig's gradient: the weight's, masked (in place: the engine's); a pruned layer's
+                # is the kept weights' already
+                xp = _backend.of(value).xp
+                value = xp.multiply(value, self.array(mask), out=value, casting="unsafe")
             out.append(self.tensor(value))
         return self.tensor(dx.copy() if self.capture.time_major else dx), out
 

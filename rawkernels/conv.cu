@@ -1,5 +1,7 @@
-// Transposed Jacobian of a 2-D convolution (zeros padding, any stride/dilation/groups) in CSR.
+// A 2-D convolution's kernels (zeros padding, any stride/dilation/groups): its transposed Jacobian in
+// CSR, and the forward and weight gradient of pruned weights (at the end of the file).
 //
+// The transposed Jacobian:
 // Rows are input elements (ci, ih, iw), columns output elements (co, oh, ow), C-order. Row
 // (ci, ih, iw) holds, for every co of ci's group, the taps (kh, kw) with
 //   oh = (ih + pad_top - kh * dil_h) / stride_h  integral and inside [0, out_h)   (same for w),
@@ -101,4 +103,89 @@ __global__ void conv_jt_fill_values(CONV_GEOMETRY_PARAMS, const I* __restrict__ 
   for (long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x; item < items;
        item += (long long)blockDim.x * gridDim.x)
     conv_row_block(g, item, indptr, writer);
+}
+
+// --- pruned weights (sparse_scan/layers/_conv_pruned.py) -------------------------------------------
+// The kept weights by output channel: co's are entries indptr[co] .. indptr[co + 1], each the flat
+// position of a kept weight in (c_out, c_in / groups, k_h, k_w), increasing; values[e] its value. A
+// Linear layer is the 1x1 convolution of 1x1 planes. The output's and the input's layouts are the
+// batch's (B, C, H, W), C-order.
+
+// Where entry e's weight reads the input for output (oh, ow): its input channel and position.
+struct KeptTap {
+  long long ci, ih, iw;
+};
+
+__device__ __forceinline__ KeptTap pruned_tap(const ConvGeometry& g, long long co, long long position,
+                                              long long oh, long long ow) {
+  const long long taps = g.k_h * g.k_w, cin_g = g.c_in / g.groups;
+  const long long t = position - co * cin_g * taps;
+  const long long kh = (t % taps) / g.k_w, kw = t % g.k_w;
+  return {(co / (g.c_out / g.groups)) * cin_g + t / taps, oh * g.s_h - g.p_t + kh * g.d_h,
+          ow * g.s_w - g.p_l + kw * g.d_w};
+}
+
+// The forward: one thread per output (b, co, oh, ow) sums its channel's kept taps that fall inside the
+// input, in entry order, then adds bias[co] (biases: 0 for none, else c_out).
+template <typename T>
+__global__ void pruned_conv_forward(CONV_GEOMETRY_PARAMS, long long batch,
+                                    const long long* __restrict__ indptr,
+                                    const long long* __restrict__ positions, const T* __restrict__ values,
+                                    const T* __restrict__ x, const T* __restrict__ bias, long long biases,
+                                    T* __restrict__ y) {
+  const ConvGeometry g = CONV_GEOMETRY;
+  const long long plane = g.out_h * g.out_w;
+  const long long items = batch * g.c_out * plane;
+  for (long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x; item < items;
+       item += (long long)blockDim.x * gridDim.x) {
+    const long long ow = item % g.out_w, oh = (item / g.out_w) % g.out_h;
+    const long long co = (item / plane) % g.c_out, b = item / (plane * g.c_out);
+    T sum = (T)0;
+    for (long long e = indptr[co]; e < indptr[co + 1]; ++e) {
+      const KeptTap tap = pruned_tap(g, co, positions[e], oh, ow);
+      if (tap.ih >= 0 && tap.ih < g.h && tap.iw >= 0 && tap.iw < g.w)
+        sum += values[e] * x[((b * g.c_in + tap.ci) * g.h + tap.ih) * g.w + tap.iw];
+    }
+    y[item] = biases ? sum + bias[co] : sum;
+  }
+}
+
+// The weight gradient at the kept weights (a sampled product): one block per entry (block-stride over
+// the entries), its threads summing grad[b, co, oh, ow] * x[b, ci, tap] over the batch and the output
+// pixels whose tap is inside the input, then a tree sum in shared memory; the result goes to the
+// entry's position in out (zero elsewhere: the caller's). Launch with PRUNED_BLOCK_THREADS threads
+// (a power of two).
+#define PRUNED_BLOCK_THREADS 128
+template <typename T>
+__global__ void __launch_bounds__(PRUNED_BLOCK_THREADS)
+    pruned_conv_weight_grad(CONV_GEOMETRY_PARAMS, long long batch, long long entries,
+                            const long long* __restrict__ indptr, const long long* __restrict__ positions,
+                            const T* __restrict__ x, const T* __restrict__ grad, T* __restrict__ out) {
+  __shared__ T partial[PRUNED_BLOCK_THREADS];
+  const ConvGeometry g = CONV_GEOMETRY;
+  const long long plane = g.out_h * g.out_w, per_entry = batch * plane;
+  for (long long e = blockIdx.x; e < entries; e += gridDim.x) {
+    long long lo = 0, hi = g.c_out;  // the entry's output channel: indptr[co] <= e < indptr[co + 1]
+    while (hi - lo > 1) {
+      const long long mid = (lo + hi) / 2;
+      if (indptr[mid] <= e) lo = mid; else hi = mid;
+    }
+    const long long co = lo, position = positions[e];
+    T sum = (T)0;
+    for (long long k = threadIdx.x; k < per_entry; k += PRUNED_BLOCK_THREADS) {
+      const long long b = k / plane, oh = (k % plane) / g.out_w, ow = k % g.out_w;
+      const KeptTap tap = pruned_tap(g, co, position, oh, ow);
+      if (tap.ih >= 0 && tap.ih < g.h && tap.iw >= 0 && tap.iw < g.w)
+        sum += grad[(b * g.c_out + co) * plane + oh * g.out_w + ow] *
+               x[((b * g.c_in + tap.ci) * g.h + tap.ih) * g.w + tap.iw];
+    }
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    for (int half = PRUNED_BLOCK_THREADS / 2; half > 0; half /= 2) {
+      if ((int)threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) out[position] = partial[0];
+    __syncthreads();  // partial is rewritten by the next entry
+  }
 }
