@@ -24,9 +24,9 @@ True
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-from typing import Any
+import warnings
+from typing import IO, Any, NoReturn
 
 import click
 
@@ -61,8 +61,13 @@ class _LazyGroup(click.Group):
         return command
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
-        if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            if not standalone_mode:
+                return super().main(*args, standalone_mode=False, **kwargs)
+            self._standalone(*args, **kwargs)
+
+    def _standalone(self, *args: Any, **kwargs: Any) -> NoReturn:
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.NoArgsIsHelpError as error:
@@ -75,6 +80,14 @@ class _LazyGroup(click.Group):
             click.echo("sparse-scan: interrupted", err=True)
             sys.exit(INTERRUPTED)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: IO[str] | None = None, line: str | None = None) -> None:
+    """How a command shows a warning (``warnings.showwarning``): ``sparse-scan: warning: message``,
+    one line on stderr, without the source line Python's own format adds."""
+    end_line()
+    click.echo(f"sparse-scan: warning: {message}", file=file, err=file is None)
 
 
 @click.group(cls=_LazyGroup, context_settings=CONTEXT_SETTINGS)
@@ -90,9 +103,12 @@ def main() -> None:
     the cost model that `--method auto` chooses by. Threads: --threads N on run,
     train and eval, or the SPARSE_SCAN_THREADS environment variable.
     """
-    threads = os.environ.get("SPARSE_SCAN_THREADS", "").strip()
-    if threads and (not threads.isdigit() or int(threads) < 1):
-        fail(f"SPARSE_SCAN_THREADS={threads!r}: must be a positive int (the CPU threads to use)")
+    from sparse_scan import check_environment  # noqa: PLC0415 - not at import: --help comes first
+
+    try:
+        check_environment()
+    except ValueError as error:  # a SPARSE_SCAN_... variable's value not understood, named
+        fail(str(error))
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m sparse_scan.cli.app`

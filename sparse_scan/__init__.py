@@ -16,7 +16,9 @@ module is private by name (``_...``).
 
 The names load on first use (PEP 562): ``import sparse_scan`` imports neither NumPy nor SciPy, so the
 command line's ``--help`` and ``--version`` start at once, and ``--threads`` can size the BLAS pool
-before NumPy loads it (:data:`SCHEDULES` and :func:`cpu_threads` import no NumPy either).
+before NumPy loads it (:data:`SCHEDULES`, :func:`cpu_threads` and :func:`check_environment`, which reads
+every ``SPARSE_SCAN_...`` environment variable and refuses a value it does not understand, import no
+NumPy either).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from ._version import __version__
 
 __all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
            "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "calibration",
-           "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops", "layers", "load_model",
-           "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
+           "check_environment", "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops",
+           "layers", "load_model", "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
 
 _MODULES = ("backend", "calibration", "csr", "distributed", "engine", "flops", "layers", "loss", "model",
             "optim", "recurrent", "torch", "train", "weights")
@@ -35,7 +37,7 @@ _NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "torch._export"
           "Model": "model",
           "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",
           "SCHEDULES": "engine.schedule", "GPUUnavailableError": "backend", "SpecError": "spec",
-          "load_model": "spec", "cpu_threads": "_threads"}
+          "load_model": "spec", "cpu_threads": "_threads", "check_environment": "_environment"}
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _NAMES, _MODULES)

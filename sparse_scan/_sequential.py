@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 import time
 from typing import Callable, Hashable, Sequence
 
+from . import _environment
 from . import backend as _backend
 from . import weights as _weights
 from ._layerwise import layerwise_backward
@@ -72,7 +71,7 @@ over-estimates)."""
 Shape = tuple[int, ...]
 
 
-MEMORY_BUDGET_VARIABLE = "SPARSE_SCAN_MEMORY_BUDGET"
+MEMORY_BUDGET_VARIABLE = _environment.MEMORY_BUDGET.name
 """Environment variable: the memory budget where a model sets none (:func:`default_memory_budget`), in
 bytes or with a binary unit (``512M``, ``12GiB``); the command line's way to raise it."""
 
@@ -80,19 +79,13 @@ RESULT_ENTRY_BYTES = 8
 """What the lean product method stores per entry of a product's result at least: its column index and
 one float32 value (:func:`~sparse_scan.engine.products.plan_product`'s budget check)."""
 
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
 
 def default_memory_budget(fraction: float = 0.5) -> int:
     """:data:`MEMORY_BUDGET_VARIABLE` where it is set, else ``fraction`` of the memory available now
     (Linux ``MemAvailable``; 4 GiB if unknown)."""
-    setting = os.environ.get(MEMORY_BUDGET_VARIABLE, "").strip()
-    if setting:
-        match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?", setting.lower())
-        if match is None or float(match.group(1)) <= 0:
-            raise ValueError(f"{MEMORY_BUDGET_VARIABLE} must be a number of bytes > 0, optionally with a "
-                             f"unit (512M, 12GiB); got {setting!r}")
-        return int(float(match.group(1)) * _UNITS[match.group(2)])
+    setting = _environment.MEMORY_BUDGET.read()
+    if setting is not None:
+        return setting
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:

@@ -16,6 +16,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
+from . import _environment
+
 __all__ = ["THREADS_VARIABLE", "THREAD_MIN_VALUES", "cpu_threads", "even_parts", "kernel_pool", "run_parts",
            "step_pool", "thread_count", "worker_pool", "workers_for"]
 
@@ -24,7 +26,7 @@ _STEP_POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-THREADS_VARIABLE = "SPARSE_SCAN_THREADS"
+THREADS_VARIABLE = _environment.THREADS.name
 """The environment variable that sets :func:`cpu_threads` (``sparse-scan --threads`` sets it too)."""
 
 THREAD_MIN_VALUES = 2**18
@@ -35,11 +37,9 @@ to the pool costs more (:func:`workers_for`)."""
 def cpu_threads() -> int:
     """The engine's worker threads: ``SPARSE_SCAN_THREADS`` when set (a positive int), else the CPU
     cores this process may run on. Pools already made keep their size."""
-    configured = os.environ.get(THREADS_VARIABLE, "").strip()
-    if configured:
-        if not configured.isdigit() or int(configured) < 1:
-            raise ValueError(f"{THREADS_VARIABLE} must be a positive int, got {configured!r}")
-        return int(configured)
+    configured = _environment.THREADS.read()
+    if configured is not None:
+        return configured
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

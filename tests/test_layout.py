@@ -29,6 +29,7 @@ PACKAGE = REPO / "sparse_scan"
 
 ROOT_HELPERS = {
     "_checks": "argument checks shared by the public entry points",
+    "_environment": "the environment variables the package reads, one reader each",
     "_gpu_kernels": "the CUDA kernels' registry, loader and launcher",
     "_host_kernels": "the compiled host kernels' lazy loader (numba) and launcher",
     "_layerwise": "back-propagation layer by layer outside the engine (Sequential.reference_backward)",

@@ -28,8 +28,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TOP_LEVEL = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
              "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend",
-             "calibration", "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops", "layers",
-             "load_model", "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
+             "calibration", "check_environment", "cpu_threads", "csr", "distributed", "engine",
+             "export_torch", "flops", "layers", "load_model", "loss", "model", "optim", "recurrent", "torch",
+             "train", "weights"]
 
 PUBLIC = {
     "sparse_scan.backend": ["Backend", "Device", "GPUUnavailableError", "get", "gpu_usable", "of", "twin"],
@@ -217,9 +218,10 @@ def test_every_other_module_is_private_by_name():
 def test_the_package_and_its_light_names_import_no_numpy():
     probe = ("import sys\n"
              "import sparse_scan\n"
-             "from sparse_scan import SCHEDULES, __version__, cpu_threads\n"
+             "from sparse_scan import SCHEDULES, __version__, check_environment, cpu_threads\n"
              "from sparse_scan.engine import SCHEDULES as ENGINE_SCHEDULES\n"
              "assert SCHEDULES is ENGINE_SCHEDULES and cpu_threads() >= 1 and __version__\n"
+             "check_environment()\n"
              "print(sorted(name for name in ('numpy', 'scipy') if name in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -31,12 +31,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import _environment
+
 __all__ = ["GPU_TRANSPORTS", "Moved", "Rank", "Slot", "Transport", "TransportUnavailableError", "choose",
            "connect", "devices", "facts", "join", "slots", "split"]
 
 GPU_TRANSPORTS = ("cuda-aware", "nccl", "staging")
 """The transports of GPU ranks, in the order of preference."""
-CUDA_AWARE_VARIABLE = "SPARSE_SCAN_CUDA_AWARE_MPI"
+CUDA_AWARE_VARIABLE = _environment.CUDA_AWARE_MPI.name
 
 
 class TransportUnavailableError(ValueError):
@@ -161,11 +163,12 @@ class Rank:
 
 
 def _cuda_aware_mpi() -> bool:
-    """Whether the loaded MPI library takes device buffers: ``SPARSE_SCAN_CUDA_AWARE_MPI`` (1 or 0) where
-    set, else its ``MPIX_Query_cuda_support()`` (Open MPI, MPICH), else no."""
-    setting = os.environ.get(CUDA_AWARE_VARIABLE)
-    if setting in ("0", "1"):
-        return setting == "1"
+    """Whether the loaded MPI library takes device buffers: ``SPARSE_SCAN_CUDA_AWARE_MPI`` where set (1,
+    true, yes, on; 0, false, no, off; anything else is an error), else its ``MPIX_Query_cuda_support()``
+    (Open MPI, MPICH), else no."""
+    setting = _environment.CUDA_AWARE_MPI.read()
+    if setting is not None:
+        return setting
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = sorted({line.split()[-1] for line in maps if "libmpi" in line.rsplit("/", 1)[-1]})

@@ -58,6 +58,7 @@ Examples
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import platform
@@ -65,6 +66,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from .. import _environment
 from .._threads import cpu_threads
 from .._version import __version__
 from .schedule import Element
@@ -84,7 +86,7 @@ FEATURES = ("call", "layer", "level", "pool_level", "mv_step", "mm_step", "mm_sa
             "plan_unit")
 """Every feature a cost model weighs (module docstring), ``plan_unit`` being planning's."""
 
-COST_MODEL_VARIABLE = "SPARSE_SCAN_COST_MODEL"
+COST_MODEL_VARIABLE = _environment.COST_MODEL.name
 """Environment variable: ``defaults`` (use :data:`DEFAULTS`, ignore any calibration: the tests set
 it, so that no verdict depends on the machine), or the path of a calibration file to use."""
 
@@ -93,7 +95,7 @@ MAX_PLAN_SECONDS = 60.0
 schedule over it is refused before anything is built (``max_plan_seconds`` of
 :class:`sparse_scan.Sequential`, or :data:`PLAN_SECONDS_VARIABLE`)."""
 
-PLAN_SECONDS_VARIABLE = "SPARSE_SCAN_MAX_PLAN_SECONDS"
+PLAN_SECONDS_VARIABLE = _environment.MAX_PLAN_SECONDS.name
 """Environment variable: the planning limit in seconds where a model sets none (default
 :data:`MAX_PLAN_SECONDS`); the command line's way to raise it."""
 
@@ -192,10 +194,9 @@ def cache_path(device: str) -> pathlib.Path:
     """Where the calibration of ``device`` is cached: ``$XDG_CACHE_HOME/sparse-scan`` (by default
     ``~/.cache/sparse-scan``), one file per machine (host name, processor, cores) and library
     version."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     machine = "-".join(part for part in (platform.node(), platform.machine(), f"{os.cpu_count()}cores")
                        if part).replace(os.sep, "_")
-    return pathlib.Path(base) / "sparse-scan" / f"cost-{device}-{machine}-{__version__}.json"
+    return _environment.cache_home() / "sparse-scan" / f"cost-{device}-{machine}-{__version__}.json"
 
 
 def save(model: CostModel, path: pathlib.Path | None = None) -> pathlib.Path:
@@ -206,37 +207,102 @@ def save(model: CostModel, path: pathlib.Path | None = None) -> pathlib.Path:
     return path
 
 
+def _model_of(fields: Any, path: pathlib.Path) -> CostModel:
+    """The cost model of ``path``'s JSON ``fields``, each checked: a ``ValueError`` naming the field that
+    is not what :func:`save` writes; a feature not listed (a file of an older version) at its device's
+    default."""
+    if not isinstance(fields, dict):
+        raise ValueError("not a JSON object")
+    missing = [name for name in ("device", "threads", "seconds") if name not in fields]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)}")
+    device, threads, seconds = fields["device"], fields["threads"], fields["seconds"]
+    if not isinstance(device, str) or device not in DEFAULTS:
+        raise ValueError(f"device: {json.dumps(device)}, not one of {', '.join(DEFAULTS)}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads: {json.dumps(threads)}, not an int >= 1")
+    if not isinstance(seconds, dict):
+        raise ValueError("seconds: not an object of feature: seconds")
+    for name, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"seconds.{name}: {json.dumps(value)}, not a finite number >= 0")
+    constants = dict(DEFAULTS[device]) | {str(name): float(value) for name, value in seconds.items()}
+    return CostModel(device, threads, tuple(constants.items()), str(fields.get("source", path)))
+
+
 def load(path: pathlib.Path | str) -> CostModel:
     """The cost model a calibration file holds, a feature it does not list (a file of an older
-    version) at its device's default; a ``ValueError`` naming the file and field if it is not one."""
+    version) at its device's default.
+
+    Raises
+    ------
+    ValueError
+        Naming the file and what is wrong: not a file (missing, a directory), not JSON, or a field
+        that is not what :func:`save` writes (an unknown device, a constant that is not a finite
+        number >= 0, ``Infinity`` or ``NaN`` included, an unknown feature).
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not a sparse-scan calibration file")
     try:
-        fields = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-        seconds = {str(name): float(value) for name, value in fields["seconds"].items()}
-        device = str(fields["device"])
-        return CostModel(device, int(fields["threads"]),
-                         tuple((dict(DEFAULTS.get(device, ())) | seconds).items()),
-                         str(fields.get("source", path)))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return _model_of(json.loads(path.read_text(encoding="utf-8")), path)
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the calibration file ({error.strerror or error})") from None
+    except (ValueError, OverflowError) as error:  # not JSON (or not text), a field checked above, 1e999
         raise ValueError(f"{path}: not a sparse-scan calibration file ({error})") from None
+
+
+_REPORTED: set[str] = set()
+"""The cache problems :func:`current` has reported in this process (each once)."""
+
+
+def _cached(device: str) -> CostModel | None:
+    """The calibration cached for ``device`` (:func:`cache_path`), or None: none there, or one that
+    cannot be used (damaged, of another device, a directory), reported once per process as one
+    ``RuntimeWarning`` line naming the file, what is wrong and what to do."""
+    path = cache_path(device)
+    if not path.exists():
+        return None
+    try:
+        model = load(path)
+        if model.device != device:
+            raise ValueError(f"{path}: a calibration of the {model.device}, not of the {device}")
+        return model
+    except ValueError as error:
+        fix = ("it is removed and `sparse-scan calibrate` run" if path.is_dir()
+               else "`sparse-scan calibrate` rewrites it")
+        message = f"{error}; auto uses the default cost model until {fix}"
+        if message not in _REPORTED:
+            _REPORTED.add(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return None
 
 
 def current(device: str = "cpu") -> CostModel:
     """The cost model runs on ``device`` use: ``SPARSE_SCAN_COST_MODEL``'s (``defaults``: the
-    :data:`DEFAULTS`; a path: that file), else the cached calibration of this machine
-    (:func:`cache_path`), else the defaults (with a ``RuntimeWarning`` naming a damaged cache file)."""
+    :data:`DEFAULTS`; a path: that calibration file, which must be of ``device``), else the cached
+    calibration of this machine (:func:`cache_path`), else the defaults (a cache that cannot be used
+    is named once, by a ``RuntimeWarning``).
+
+    Raises
+    ------
+    ValueError
+        ``device`` is not a backend, ``SPARSE_SCAN_COST_MODEL`` is neither ``defaults`` nor a
+        file, or its file is no calibration (:func:`load`) or one of another device.
+    """
     if device not in DEFAULTS:
         raise ValueError(f"cost model: device must be one of {', '.join(DEFAULTS)}; got {device!r}")
-    setting = os.environ.get(COST_MODEL_VARIABLE, "").strip()
-    if setting and setting != "defaults":
-        return load(setting)
-    if not setting:
-        path = cache_path(device)
-        if path.is_file():
-            try:
-                return load(path)
-            except ValueError as error:  # the defaults, until `sparse-scan calibrate` rewrites it
-                warnings.warn(f"{error}; auto uses the default cost model until `sparse-scan calibrate` "
-                              "rewrites it", RuntimeWarning, stacklevel=2)
+    setting = _environment.COST_MODEL.read()
+    if setting is None:
+        cached = _cached(device)
+        if cached is not None:
+            return cached
+    elif setting != "defaults":
+        model = load(setting)
+        if model.device != device:
+            raise ValueError(f"{COST_MODEL_VARIABLE}={str(setting)!r}: a calibration of the {model.device}; "
+                             f"this run is on the {device}")
+        return model
     return CostModel(device, _threads(device), DEFAULTS[device])
 
 
@@ -336,16 +402,8 @@ def max_plan_seconds(configured: float | None = None) -> float:
     :data:`MAX_PLAN_SECONDS`."""
     if configured is not None:
         return float(configured)
-    setting = os.environ.get(PLAN_SECONDS_VARIABLE, "").strip()
-    if not setting:
-        return MAX_PLAN_SECONDS
-    try:
-        value = float(setting)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{PLAN_SECONDS_VARIABLE} must be a number of seconds > 0, got {setting!r}")
-    return value
+    setting = _environment.MAX_PLAN_SECONDS.read()
+    return MAX_PLAN_SECONDS if setting is None else setting
 
 
 def predicted_plan_seconds(symbolic_work: int, model: CostModel) -> float:
