@@ -1,6 +1,6 @@
 """The host engine against PyTorch on the CPU (issue 20's figures), every contender in fresh processes.
 
-Three workloads, each timed for sparse-scan and for PyTorch (autograd on the CPU, its default
+Four workloads, each timed for sparse-scan and for PyTorch (autograd on the CPU, its default
 threads), with the ratio PyTorch / sparse-scan (above 1: we are faster):
 
 * ``vgg``: the backward pass (gradients w.r.t. every activation) through VGG-11's conv stack on
@@ -8,6 +8,10 @@ threads), with the ratio PyTorch / sparse-scan (above 1: we are faster):
   and 16, for each schedule (linear, hybrid 1, hybrid ``auto``, blelloch; a schedule needing a
   product over ``--max-step-flops`` or more than ``--max-work-flops`` of work is reported as not
   planned or not run), against ``torch.autograd.grad`` w.r.t. the input through the same layers;
+* ``vgg-full`` (issue 45): the full backward of the 97%-pruned stack, the scan's gradients and every
+  parameter's (``backward`` by ``auto`` then ``parameter_gradients``: the pruned convolutions' weight
+  gradients sampled at the kept weights), at batch 1, 4 and 16, against ``torch.autograd.grad``
+  w.r.t. the input and every parameter (autograd's dense weight gradients: PyTorch knows no pruning);
 * ``lenet``: one training iteration of LeNet-5 on scikit-learn's digits (``data/lenet5-digits.yaml``,
   batch 64, Adam lr 0.003: forward, loss, backward by ``--lenet-method``, parameter gradients, step)
   against the same network, weights and batches in PyTorch;
@@ -104,6 +108,13 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     backward = functools.partial(model.backward, grad, method, levels)
                     out[key] = median_time(backward, args.repeats)
+    if "vgg-full" in args.workloads:  # the scan's gradients and every parameter's (the pruned: sampled)
+        for batch in BATCHES:
+            model = load_model(DATA / "vgg11-pruned.yaml", dtype=np.float32)
+            x, grad = vgg_inputs(batch)
+            model.forward(x)
+            full = functools.partial(lambda m, g: m.parameter_gradients(m.backward(g, "auto")), model, grad)
+            out[f"vgg11-pruned-full/B{batch}/auto"] = median_time(full, args.repeats)
     if "lenet" in args.workloads:
         model = load_model(DATA / "lenet5-digits.yaml", dtype=np.float32)
         optimizer = Adam(model, lr=0.003)
@@ -126,6 +137,27 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --- PyTorch ----------------------------------------------------------------------------------------
+def torch_vgg(name: str) -> Any:
+    """The bundled VGG-11 spec ``name`` as a PyTorch module with the same weights."""
+    import torch
+
+    from sparse_scan import load_model
+
+    model = load_model(DATA / f"{name}.yaml", dtype=np.float32)
+    convs = iter(layer for layer in model.layers if type(layer).__name__ == "Conv2d")
+    layers, channels = [], 3
+    for item in VGG:
+        if item == "M":
+            layers.append(torch.nn.MaxPool2d(2, 2))
+            continue
+        conv, source = torch.nn.Conv2d(channels, item, 3, padding=1), next(convs)
+        conv.weight.data = torch.from_numpy(np.array(source.weight))
+        conv.bias.data = torch.from_numpy(np.array(source.bias))
+        layers += [conv, torch.nn.ReLU()]
+        channels = item
+    return torch.nn.Sequential(*layers)
+
+
 def theirs(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -134,21 +166,8 @@ def theirs(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
     if "vgg" in args.workloads:
-        for pruned in (True, False):
-            name = "vgg11-pruned" if pruned else "vgg11"
-            model = load_model(DATA / f"{name}.yaml", dtype=np.float32)
-            convs = iter(layer for layer in model.layers if type(layer).__name__ == "Conv2d")
-            layers, channels = [], 3
-            for item in VGG:
-                if item == "M":
-                    layers.append(torch.nn.MaxPool2d(2, 2))
-                    continue
-                conv, source = torch.nn.Conv2d(channels, item, 3, padding=1), next(convs)
-                conv.weight.data = torch.from_numpy(np.array(source.weight))
-                conv.bias.data = torch.from_numpy(np.array(source.bias))
-                layers += [conv, torch.nn.ReLU()]
-                channels = item
-            net = torch.nn.Sequential(*layers)
+        for name in ("vgg11-pruned", "vgg11"):
+            net = torch_vgg(name)
             for batch in BATCHES:
                 x, grad = vgg_inputs(batch)
                 inputs = torch.from_numpy(x).requires_grad_(True)
@@ -156,6 +175,15 @@ def theirs(args: argparse.Namespace) -> dict[str, Any]:
                 out[f"{name}/B{batch}"] = median_time(
                     lambda o=output, i=inputs, u=upstream: torch.autograd.grad(o, [i], u, retain_graph=True),
                     args.repeats)
+    if "vgg-full" in args.workloads:  # the input's gradient and every parameter's (dense: autograd's)
+        net = torch_vgg("vgg11-pruned")
+        for batch in BATCHES:
+            x, grad = vgg_inputs(batch)
+            inputs = torch.from_numpy(x).requires_grad_(True)
+            output, upstream, wrt = net(inputs), torch.from_numpy(grad), [inputs, *net.parameters()]
+            out[f"vgg11-pruned-full/B{batch}"] = median_time(
+                lambda o=output, w=wrt, u=upstream: torch.autograd.grad(o, w, u, retain_graph=True),
+                args.repeats)
     if "lenet" in args.workloads:
         model = load_model(DATA / "lenet5-digits.yaml", dtype=np.float32)
         modules = []
@@ -248,8 +276,8 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", choices=("vgg", "lenet", "rnn"),
-                        default=["vgg", "lenet", "rnn"])
+    parser.add_argument("--workloads", nargs="+", choices=("vgg", "vgg-full", "lenet", "rnn"),
+                        default=["vgg", "vgg-full", "lenet", "rnn"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per process (medians)")
     parser.add_argument("--old", type=pathlib.Path, help="a second checkout timed in the same rounds")

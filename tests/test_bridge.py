@@ -471,6 +471,36 @@ def test_on_the_gpu_a_warm_iteration_uploads_nothing_and_waits_only_where_docume
     assert unexpected == [], unexpected
 
 
+def test_a_pruned_iteration_reads_the_kept_weights_alone():
+    """A layer pruned with torch.nn.utils.prune to 3 %: forward, scan and weight gradient read
+    ``weight_orig`` at the kept weights (no masked copy of the weights is formed), the weight gradient
+    is the sampled product's (exactly zero at the pruned weights, autograd's elsewhere), and a mask
+    that is not 0/1 is refused by name."""
+    import torch.nn.utils.prune as prune
+
+    net = build("lenet").eval()
+    for module in (net.conv1, net.conv2, net.fc1):
+        prune.l1_unstructured(module, "weight", amount=0.97)
+    bnet = bppsa(net, "linear")
+    x = batches("lenet", 1)[0][0]
+    for _ in range(2):
+        net.zero_grad()
+        bnet(x).sum().backward()
+    (engine,) = next(iter(bnet._engines.values()))
+    pruned = [layer for layer in engine.model.layers if getattr(layer, "prune_pattern", False)]
+    assert len(pruned) == 3 and all(layer._pending is not None for layer in pruned)  # never multiplied
+    ours = {name: p.grad.clone() for name, p in net.named_parameters()}
+    net.zero_grad()
+    net(x).sum().backward()
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(ours[name].numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+    assert not ours["conv2.weight_orig"][net.conv2.weight_mask == 0].any()
+    with torch.no_grad():
+        net.conv2.weight_mask.mul_(0.5)
+    with pytest.raises(RuntimeError, match="'conv2.weight_mask' holds values other than 0 and 1"):
+        bnet(x)
+
+
 def test_a_pruning_mask_changed_during_training_re_plans():
     """Pruned further (a new mask): the next forward's pattern is the new mask's, exact."""
     import torch.nn.utils.prune as prune

@@ -46,12 +46,14 @@
 #              paper's largest point T=30000
 #              (B=16, H=20); the planned SpGEMM vs cupyx (cuSPARSE), 97%-pruned VGG-11; the whole
 #              97%-pruned VGG-11 backward vs PyTorch autograd on CUDA; the LSTM backward vs cuDNN; a
-#              training iteration of the paper's LSTM classifier through sparse_scan.torch.bppsa vs
-#              cuDNN autograd (bench/bridge.py; its rows go to the LSTM's file).
+#              training iteration (Adam) of the 97%-pruned VGG-11 (torch.nn.utils.prune masks: the
+#              sparse forward, scan and sampled weight gradient) and of the paper's LSTM classifier
+#              through sparse_scan.torch.bppsa vs PyTorch autograd on CUDA (cuDNN) (bench/bridge.py;
+#              its rows go to the LSTM's file).
 #              Files (8): env.txt parts.txt gpu-tests.log rnn-<gpu>.jsonl spgemm-<gpu>.jsonl
 #              scan-<gpu>.jsonl lstm-<gpu>.jsonl bench.log
 #              Limits (s): env 20, probe 15, install 25, tests 150, distributed 35, rnn-1000 20,
-#              rnn-30000 40, spgemm 25, scan 35, lstm 20, bridge 15 = 400.
+#              rnn-30000 30, spgemm 25, scan 35, lstm 20, bridge 25 = 400.
 #   sanitizer  env, probe, install, the compute-sanitizer probe; memcheck over the kernel-launching gpu
 #              tests at small sizes (CuPy's memory pool off: SPARSE_SCAN_NO_MEMPOOL=1); racecheck over
 #              the kernels with barriers (the dense scan's tiled and chain kernels).
@@ -137,7 +139,7 @@ $bench --ranks 2 --transports staging,cuda-aware --model lenet5.yaml --batch 16 
 --rank-command $PYTHON --rows \$OUT/scan-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step rnn-1000 20 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 1000 \
 --batches --gru --no-jax --rows \$OUT/rnn-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step rnn-30000 40 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 30000 \
+        step rnn-30000 30 - "\$OUT/bench.log" "rnn-\$GPU.jsonl bench.log" "$PYTHON bench/rnn.py $bench --steps 30000 \
 --batches --gru --no-jax --rows \$OUT/rnn-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step spgemm 25 - "\$OUT/bench.log" "spgemm-\$GPU.jsonl bench.log" "$PYTHON bench/spgemm.py $bench --repeats 5 \
 --no-dense --rows \$OUT/spgemm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
@@ -145,7 +147,7 @@ $bench --ranks 2 --transports staging,cuda-aware --model lenet5.yaml --batch 16 
 --no-dense --rows \$OUT/scan-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step lstm 20 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/lstm.py --device gpu --steps 1000 \
 --batches --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
-        step bridge 15 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/bridge.py --device gpu \
+        step bridge 25 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/bridge.py --device gpu \
 --repeats 5 --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         ;;
     sanitizer)
