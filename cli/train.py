@@ -6,7 +6,10 @@ epoch (loss, accuracy, time) on stdout (stderr with ``--json``), the batches don
 (:mod:`._progress`), the CSV log appended and flushed per iteration, the weights (``--out``) written
 atomically after every epoch and on Ctrl-C (with the plot of the iterations done), never over an
 existing file without ``--force``; at the end a summary with the test accuracy (or JSON) and the loss
-plot. Errors: one line, exit code 2, before anything is written (every output is checked first).
+plot. Errors: one line, exit code 2, before anything is written (every output is checked first);
+training that diverges (:class:`sparse_scan.train.DivergenceError`) is one line too, naming the
+iteration and what went non-finite, after ``--out`` and ``--plot`` are written as on Ctrl-C, with the
+last finite weights.
 """
 
 from __future__ import annotations
@@ -216,21 +219,32 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
                 progress.show(f"epoch {iterations // per_epoch + 1}/{epochs}: "
                               f"{iterations % per_epoch}/{per_epoch} batches done")
 
-        show_batches(0)
-        try:
-            training.train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels, seed,
-                           pair, device, on_iteration)
-        except KeyboardInterrupt:
+        def keep(weights: str) -> str:
+            """Training stopped early: ``--out`` (the ``weights`` the model holds) and ``--plot`` (the
+            iterations done) written; says what was kept where."""
             progress.wipe()
             if out is not None:
                 save_weights()
             if plot is not None and records:
                 write_or_fail("--plot", plot, lambda: _plot(records, plot, schedule))
-            saved = [f"weights so far in {out}" if out else "weights not saved (no --out)"]
+            saved = [f"{weights} in {out}" if out else "weights not saved (no --out)"]
             saved += [f"log in {log_path}"] if log_path is not None else []
             saved += [f"plot of {plural(len(records), 'iteration')} in {plot}"] if plot and records else []
-            click.echo(f"sparse-scan: interrupted; {', '.join(saved)}", err=True)
+            return ", ".join(saved)
+
+        show_batches(0)
+        try:
+            training.train(network, dataset, optimizer, epochs, batch_size, plan.method, plan.levels, seed,
+                           pair, device, on_iteration)
+        except KeyboardInterrupt:
+            click.echo(f"sparse-scan: interrupted; {keep('weights so far')}", err=True)
             sys.exit(INTERRUPTED)
+        except training.DivergenceError as diverged:  # the model holds its last finite weights
+            epoch, batch = divmod(diverged.iteration, per_epoch)
+            whose = "the --compare-bp copy's " if diverged.copy else ""
+            fail(f"{model}: training diverged at iteration {diverged.iteration} (epoch {epoch + 1}, batch "
+                 f"{batch + 1}/{per_epoch}): {whose}{diverged.what}; {keep('the last finite weights')} "
+                 "(lower --lr?)")
         finally:
             log.close()
         if plot is not None:

@@ -12,6 +12,12 @@ so that the two loss curves can be compared; :func:`train_iterations` runs it fo
 iterations over a sampled task (the paper's §4.1 training on
 :class:`~sparse_scan.recurrent.Bitstream`), recording the losses alone.
 
+Training that diverges stops at once with a :class:`DivergenceError` naming the iteration and what went
+non-finite (the model's outputs, the loss, a parameter's gradient, a weight after the optimizer's step,
+the test loss), never with NumPy's warnings or an error of a layer further on: every step checks them,
+and the diverging iteration's step is undone, so the model keeps the weights of the last iteration that
+stayed finite (the last one recorded).
+
 Examples
 --------
 >>> import numpy as np
@@ -34,6 +40,7 @@ Examples
 from __future__ import annotations
 
 import contextlib
+import math
 import pathlib
 import time
 from dataclasses import dataclass
@@ -47,8 +54,8 @@ from .loss import softmax_cross_entropy
 from .optim import check_built_on
 from .weights import every_layer, read_npz
 
-__all__ = ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset", "train",
-           "train_iterations"]
+__all__ = ["RECORD_KEYS", "DataError", "Dataset", "DivergenceError", "epoch_summary", "evaluate",
+           "load_dataset", "train", "train_iterations"]
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -62,6 +69,46 @@ _FIGURES = ("train_loss", "train_accuracy", "test_loss", "test_accuracy")
 
 class DataError(ValueError):
     """A dataset is unusable for the model: the message names the file and the array."""
+
+
+class DivergenceError(FloatingPointError):
+    """Training went non-finite: the iteration's step is undone, so the model keeps the weights of the
+    last iteration that stayed finite (the last one of :attr:`records`).
+
+    Attributes
+    ----------
+    iteration : int
+        The iteration that diverged, counted from 0 as the records' ``iteration``.
+    what : str
+        What went non-finite (``the loss is nan``, ``the gradient of 'fc.weight' holds NaN or Inf (3 of
+        84 entries)``, ...).
+    copy : str
+        ``""``, or ``"bp_"`` where it was :func:`train`'s back-propagation baseline.
+    records : list of dict
+        The records of the iterations done before it.
+    """
+
+    def __init__(self, iteration: int, what: str, copy: str = "",
+                 records: list[dict[str, Any]] | None = None) -> None:
+        self.iteration, self.what, self.copy = iteration, what, copy
+        self.records = [] if records is None else records
+        whose = "the back-propagation baseline's " if copy else ""
+        super().__init__(f"training diverged at iteration {iteration}: {whose}{what}; the model keeps the "
+                         "weights of the last finite iteration (lower the learning rate?)")
+
+
+class _NonFinite(Exception):
+    """A value of a training step that is NaN or Inf (its message says which): :func:`_steps` makes it a
+    :class:`DivergenceError` with the iteration."""
+
+
+def _check_finite(values: Any, what: str) -> None:
+    """Raise :class:`_NonFinite` where ``values`` (an array or a number) hold NaN or Inf."""
+    values = np.asarray(values)
+    bad = values.size - int(np.count_nonzero(np.isfinite(values)))
+    if bad:
+        raise _NonFinite(f"{what} is {values.item()}" if values.ndim == 0
+                         else f"{what} holds NaN or Inf ({bad} of {values.size} entries)")
 
 
 @dataclass(frozen=True)
@@ -257,6 +304,13 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
         ``train_accuracy`` (the batch's, before the step), ``test_loss`` and ``test_accuracy`` (after
         the step, on the whole test set), ``elapsed_s`` (wall seconds since training began), plus the
         ``bp_`` losses and accuracies with a baseline. :func:`epoch_summary` sums up an epoch.
+
+    Raises
+    ------
+    DivergenceError
+        An iteration's outputs, loss, gradients, updated weights or test loss went non-finite (either
+        run's); its steps are undone (both models keep the weights of the last iteration recorded), and
+        the error holds the records so far.
     """
     integer(epochs, "epochs", 0)
     integer(batch_size, "batch_size", 1)
@@ -270,10 +324,14 @@ def train(model: Any, data: Dataset, optimizer: Any, epochs: int, batch_size: in
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
     for iteration, (epoch, labels, results) in enumerate(_steps(
-            [run for _, run in runs], batches, lambda batch: (data.x_train[batch], data.y_train[batch]), be)):
+            runs, batches, lambda batch: (data.x_train[batch], data.y_train[batch]), be, records)):
         record: dict[str, Any] = {"epoch": epoch, "iteration": iteration, "samples": len(labels)}
-        for (prefix, (net, *_)), (loss, logits) in zip(runs, results, strict=True):
-            test = evaluate(net, data.x_test, data.y_test, device=device)
+        for (prefix, (net, *_)), (loss, logits, _) in zip(runs, results, strict=True):
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # its loss is checked
+                test = evaluate(net, data.x_test, data.y_test, device=device)
+            if not math.isfinite(test["loss"]):
+                _undo(runs, results)
+                raise DivergenceError(iteration, f"the test loss is {test['loss']}", prefix, records)
             record.update({f"{prefix}train_loss": loss, f"{prefix}train_accuracy": _accuracy(logits, labels),
                            f"{prefix}test_loss": test["loss"], f"{prefix}test_accuracy": test["accuracy"]})
         record["elapsed_s"] = time.perf_counter() - started
@@ -313,14 +371,21 @@ def train_iterations(model: Any, data: Any, optimizer: Any, iterations: int, bat
     -------
     list of dict
         ``{"iteration", "loss"}`` per iteration (the batch's loss before the update).
+
+    Raises
+    ------
+    DivergenceError
+        An iteration's outputs, loss, gradients or updated weights went non-finite; its step is undone
+        (the model keeps the weights of the last iteration recorded), and the error holds the records.
     """
     integer(iterations, "iterations", 0)
     integer(batch_size, "batch_size", 1, len(data), note=" (the data's samples)")
     check_built_on(optimizer, model)
     be = _backend.get(device)
     batches = _passes(len(data), batch_size, iterations, np.random.default_rng(seed))
-    records = []
-    for iteration, _, [(loss, _)] in _steps([(model, optimizer, method, levels)], batches, data.batch, be):
+    records: list[dict[str, Any]] = []
+    run = (model, optimizer, method, levels)
+    for iteration, _, [(loss, _, _)] in _steps([("", run)], batches, data.batch, be, records):
         records.append({"iteration": iteration, "loss": loss})
         if progress is not None:
             progress(iteration + 1, iterations, loss)
@@ -350,24 +415,61 @@ def _passes(count: int, batch_size: int, iterations: int,
         position += batch_size
 
 
-def _steps(runs: list[tuple[Any, Any, str, int | str | None]], batches: Iterable[tuple[Any, np.ndarray]],
-           fetch: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
-           be: _backend.Backend) -> Iterator[tuple[Any, np.ndarray, list[tuple[float, np.ndarray]]]]:
+Runs = list[tuple[str, tuple[Any, Any, str, int | str | None]]]
+"""What the training loop trains: ``(prefix, (model, optimizer, method, levels))`` per model."""
+
+Step = tuple[float, np.ndarray, dict[str, np.ndarray]]
+"""What :func:`_step` returns: the batch's loss and logits, and the weights before the step."""
+
+
+def _steps(runs: Runs, batches: Iterable[tuple[Any, np.ndarray]],
+           fetch: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], be: _backend.Backend,
+           records: list[dict[str, Any]]) -> Iterator[tuple[Any, np.ndarray, list[Step]]]:
     """The training loop: for every batch of ``batches`` (``(key, sample indices)``), ``fetch`` gives
-    its inputs and labels, and every run ``(model, optimizer, method, levels)`` takes one step on it
-    (:func:`_step`). Yields ``(key, labels, [(loss, logits) of each run])`` after the steps."""
-    for key, indices in batches:
+    its inputs and labels, and every run takes one step on it (:func:`_step`). Yields ``(key, labels,
+    [the step of each run])`` after the steps; a step gone non-finite raises :class:`DivergenceError`
+    with the iteration and ``records``, the batch's steps of the other runs undone too."""
+    for iteration, (key, indices) in enumerate(batches):
         x, labels = fetch(indices)
-        yield key, labels, [_step(be, *run, x, labels) for run in runs]
+        results: list[Step] = []
+        for prefix, run in runs:
+            try:
+                results.append(_step(be, *run, x, labels))
+            except _NonFinite as non_finite:
+                _undo(runs, results)
+                raise DivergenceError(iteration, str(non_finite), prefix, records) from None
+        yield key, labels, results
+
+
+def _undo(runs: Runs, steps: list[Step]) -> None:
+    """Give each run's model its weights from before its step of ``steps`` (the runs' first steps)."""
+    for (_, (model, *_)), (_, _, before) in zip(runs, steps, strict=False):  # steps: the first runs
+        model.load_state_dict(before)
 
 
 def _step(be: _backend.Backend, model: Any, optimizer: Any, method: str, levels: int | str | None,
-          x: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
+          x: np.ndarray, labels: np.ndarray) -> Step:
     """One training step of ``model`` on a batch: the forward, softmax cross-entropy (mean over the
     batch), the scan's backward (``method``/``levels``), the parameter gradients (Eq. 2) and the
-    optimizer's step. Returns the batch's loss and logits (host), before the step."""
-    logits = be.to_host(model.forward(be.asarray(x)))
-    loss, grad = softmax_cross_entropy(logits, labels)
-    grads = model.backward(be.asarray(grad), method=method, levels=levels)
-    optimizer.step({key: be.to_host(value) for key, value in model.parameter_gradients(grads).items()})
-    return loss, logits
+    optimizer's step. Returns the batch's loss and logits (host), before the step, and copies of the
+    weights before it (what undoes it, :func:`_undo`).
+
+    The outputs, the loss, every parameter gradient and every updated weight are checked: the first
+    one that holds NaN or Inf raises :class:`_NonFinite` (NumPy's warnings about them are not shown),
+    and an update that made a weight non-finite is undone first."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        logits = be.to_host(model.forward(be.asarray(x)))
+        _check_finite(logits, "the model's outputs")
+        loss, grad = softmax_cross_entropy(logits, labels)
+        _check_finite(loss, "the loss")
+        grads = model.backward(be.asarray(grad), method=method, levels=levels)
+        gradients = {key: be.to_host(value) for key, value in model.parameter_gradients(grads).items()}
+        for key, value in gradients.items():
+            _check_finite(value, f"the gradient of {key!r}")
+        before = {key: np.array(value, copy=True) for key, value in model.state_dict().items()}
+        optimizer.step(gradients)
+        for key, value in model.state_dict().items():
+            if not np.isfinite(value).all():
+                model.load_state_dict(before)
+                raise _NonFinite(f"{key!r} holds NaN or Inf after the optimizer's step (undone)")
+    return loss, logits, before

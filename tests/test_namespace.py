@@ -79,8 +79,8 @@ PUBLIC = {
                               "chain_through_factors"],
     "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
     "sparse_scan.torch": ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"],
-    "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "epoch_summary", "evaluate", "load_dataset",
-                          "train", "train_iterations"],
+    "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "DivergenceError", "epoch_summary",
+                          "evaluate", "load_dataset", "train", "train_iterations"],
     "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "scoped_name",
                             "state_dict", "write_npz_atomically"],
 }
