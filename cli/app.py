@@ -2,8 +2,9 @@
 
 Each subcommand lives in its own module (``run``, ``flops``, ``train``, ``evaluate``, ``calibrate``),
 which only reads its input, calls :mod:`sparse_scan` and prints the result. The group loads a
-subcommand's module the first time the command is asked for (to run it, or for its line of
-``--help``) and registers it with ``main.add_command``; the modules import click, :mod:`._common` and
+subcommand's module the first time the command is asked for (to run it, or for its own ``--help``;
+``sparse-scan --help`` lists the commands by their :data:`SUMMARIES` lines, loading none of them) and
+registers it with ``main.add_command``; the modules import click, :mod:`._common` and
 :mod:`._options` only (and :data:`sparse_scan.SCHEDULES`, which needs no NumPy), the library inside
 the command functions, so ``sparse-scan --help`` and ``--version`` import neither NumPy nor SciPy.
 Nothing here imports a subcommand at import time, and no subcommand imports this module.
@@ -41,6 +42,14 @@ SUBCOMMANDS = {"run": ("run", "run"), "flops": ("flops", "flops"), "train": ("tr
                "eval": ("evaluate", "eval_command"), "calibrate": ("calibrate", "calibrate_command")}
 """Command name -> (module of :mod:`sparse_scan.cli`, attribute): loaded on first use."""
 
+SUMMARIES = {"run": "Gradients of MODEL's loss w.r.t. input, layers, parameters.",
+             "flops": "FLOP analysis of MODEL's backward pass, static or live.",
+             "train": "Train MODEL with BPPSA gradients on a dataset.",
+             "eval": "Loss and accuracy of MODEL on a dataset's splits.",
+             "calibrate": "Measure this machine's cost-model constants."}
+"""Command name -> its line in ``sparse-scan --help`` (its short help), so that listing the commands
+imports none of their modules."""
+
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -51,6 +60,19 @@ class _LazyGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(SUBCOMMANDS))
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """``--help``'s list of commands: each of :data:`SUBCOMMANDS` by its :data:`SUMMARIES` line (its
+        module not imported), a command added otherwise by its own short help."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))  # click's own
+        rows = []
+        for name in names:
+            command = None if name in SUMMARIES else self.get_command(ctx, name)
+            if command is None or not command.hidden:
+                rows.append((name, SUMMARIES[name] if command is None else command.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         command = super().get_command(ctx, name)
