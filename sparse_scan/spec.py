@@ -93,15 +93,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import pathlib
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import yaml
 
 from ._checks import MAX_SIZE, as_float_dtype, flag, is_int
-from ._sequential import Sequential
+from ._sequential import Sequential, default_memory_budget
+from .engine.figures import size_text
 from .layers import (
     ELU,
     GELU,
@@ -128,9 +130,10 @@ from .layers import (
     Tanh,
 )
 from .recurrent import GRU, LSTM, REDUCTIONS, RNN, RecurrentClassifier
-from .weights import named_layers, read_npz
+from .weights import budget_problem, named_layers, open_regular_file, read_npz
 
-__all__ = ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"]
+__all__ = ["LAYER_TYPES", "MAX_SPEC_BYTES", "MAX_SPEC_NODES", "RECURRENT_TYPES", "SAMPLE_COPIES", "SpecError",
+           "load_model", "model_from_spec", "sample_bytes"]
 
 LAYER_TYPES: dict[str, type[Layer]] = {
     "conv2d": Conv2d, "linear": Linear, "relu": ReLU, "leaky_relu": LeakyReLU, "tanh": Tanh,
@@ -159,6 +162,17 @@ IGNORED_KEYS = {BatchNorm2d: ("num_batches_tracked",)}
 """Entries of PyTorch's state_dict a weights file may hold that the layer never uses (frozen statistics
 are never updated, so the count of training batches means nothing): accepted and ignored."""
 RECURRENT_ENGINE_ARGUMENTS = ("dtype", "rng", "name", "seed")
+MAX_SPEC_BYTES = 2**22
+"""The largest spec file read (4 MiB; the bundled specs take 5 KiB at most): a larger one, or one that
+is no regular file (a named pipe, ``/dev/zero``), is refused before it is parsed."""
+MAX_SPEC_NODES = 10**6
+"""The most YAML nodes (scalars, lists, mappings) a spec may hold, counted with its aliases expanded
+(each as many times as it is used), before anything is built: so a few lines of aliases of aliases
+(a "billion laughs") are refused, not walked."""
+SAMPLE_COPIES = 3
+"""Arrays the size of an activation that a batch holds per sample, by the memory estimate
+(:func:`sample_bytes`): the activation, the gradient w.r.t. it, and the JT entries that map it (a
+pattern's indices or a sample's values)."""
 _LAYER_MESSAGE = re.compile(r"^layer [^:]+: ([^:]+): (.*)$", re.DOTALL)
 
 
@@ -184,21 +198,70 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
+    """The spec's mapping: a regular file of at most :data:`MAX_SPEC_BYTES` of UTF-8 YAML holding at
+    most :data:`MAX_SPEC_NODES` nodes (aliases expanded), read and counted before it is built."""
     try:
-        text = path.read_text()
+        with open_regular_file(path) as stream:
+            data = stream.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
         raise SpecError(f"{path}: no such file") from None
+    except ValueError as error:  # a symlink loop, a named pipe, a device
+        raise SpecError(f"{path}: {error}") from None
     except OSError as error:
         raise SpecError(f"{path}: cannot read: {error.strerror or error}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: larger than {size_text(MAX_SPEC_BYTES)}, not a model spec (a spec is a "
+                        "short YAML file; weights go in the file its weights: field names)")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(f"{path}: not a YAML text file (not UTF-8)") from None
+    loader = _UniqueKeyLoader(text)
     try:
-        spec = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        node = loader.get_single_node()
+        _check_nodes(path, node)
+        spec = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError(f"{path}: malformed YAML{at}: {getattr(error, 'problem', None) or error}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: YAML nested too deeply to be a model spec") from None
+    finally:
+        loader.dispose()
     return _checked_top_level(path, spec)
+
+
+def _check_nodes(path: pathlib.Path, root: yaml.Node | None) -> None:
+    """Refuse a YAML document of more than :data:`MAX_SPEC_NODES` nodes once its aliases are expanded,
+    or one whose alias refers to a node that holds it (a structure without end), from its composed
+    nodes (each one once: the count of an aliased node is kept)."""
+    counts: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack = [] if root is None else [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = ([] if isinstance(node, yaml.ScalarNode) else
+                    [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value)
+        if children_done:
+            open_nodes.discard(id(node))
+            counts[id(node)] = min(1 + sum(counts[id(child)] for child in children), MAX_SPEC_NODES + 1)
+            if counts[id(node)] > MAX_SPEC_NODES:
+                raise SpecError(f"{path}: more than {MAX_SPEC_NODES:,} YAML nodes once its aliases are "
+                                "expanded, not a model spec")
+            continue
+        if id(node) in counts:
+            continue
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        for child in children:
+            if id(child) in open_nodes:
+                mark = child.start_mark
+                raise SpecError(f"{path}: the node at line {mark.line + 1}, column {mark.column + 1} holds "
+                                "an alias of itself (a structure without end)")
+            if id(child) not in counts:
+                stack.append((child, False))
 
 
 def _checked_top_level(path: pathlib.Path, spec: Any) -> dict[str, Any]:
@@ -236,11 +299,97 @@ def _options(path: pathlib.Path, spec: dict[str, Any], key: str, field: str, che
     return value
 
 
+def sample_bytes(shapes: Sequence[Sequence[int]], itemsize: int) -> int:
+    """Estimated bytes one sample takes in a batch whose activations have ``shapes`` (per sample, no
+    batch axis) and ``itemsize`` bytes per value: :data:`SAMPLE_COPIES` arrays of each activation's size
+    (what a forward and a backward hold at once, an estimate).
+
+    Examples
+    --------
+    >>> sample_bytes([(1, 8, 8), (10,)], 4)
+    888
+    """
+    return SAMPLE_COPIES * itemsize * sum(math.prod(shape) for shape in shapes)
+
+
+@dataclasses.dataclass
+class _Memory:
+    """What a spec's model will hold, added up from estimates before each allocation (weights, one
+    sample's activations and JT entries: :func:`sample_bytes`) and held to the memory budget."""
+
+    path: pathlib.Path
+    itemsize: int
+    budget: int = dataclasses.field(default_factory=default_memory_budget)
+    held: int = 0
+
+    def hold(self, where: str, field: str, what: str, nbytes: int, transient: int = 0) -> None:
+        """Add ``nbytes`` (``what``: the parameters of a layer, its output...), with ``transient`` more
+        bytes while they are made, or refuse them: a :class:`SpecError` naming the layer (``where``) and
+        ``field``, the size and the budget."""
+        problem = budget_problem(self.held + nbytes + transient, f"the model up to {what}", self.budget)
+        if problem is not None:
+            raise _fail(self.path, where, field, problem)
+        self.held += nbytes
+
+    def hold_parameters(self, where: str, field: str, entries: int | None) -> None:
+        """:meth:`hold` the ``entries`` parameters a layer's ``field`` sizes (None: not known), drawn in
+        float64 by the initialisation and then cast (8 bytes more per entry while it runs)."""
+        if entries is not None:
+            self.hold(where, field, f"its {entries:,} parameters", entries * self.itemsize, 8 * entries)
+
+    def hold_sample(self, where: str, field: str, shape: Sequence[int], what: str = "its output") -> None:
+        """:meth:`hold` one sample's activation of ``shape`` (:func:`sample_bytes`)."""
+        self.hold(where, field, f"{what} ({list(shape)} per sample)", sample_bytes([shape], self.itemsize))
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(is_int(value) and value > 0 for value in values)
+
+
+def _pair(value: Any) -> tuple[Any, Any]:
+    """A kernel size as PyTorch takes it (an int or two) as two values, checked by the layer later."""
+    return (value, value) if not isinstance(value, (list, tuple)) or len(value) != 2 else tuple(value)
+
+
+def _parameter_entries(cls: type[Layer], arguments: dict[str, Any]) -> tuple[str, int | None]:
+    """The argument that sizes the parameters ``cls(**arguments)`` would allocate, and their count
+    from the arguments alone (None for arguments the constructor will refuse, and for layers whose few
+    parameters per channel the input's size already bounds)."""
+    if cls is Linear:
+        sizes = (arguments.get("in_features"), arguments.get("out_features"))
+        return "out_features", math.prod(sizes) if _positive_ints(*sizes) else None
+    if cls is Conv2d:
+        sizes = (arguments.get("out_channels"), arguments.get("in_channels"), arguments.get("groups", 1),
+                 *_pair(arguments.get("kernel_size")))
+        if not _positive_ints(*sizes):
+            return "out_channels", None
+        out, channels, groups, height, width = sizes
+        return "out_channels", out * max(channels // groups, 1) * height * width
+    return "input", None
+
+
+def _recurrent_entries(cls: type, arguments: dict[str, Any]) -> int | None:
+    """The parameters of a recurrent layer of ``arguments`` (PyTorch's shapes: per layer and direction
+    ``gates·H`` rows over the input and the state, two biases, a projection), from the arguments alone
+    (None for arguments the constructor will refuse)."""
+    hidden, layers, projection = (arguments.get("hidden_size"), arguments.get("num_layers", 1),
+                                  arguments.get("proj_size", 0))
+    size, directions = arguments.get("input_size"), 2 if arguments.get("bidirectional") is True else 1
+    if not _positive_ints(hidden, layers, size) or not is_int(projection) or projection < 0:
+        return None
+    rows, out = cls.gates * hidden, projection or hidden
+
+    def per_layer(columns: int) -> int:
+        return directions * (rows * (columns + out + 2) + projection * hidden)
+
+    return per_layer(size) + (layers - 1) * per_layer(directions * out)
+
+
 @dataclasses.dataclass
 class _Context:
     """What building every layer of a spec shares: the file (for messages), the parameter dtype, the
-    init generator, the stored weights, whether ``init`` seeds, the prune amount and every layer path
-    used so far (state_dict prefixes must be unique)."""
+    init generator, the stored weights, whether ``init`` seeds, the prune amount, the memory estimate
+    and every layer path used so far (state_dict prefixes must be unique)."""
 
     path: pathlib.Path
     dtype: Any
@@ -248,6 +397,7 @@ class _Context:
     stored: dict[str, np.ndarray]
     initialised: bool
     amount: float | None
+    memory: _Memory
     paths: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -287,7 +437,7 @@ def _build_entry(ctx: _Context, entry: Any, shape: tuple[int, ...], location: st
     if entry.get("type") == "residual":
         return _build_residual(ctx, entry, shape, location, name, where, full, prefix)
     layer, out_shape = _build_layer(ctx.path, where, name, entry, shape, ctx.dtype, ctx.rng,
-                                    ctx.amount is not None)
+                                    ctx.amount is not None, ctx.memory)
     _set_weights(ctx.path, where, full, layer, ctx.stored, ctx.initialised)
     if ctx.amount is not None and getattr(layer, "prune_pattern", False):  # conv2d and linear
         _magnitude_prune(layer, ctx.amount)
@@ -381,8 +531,11 @@ def _residual_block(ctx: _Context, where: str, name: str, shape: tuple[int, ...]
 
 
 def _build_layer(path: pathlib.Path, where: str, name: str, entry: dict[str, Any], shape: tuple[int, ...],
-                 dtype: Any, rng: np.random.Generator, prune: bool) -> tuple[Layer, tuple[int, ...]]:
-    """A layer of one of :data:`LAYER_TYPES` but ``residual``, from its entry and its input ``shape``."""
+                 dtype: Any, rng: np.random.Generator, prune: bool,
+                 memory: _Memory) -> tuple[Layer, tuple[int, ...]]:
+    """A layer of one of :data:`LAYER_TYPES` but ``residual``, from its entry and its input ``shape``;
+    its parameters and one sample's output held to the memory budget (``memory``) before either is
+    allocated."""
     kind = entry.get("type")
     if isinstance(kind, str) and kind in RECURRENT_TYPES:
         raise _fail(path, where, "type", f"a recurrent layer ({kind}) must be the first layer, followed by "
@@ -416,6 +569,8 @@ def _build_layer(path: pathlib.Path, where: str, name: str, entry: dict[str, Any
     arguments.update({k: v for k, v in engine.items() if k in accepted})
     if "training" in accepted:
         arguments.setdefault("training", False)  # eval mode unless the spec asks for training
+    size_field, entries = _parameter_entries(cls, arguments)
+    memory.hold_parameters(where, size_field, entries)
     try:
         layer = cls(**arguments)
         layer.name = name
@@ -426,6 +581,7 @@ def _build_layer(path: pathlib.Path, where: str, name: str, entry: dict[str, Any
         match = _LAYER_MESSAGE.match(str(error))
         field, message = match.groups() if match else ("arguments", str(error))
         raise _fail(path, where, field, message) from None
+    memory.hold_sample(where, size_field, out_shape)
     if isinstance(layer, BatchNorm2d) and layer.training:
         raise _fail(path, where, "training", "true normalises by each batch's own mean and variance, so "
                     "every output depends on every sample of the batch (no per-sample Jacobian to scan); a "
@@ -439,9 +595,13 @@ def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
     if not isinstance(weights, str):
         raise _fail(path, "", "weights", f"must be a file name, got {weights!r}")
     file = path.parent / weights
-    if not file.is_file():
-        what = "not a regular file" if file.exists() else "no such file"
-        raise _fail(path, "", "weights", f"{what}: {file}")
+    try:
+        with open_regular_file(file):  # a named pipe, a device or a symlink loop: refused before reading
+            pass
+    except FileNotFoundError:
+        raise _fail(path, "", "weights", f"no such file: {file}") from None
+    except (OSError, ValueError) as error:
+        raise _fail(path, "", "weights", f"{getattr(error, 'strerror', None) or error}: {file}") from None
     if file.suffix == ".safetensors":
         try:
             from safetensors.numpy import load_file  # noqa: PLC0415 - optional
@@ -536,6 +696,8 @@ def _build_model(path: pathlib.Path, spec: dict[str, Any], stored: dict[str, np.
                  dtype: Any) -> Sequential | RecurrentClassifier:
     """The model of a checked spec mapping and its stored weights (``path`` names it in messages)."""
     shape = _input_shape(path, spec["input_shape"])
+    memory = _Memory(path, dtype.itemsize)
+    memory.hold_sample("", "input_shape", shape, "one sample's input")
     seed = _options(path, spec, "init", "seed", lambda v: isinstance(v, int) and not isinstance(v, bool)
                     and v >= 0)
     amount = _options(path, spec, "prune", "amount",
@@ -547,8 +709,8 @@ def _build_model(path: pathlib.Path, spec: dict[str, Any], stored: dict[str, np.
         if amount is not None:
             raise _fail(path, "", "prune", "applies to the conv2d and linear weights of a sequential model, "
                         "not to a recurrent one")
-        return _load_recurrent(path, spec["layers"], shape, dtype, seed, stored)
-    ctx = _Context(path, dtype, np.random.default_rng(seed), stored, seed is not None, amount)
+        return _load_recurrent(path, spec["layers"], shape, dtype, seed, stored, memory)
+    ctx = _Context(path, dtype, np.random.default_rng(seed), stored, seed is not None, amount, memory)
     layers, _ = _build_chain(ctx, spec["layers"], shape, "layers", "", "", "layers")
     model = Sequential(*layers, input_shape=shape)
     ignored = {f"{name}.{key}" for name, layer in named_layers(model).items()
@@ -599,8 +761,9 @@ def _set_weights(path: pathlib.Path, where: str, full: str, layer: Layer, stored
 
 
 def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ...], dtype: Any,
-                    seed: int | None, stored: dict[str, np.ndarray]) -> RecurrentClassifier:
-    """A recurrent first layer and its linear head (see the module docstring)."""
+                    seed: int | None, stored: dict[str, np.ndarray], memory: _Memory) -> RecurrentClassifier:
+    """A recurrent first layer and its linear head (see the module docstring), held to the memory
+    budget before each allocation (``memory``)."""
     name, where = _layer_name(path, "layers[0]", entries[0], "0")
     kind = entries[0]["type"]
     cls = RECURRENT_TYPES[kind]
@@ -624,6 +787,7 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
         raise _fail(path, where, "input_size", f"is {arguments['input_size']!r} but the input has {shape[1]} "
                     f"features (input_shape {list(shape)})")
     rng = np.random.default_rng(seed)
+    memory.hold_parameters(where, "hidden_size", _recurrent_entries(cls, arguments))
     try:
         recurrent = cls(**arguments, dtype=dtype, rng=rng, name=name, seed=seed)
     except (TypeError, ValueError, OverflowError) as error:
@@ -631,6 +795,8 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
         field, message = match.groups() if match else ("arguments", str(error))
         raise _fail(path, where, field, message) from None
     recurrent.train(training)
+    memory.hold_sample(where, "hidden_size", (shape[0], recurrent.num_layers * recurrent.num_directions
+                                              * recurrent.output_size), "its outputs, every layer's")
     if len(entries) != 2:
         raise _fail(path, where, "layers", f"a recurrent layer is followed by exactly one linear layer (the "
                     f"classifier head on its last output); the spec has {len(entries) - 1} after it")
@@ -646,7 +812,7 @@ def _load_recurrent(path: pathlib.Path, entries: list[Any], shape: tuple[int, ..
         raise _fail(path, head_where, "reduction", f"what the head reads of the recurrent outputs: one of "
                     f"{', '.join(REDUCTIONS)} (the last output, or the mean over time), got {reduction!r}")
     head, _ = _build_layer(path, head_where, head_name, head_entry,
-                           (recurrent.num_directions * recurrent.output_size,), dtype, rng, False)
+                           (recurrent.num_directions * recurrent.output_size,), dtype, rng, False, memory)
     model = RecurrentClassifier(recurrent, head=head, input_shape=shape, reduction=reduction)
     for parameter, expected in recurrent.parameter_shapes().items():
         cast = _stored(path, where, name, parameter, stored, seed is not None, recurrent.dtype)
