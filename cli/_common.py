@@ -9,9 +9,9 @@ loads its BLAS.
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import sys
-import tempfile
 from typing import IO, Any, Callable, Iterator, NoReturn, Sequence
 
 import click
@@ -20,9 +20,10 @@ from sparse_scan.engine.figures import size_text
 
 from ._progress import end_line
 
-__all__ = ["CHECKS", "INTERRUPTED", "backend_or_fail", "check_line", "check_outputs", "echo_error", "fail",
-           "load_dataset_for", "load_npy", "load_weights", "model_errors", "parse_levels", "plural", "pyplot",
-           "schedule_label", "schedule_lines", "seconds_text", "size_text", "write_gradients",
+__all__ = ["CHECKS", "INTERRUPTED", "OUTPUT", "OutputPath", "backend_or_fail", "check_batch", "check_line",
+           "check_output", "check_outputs", "echo_error", "fail", "load_dataset_for", "load_npy",
+           "load_weights", "model_errors", "model_inputs", "output_option", "parse_levels", "plural",
+           "pyplot", "schedule_label", "schedule_lines", "seconds_text", "size_text", "write_gradients",
            "write_or_fail"]
 
 INTERRUPTED = 130
@@ -63,12 +64,73 @@ def parse_levels(levels: str | None) -> int | str | None:
     return value
 
 
+class OutputPath(click.Path):
+    """The type of an option naming a file a command writes: a :class:`pathlib.Path`, not a directory,
+    and not a name ending in a separator (``d.npz/`` names a folder; :class:`pathlib.Path` would drop the
+    slash and a file ``d.npz`` be written)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.endswith(("/", os.sep)):
+            self.fail(f"{value!r} ends in {value[-1]!r}, a folder's name: give a file name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+OUTPUT = OutputPath(dir_okay=False, path_type=pathlib.Path)
+"""The type of every output option (``--out``, ``--log``, ``--plot``, ``calibrate --output``)."""
+
+
+def output_option(*names: str, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An option naming a file the command writes (:data:`OUTPUT`): ``names`` as for ``click.option``
+    (the flag, then the parameter's name where it differs)."""
+    return click.option(*names, type=OUTPUT, help=help)
+
+
+def _blocking_ancestor(path: pathlib.Path) -> pathlib.Path | None:
+    """The nearest ancestor of ``path`` that exists, where it is no folder (a regular file): what
+    keeps ``path`` from being written; None where that ancestor is a folder."""
+    ancestor = next(parent for parent in path.parents if os.path.lexists(parent))
+    return None if ancestor.is_dir() else ancestor
+
+
+def check_output(option: str, path: pathlib.Path, force: bool, make_folders: bool = False,
+                 what: str = "there") -> None:
+    """Refuse, before any work, an output ``path`` that cannot be written where
+    :func:`sparse_scan.weights.write_npz_atomically` writes (through a symlink: to the file it leads to),
+    one line naming the option and the cause (``cannot write <what>: ...``): a symlink loop, a name too
+    long, a missing folder (unless ``make_folders``: the command makes it), a regular file where a folder
+    should be, a read-only or full file system, no permission (a file is created and removed beside it,
+    after removing the temporaries killed writers left); and, without ``force``, an existing file (a
+    symlink too, even one leading nowhere)."""
+    from sparse_scan.weights import check_writable, write_target  # noqa: PLC0415 - imports NumPy
+
+    try:
+        target = write_target(path)
+        exists = os.path.lexists(path)
+    except (OSError, ValueError) as error:  # a symlink loop, a name too long
+        fail(f"{option} {path}: cannot write {what}: {getattr(error, 'strerror', None) or error}")
+    if exists and not force:
+        through = "" if target == path else " through the symlink"
+        fail(f"{option} {path}: exists (use --force to overwrite{through})")
+    if not target.parent.is_dir():
+        blocker = _blocking_ancestor(target)
+        if blocker is not None:
+            kind = "a regular file" if blocker.is_file() else "no folder"
+            fail(f"{option} {path}: cannot write {what}: {blocker} is {kind}, not a folder")
+        if not make_folders:
+            fail(f"{option} {path}: no such directory {target.parent}")
+        return  # the command makes the folders: nothing to try before
+    try:
+        check_writable(target)
+    except OSError as error:
+        fail(f"{option} {path}: cannot write {what}: {error.strerror or error}")
+
+
 def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
-    """Refuse, before any work, output paths that exist (without ``force``), lie in no folder, name
-    one file twice, do not end in their option's suffix (:data:`OUTPUT_SUFFIXES`), or cannot be
-    written (a file is created and removed beside each: a read-only or full filesystem, a name too
-    long, no permission); ``plot`` also needs matplotlib (:func:`pyplot`). Keys are option names
-    (``out``, ``log``, ``plot``)."""
+    """Refuse, before any work, output paths that :func:`check_output` refuses, name one file twice or
+    do not end in their option's suffix (:data:`OUTPUT_SUFFIXES`); ``plot`` also needs matplotlib
+    (:func:`pyplot`). Keys are option names (``out``, ``log``, ``plot``)."""
+    from sparse_scan.weights import write_target  # noqa: PLC0415 - imports NumPy
+
     seen: dict[pathlib.Path, str] = {}
     for key, path in paths.items():
         if path is None:
@@ -77,19 +139,11 @@ def check_outputs(force: bool, **paths: pathlib.Path | None) -> None:
         suffixes = OUTPUT_SUFFIXES.get(key)
         if suffixes is not None and path.suffix.lower() not in suffixes:
             fail(f"{option} {path}: give a file name ending in {', '.join(suffixes)}")
-        if path.exists() and not force:
-            fail(f"{option} {path}: exists (use --force to overwrite)")
-        if not path.parent.is_dir():
-            fail(f"{option} {path}: no such directory {path.parent}")
-        resolved = path.resolve()
+        check_output(option, path, force)
+        resolved = write_target(path).resolve()
         if resolved in seen:
             fail(f"{option} {path}: the same file as {seen[resolved]}")
         seen[resolved] = option
-        try:  # the name an atomic write uses (sparse_scan.weights.write_npz_atomically), then gone
-            with tempfile.NamedTemporaryFile(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent):
-                pass
-        except OSError as error:
-            fail(f"{option} {path}: cannot write there: {error.strerror or error}")
         if key == "plot":
             pyplot()
 
@@ -99,15 +153,21 @@ ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 def load_npy(path: pathlib.Path, option: str) -> Any:
-    """One array from a ``.npy`` file, or a one-line error naming the option and the file: missing,
-    unreadable, an ``.npz`` archive, not NumPy's format (a text file), or Python objects."""
+    """One array from a ``.npy`` file, mapped, not read (its shape and dtype are checked before its
+    values are), or a one-line error naming the option and the file: missing, a symlink loop, no regular
+    file (a named pipe, which would block), unreadable, an ``.npz`` archive, not NumPy's format (a text
+    file), or Python objects."""
     import numpy as np  # noqa: PLC0415 - imports NumPy
 
+    from sparse_scan.weights import open_regular_file  # noqa: PLC0415
+
     try:
-        with path.open("rb") as stream:
+        with open_regular_file(path) as stream:
             magic = stream.read(len(NPY_MAGIC))
     except FileNotFoundError:
         fail(f"{option} {path}: no such file")
+    except ValueError as error:  # a symlink loop, a named pipe
+        fail(f"{option} {path}: {error}")
     except OSError as error:
         fail(f"{option} {path}: cannot read: {error.strerror or error}")
     if magic.startswith(ZIP_MAGICS):
@@ -116,13 +176,59 @@ def load_npy(path: pathlib.Path, option: str) -> Any:
         what = "empty" if not magic else "no NumPy header: a text file?"
         fail(f"{option} {path}: not a .npy file ({what}); write arrays with numpy.save")
     try:
-        return np.load(path, allow_pickle=False)
+        return np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
     except ValueError as error:
-        if "pickle" in str(error):  # "Object arrays cannot be loaded when allow_pickle=False"
+        if "Python objects" in str(error):  # "Array can't be memory-mapped: Python objects in dtype."
             fail(f"{option} {path}: holds Python objects, not numbers")
         fail(f"{option} {path}: not a readable .npy file: {error}")
     except (OSError, EOFError) as error:
         fail(f"{option} {path}: not a readable .npy file: {error}")
+
+
+def check_batch(network: Any, samples: int, dtype: Any, what: str) -> None:
+    """Refuse, before it is allocated, a batch of ``samples`` through ``network`` (its parameters and
+    :func:`sparse_scan.spec.sample_bytes` per sample, of ``dtype``) over the memory budget: one line
+    naming ``what`` (``--random N``, ``--input X.npy``, ``--batch-size N``), the size and
+    ``SPARSE_SCAN_MEMORY_BUDGET``."""
+    import numpy as np  # noqa: PLC0415 - imports NumPy
+
+    from sparse_scan.spec import sample_bytes  # noqa: PLC0415
+    from sparse_scan.weights import budget_problem  # noqa: PLC0415
+
+    per_sample = sample_bytes(network.shapes(network.input_shape), np.dtype(dtype).itemsize)
+    parameters = sum(np.asarray(value).nbytes for value in network.state_dict().values())
+    problem = budget_problem(parameters + samples * per_sample,
+                             f"a batch of {plural(samples, 'sample')} ({size_text(per_sample)} each, the "
+                             "inputs, activations and gradients) with the model's parameters")
+    if problem is not None:
+        fail(f"{what}: {problem}")
+
+
+def model_inputs(network: Any, input_path: pathlib.Path | None, random: int | None, seed: int,
+                 dtype: Any) -> Any:
+    """The batch of ``--input X.npy`` (checked: its shape, numbers, at least one sample, floats of
+    ``dtype`` exactly: :func:`sparse_scan.weights.as_float_array`) or ``--random N`` (``N`` seeded
+    standard normal samples), refused before it is allocated where it would not fit the memory budget
+    (:func:`check_batch`); every problem is one line."""
+    import numpy as np  # noqa: PLC0415 - imports NumPy
+
+    from sparse_scan.weights import as_float_array  # noqa: PLC0415
+
+    shape = tuple(network.input_shape)
+    if input_path is None:
+        check_batch(network, random, dtype, f"--random {random}")
+        return np.random.default_rng(seed).standard_normal((random,) + shape).astype(dtype)
+    x = load_npy(input_path, "--input")
+    if tuple(x.shape[1:]) != shape:
+        fail(f"--input {input_path}: shape {list(x.shape)}, the model takes "
+             f"(N, {', '.join(map(str, shape))})")
+    if not len(x):
+        fail(f"--input {input_path}: holds no samples")
+    check_batch(network, len(x), dtype, f"--input {input_path}")
+    try:
+        return as_float_array(x, dtype, f"--input {input_path}")
+    except ValueError as error:
+        fail(str(error))
 
 
 def load_weights(network: Any, path: pathlib.Path) -> None:

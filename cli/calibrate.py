@@ -4,7 +4,9 @@ Calls :func:`sparse_scan.calibration.calibrate` (about ten seconds of small back
 constants where :func:`sparse_scan.engine.cost.current` finds them (per machine and library version,
 under ``$XDG_CACHE_HOME/sparse-scan``; ``--output`` elsewhere) and prints them with each timed
 schedule's predicted against measured time (or JSON). ``--show`` prints the constants runs use now,
-measuring nothing. Errors: one line, exit code 2.
+measuring nothing. Where the constants go is checked before measuring (:func:`._common.check_output`:
+missing folders are made); an ``--output`` file that exists is rewritten if it is a calibration, and
+needs ``--force`` if it is not. Errors: one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 
 import click
 
-from ._common import fail
-from ._options import json_option, quiet_option, threads_option
+from ._common import check_output, fail, output_option
+from ._options import force_option, json_option, quiet_option, threads_option
 from ._progress import Progress
 
 
@@ -25,17 +27,17 @@ from ._progress import Progress
               help="the backend to measure (the GPU's constants are placeholders: docs/gpu.md)")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="timed runs per schedule (the median is fitted)")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=pathlib.Path), default=None,
-              help="write the constants here instead of the cache")
+@output_option("--output", help="write the constants here instead of the cache")
+@force_option(help="overwrite an existing --output file that is not a calibration")
 @click.option("--show", is_flag=True, help="print the constants runs use now; measure nothing")
 @threads_option
 @json_option()
 @quiet_option(help="no progress on stderr")
-def calibrate_command(device: str, repeats: int, output: pathlib.Path | None, show: bool, as_json: bool,
-                      quiet: bool) -> None:
+def calibrate_command(device: str, repeats: int, output: pathlib.Path | None, force: bool, show: bool,
+                      as_json: bool, quiet: bool) -> None:
     """Measure the cost model's constants on this machine (what `--method auto` predicts times with)."""
     from sparse_scan.calibration import calibrate  # noqa: PLC0415 - not at import: --help comes first
-    from sparse_scan.engine.cost import cache_path, current, save  # noqa: PLC0415
+    from sparse_scan.engine.cost import cache_path, current, load, save  # noqa: PLC0415
 
     if show:
         try:
@@ -44,6 +46,13 @@ def calibrate_command(device: str, repeats: int, output: pathlib.Path | None, sh
             fail(str(error))
         report: dict[str, Any] = model.as_dict() | {"cache": str(cache_path(device))}
     else:
+        check_output("--output" if output else "cache", output or cache_path(device), True, make_folders=True,
+                     what="the calibration")
+        if output is not None and output.exists() and not force:
+            try:  # a calibration is rewritten (as the cache is), any other file kept
+                load(output)
+            except ValueError:
+                fail(f"--output {output}: exists and is not a calibration (use --force to overwrite)")
         with Progress(quiet) as progress:
             model, measurements = calibrate(device, repeats,
                                             progress=lambda phase, done, total: progress.show(

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from ._common import backend_or_fail, load_dataset_for, load_weights, model_errors
+from ._common import backend_or_fail, check_batch, load_dataset_for, load_weights, model_errors
 from ._options import (
     batch_size_option,
     data_option,
@@ -47,6 +47,7 @@ def eval_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | No
     with Progress(quiet) as progress, model_errors(model):
         progress.show(f"loading {model}")
         network = load_model(model)
+        check_batch(network, batch_size, "float32", f"--batch-size {batch_size}")
         if weights_path is not None:
             load_weights(network, weights_path)
         progress.show(f"loading --data {data}")

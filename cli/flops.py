@@ -18,8 +18,9 @@ import click
 from ._common import (
     check_outputs,
     fail,
-    load_npy,
     model_errors,
+    model_inputs,
+    output_option,
     parse_levels,
     pyplot,
     schedule_label,
@@ -43,26 +44,6 @@ from ._progress import Progress, plan_status
 CONVENTIONS = ("ours", "paper")
 """``--convention`` choices: :data:`sparse_scan.flops.CONVENTIONS` (repeated here, where NumPy is not
 imported yet; a test keeps them equal)."""
-
-
-def _live_inputs(shape: tuple[int, ...], input_path: pathlib.Path | None, random: int | None, seed: int,
-                 dtype: str) -> Any:
-    """The batch of ``--input`` (checked: shape, numbers, finite) or ``--random`` (standard normal)."""
-    import numpy as np  # noqa: PLC0415 - not at import: --help comes first
-
-    if input_path is None:
-        return np.random.default_rng(seed).standard_normal((random,) + tuple(shape)).astype(dtype)
-    x = load_npy(input_path, "--input")
-    if tuple(x.shape[1:]) != tuple(shape) or not len(x):
-        fail(f"--input {input_path}: shape {list(x.shape)}, the model takes "
-             f"(N, {', '.join(map(str, shape))}) with N >= 1")
-    if x.dtype.kind not in "fiu":
-        fail(f"--input {input_path}: dtype {x.dtype}, expected numbers")
-    with np.errstate(over="ignore"):
-        cast = x.astype(dtype)
-    if not np.all(np.isfinite(cast)):
-        fail(f"--input {input_path}: holds NaN or Inf (or values too large for {dtype})")
-    return cast
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -155,7 +136,7 @@ def _plot(report: dict[str, Any], path: pathlib.Path) -> None:
 @dtype_option
 @max_step_flops_option
 @json_option()
-@file_option("--plot", help="write the paper's Fig. 10 (needs matplotlib; the live figures with --input or "
+@output_option("--plot", help="write the paper's Fig. 10 (needs matplotlib; the live figures with --input or "
              "--random)")
 @force_option(help="overwrite an existing --plot file")
 @quiet_option(help="no progress on stderr")
@@ -188,7 +169,7 @@ def flops(model: pathlib.Path, method: str, levels: str | None, batch: int, dtyp
         report = analyse(network, method, parse_levels(levels), batch, dtype, int(max_step_flops),
                          progress=plan_status(progress))
         if input_path is not None or random is not None:
-            x = _live_inputs(network.input_shape, input_path, random, seed, dtype)
+            x = model_inputs(network, input_path, random, seed, dtype)
             report["live"] = live(network, x, method, parse_levels(levels), convention or "ours",
                                   int(max_step_flops), progress=plan_status(progress, "live FLOPs"))
         if plot is not None:

@@ -26,6 +26,8 @@ from ._common import (
     load_npy,
     load_weights,
     model_errors,
+    model_inputs,
+    output_option,
     parse_levels,
     schedule_label,
     schedule_lines,
@@ -60,27 +62,6 @@ TIMING_LABELS = {"forward_s": "forward", "plan_s": "plan", "values_s": "JT value
                  "parameter_grads_s": "parameter grads", "backward_s": "backward (all grads)"}
 """The timing breakdown's lines, in order, for the phases the model times (a recurrent model's backward
 is one figure, its parameter gradients come out of its scans)."""
-
-
-def _inputs(model: Any, input_path: pathlib.Path | None, random: int | None, seed: int, dtype: Any) -> Any:
-    import numpy as np  # noqa: PLC0415 - not at import: --help and --threads come first
-
-    shape = model.input_shape
-    if input_path is None:
-        return np.random.default_rng(seed).standard_normal((random,) + shape).astype(dtype)
-    x = load_npy(input_path, "--input")
-    if tuple(x.shape[1:]) != shape:
-        fail(f"--input {input_path}: shape {list(x.shape)}, the model takes "
-             f"(N, {', '.join(map(str, shape))})")
-    if x.dtype.kind not in "fiu":
-        fail(f"--input {input_path}: dtype {x.dtype}, expected numbers")
-    if not len(x):
-        fail(f"--input {input_path}: holds no samples")
-    with np.errstate(over="ignore"):
-        cast = x.astype(dtype)
-    if not np.all(np.isfinite(x)) or not np.all(np.isfinite(cast)):
-        fail(f"--input {input_path}: holds NaN or Inf (or values too large for {np.dtype(dtype).name})")
-    return cast
 
 
 def _upstream(output: Any, grad_path: pathlib.Path | None,
@@ -135,7 +116,7 @@ def _upstream(output: Any, grad_path: pathlib.Path | None,
               help="compare with a different computation: the linear scan (back-propagation), or where "
               "the linear scan ran, back-propagation layer by layer through SciPy (a recurrent model: "
               "the blelloch scan)")
-@file_option("--out", help="write the gradients (.npz)")
+@output_option("--out", help="write the gradients (.npz)")
 @force_option(help="overwrite an existing --out file")
 @json_option()
 @quiet_option(help="no progress on stderr")
@@ -187,7 +168,7 @@ def run(model: pathlib.Path, weights_path: pathlib.Path | None, input_path: path
         if weights_path is not None:
             load_weights(network, weights_path)
         try:
-            x = _inputs(network, input_path, random, seed, np.dtype(dtype))
+            x = model_inputs(network, input_path, random, seed, np.dtype(dtype))
         except MemoryError as error:
             fail(f"--random {random}: out of memory for these inputs: {error}")
         if comm is not None:

@@ -25,11 +25,13 @@ import click
 from ._common import (
     INTERRUPTED,
     backend_or_fail,
+    check_batch,
     check_outputs,
     fail,
     load_dataset_for,
     load_weights,
     model_errors,
+    output_option,
     parse_levels,
     plural,
     pyplot,
@@ -141,10 +143,10 @@ class _Log:
 @device_option(default="cpu")
 @threads_option
 @click.option("--compare-bp", is_flag=True, help="train a copy with back-propagation on the same batches")
-@file_option("--out", help="write the trained weights (.npz, state_dict names) after every epoch")
-@file_option("--log", "log_path",
-             help="write the losses and accuracies per iteration (CSV, appended as it goes)")
-@file_option("--plot", help="plot the losses per iteration (PNG, needs matplotlib)")
+@output_option("--out", help="write the trained weights (.npz, state_dict names) after every epoch")
+@output_option("--log", "log_path",
+               help="write the losses and accuracies per iteration (CSV, appended as it goes)")
+@output_option("--plot", help="plot the losses per iteration (PNG, needs matplotlib)")
 @force_option(help="overwrite existing --out/--log/--plot files")
 @json_option(help="print a JSON summary only (epoch lines on stderr)")
 @quiet_option(help="no schedule, epoch or progress lines, only the summary")
@@ -169,6 +171,7 @@ def train_command(model: pathlib.Path, data: str, weights_path: pathlib.Path | N
         progress.show(f"loading {model}")
         with model_errors(model):
             network = load_model(model)
+            check_batch(network, batch_size, "float32", f"--batch-size {batch_size}")
             baseline = load_model(model) if compare_bp else None
             for net in (network, baseline):
                 if net is not None and weights_path is not None:

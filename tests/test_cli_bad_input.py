@@ -3,12 +3,15 @@ nothing the user gave overwritten, and no work started that a bad option would w
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
+import zipfile
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from limits import fails_rather_than_hangs
 
 from sparse_scan import backend
 from sparse_scan.cli import app
@@ -174,17 +177,27 @@ def command_args(tmp_path, command):
 
 @pytest.mark.parametrize("command, option, name", OUTPUTS)
 @pytest.mark.parametrize("place, fragment", [
-    ("under a file", "no such directory"),
+    ("under a file", "cannot write there: {tmp}/file is a regular file, not a folder"),
+    ("in a missing folder", "no such directory {tmp}/missing"),
     ("a name too long to create", "cannot write there: File name too long"),
+    ("a name too long to exist", "cannot write there: File name too long"),
+    ("a symlink loop", "cannot write there: a symlink loop"),
 ])
 def test_every_output_is_checked_writable_before_any_work(tmp_path, monkeypatch, command, option, name, place,
                                                           fragment):
-    """A path that cannot be written is refused before the work, not after it (as root, a path under
-    a regular file or a name over the filesystem's limit is what cannot be written)."""
+    """A path that cannot be written is refused before the work, not after it, naming the true cause
+    (as root, a path under a regular file or a name over the filesystem's limit is what cannot be
+    written; a name of 300 characters was a traceback, issue 47)."""
     extra = command_args(tmp_path, command)
     (tmp_path / "file").write_text("a regular file")
-    target = (tmp_path / "file" / name if place == "under a file"
-              else tmp_path / ("x" * 250 + pathlib.Path(name).suffix))
+    suffix = pathlib.Path(name).suffix
+    (tmp_path / f"loop{suffix}").symlink_to(tmp_path / f"pool{suffix}")
+    (tmp_path / f"pool{suffix}").symlink_to(tmp_path / f"loop{suffix}")
+    target = {"under a file": tmp_path / "file" / name, "in a missing folder": tmp_path / "missing" / name,
+              "a name too long to create": tmp_path / ("x" * 250 + suffix),
+              "a name too long to exist": tmp_path / ("x" * 300 + suffix),
+              "a symlink loop": tmp_path / f"loop{suffix}"}[place]
+    fragment = fragment.format(tmp=tmp_path)
     before = sorted(tmp_path.iterdir())
     no_work(monkeypatch)
     one_line_error(invoke(command, TINY, *extra, option, target), option, fragment)
@@ -202,3 +215,141 @@ def test_plot_without_matplotlib_is_refused_before_any_work(tmp_path, monkeypatc
                           else "--quiet", *([tmp_path / "loss.csv"] if command == "train" else [])),
                    "--plot needs matplotlib", "pip install 'sparse-scan[plot]'")
     assert sorted(tmp_path.iterdir()) == before
+
+
+# --- issue 47 ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["run", "flops"])
+def test_integer_inputs_the_dtype_does_not_hold_exactly_are_refused_not_rounded(tmp_path, command):
+    x = np.zeros((2, 1, 8, 8), np.int64)
+    x[1, 0, 2, 3] = 2**24 + 1  # float32 would make it 2**24
+    np.save(tmp_path / "x.npy", x)
+    one_line_error(invoke(command, TINY, "--input", tmp_path / "x.npy"),
+                   f"--input {tmp_path / 'x.npy'}: holds integers float32 does not hold exactly (16777217 "
+                   "would be 16777216 at index [1, 0, 2, 3]): give floats, or use float64")
+    result = invoke(command, TINY, "--input", tmp_path / "x.npy", "--dtype", "float64", "--quiet")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("command, option, name", OUTPUTS + [("calibrate", "--output", "c.json")])
+def test_an_output_name_ending_in_a_slash_is_refused(tmp_path, monkeypatch, command, option, name):
+    """``d.npz/`` names a folder: pathlib drops the slash, and a file d.npz was written (issue 47)."""
+    extra = command_args(tmp_path, command) if command != "calibrate" else []
+    no_work(monkeypatch)
+    before = sorted(tmp_path.iterdir())
+    one_line_error(invoke(command, *([TINY] if command != "calibrate" else []), *extra, option,
+                          f"{tmp_path / name}/"), option, "ends in '/', a folder's name: give a file name")
+    assert sorted(tmp_path.iterdir()) == before
+
+
+@pytest.fixture
+def small_budget(monkeypatch):
+    """A memory budget of 1 MiB: every refusal is estimated, and what a regression would allocate is
+    tens of megabytes at most."""
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "1M")
+
+
+def test_a_batch_over_the_memory_budget_is_refused_before_it_is_allocated(tmp_path, small_budget):
+    budget = "over the memory budget of 1.0 MiB (raise it with SPARSE_SCAN_MEMORY_BUDGET)"
+    one_line_error(invoke("run", TINY, "--random", "100000"), "--random 100000: a batch of 100000 samples "
+                   "(8.2 KiB each, the inputs, activations and gradients) with the model's parameters would "
+                   "take ~798.8 MiB (estimated before allocating it)", budget)
+    one_line_error(invoke("flops", TINY, "--random", "100000"), "--random 100000: a batch", budget)
+    np.save(tmp_path / "x.npy", np.zeros((1000, 1, 8, 8), np.float32))
+    one_line_error(invoke("run", TINY, "--input", tmp_path / "x.npy"),
+                   f"--input {tmp_path / 'x.npy'}: a batch of 1000 samples", budget)
+    for command in ("train", "eval"):
+        one_line_error(invoke(command, TINY, "--data", digits_like(tmp_path), "--batch-size", "1000"),
+                       "--batch-size 1000: a batch of 1000 samples", budget)
+    assert invoke("run", TINY, "--random", "10", "--quiet").exit_code == 0  # what fits runs
+
+
+def test_a_spec_over_the_memory_budget_is_one_line_naming_the_layer_and_the_field(tmp_path, small_budget):
+    spec = tmp_path / "wide.yaml"
+    spec.write_text("input_shape: [1, 8, 8]\ninit: {seed: 0}\nlayers:\n  - {type: flatten}\n"
+                    "  - {name: fc, type: linear, out_features: 40000}\n")
+    for command in ("run", "flops"):
+        one_line_error(invoke(command, spec, *(["--random", "2"] if command == "run" else [])),
+                       f"{spec}: layer 'fc' (layers[1]), field 'out_features': the model up to its 2,560,000 "
+                       "parameters would take ~29.3 MiB", "SPARSE_SCAN_MEMORY_BUDGET")
+
+
+@pytest.mark.parametrize("option", ["MODEL", "--input", "--grad", "--labels", "--weights", "--data"])
+def test_a_named_pipe_is_refused_without_blocking(tmp_path, option):
+    """Nobody writes to the pipe: reading it would block forever (issue 47); refused as weights: are."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    args = {"MODEL": ["run", pipe, "--random", "2"], "--input": ["run", TINY, "--input", pipe],
+            "--grad": ["run", TINY, "--random", "2", "--grad", pipe],
+            "--labels": ["run", TINY, "--random", "2", "--labels", pipe],
+            "--weights": ["run", TINY, "--random", "2", "--weights", pipe],
+            "--data": ["train", TINY, "--data", pipe]}[option]
+    with fails_rather_than_hangs():
+        result = invoke(*args)
+    one_line_error(result, str(pipe), "not a regular file (a named pipe)")
+
+
+@pytest.mark.parametrize("option", ["MODEL", "weights:", "--weights", "--input"])
+def test_a_symlink_loop_is_called_one(tmp_path, option):
+    loop = tmp_path / "loop.npz"
+    loop.symlink_to(tmp_path / "back.npz")
+    (tmp_path / "back.npz").symlink_to(loop)
+    spec = tmp_path / "m.yaml"
+    spec.write_text("input_shape: [1, 8, 8]\nweights: loop.npz\nlayers: [{type: relu}]\n")
+    args = {"MODEL": [loop, "--random", "2"], "weights:": [spec, "--random", "2"],
+            "--weights": [TINY, "--random", "2", "--weights", loop],
+            "--input": [TINY, "--input", loop]}[option]
+    one_line_error(invoke("run", *args), "a symlink loop")
+
+
+@pytest.mark.parametrize("option", ["weights:", "--weights", "--data"])
+def test_an_npz_member_that_is_no_array_is_one_line_naming_the_file_and_the_member(tmp_path, option):
+    """A member without .npy came back as bytes: ``'bytes' object has no attribute 'dtype'`` (issue 47)."""
+    path = tmp_path / "w.npz"
+    np.savez(path, **{"conv1.bias": np.zeros(4, np.float32)})
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("fc.weight", b"not an array")
+    spec = tmp_path / "m.yaml"
+    spec.write_text("input_shape: [1, 8, 8]\nweights: w.npz\nlayers: [{type: relu}]\n")
+    args = {"weights:": ["run", spec, "--random", "2"],
+            "--weights": ["run", TINY, "--random", "2", "--weights", path],
+            "--data": ["train", TINY, "--data", path]}[option]
+    one_line_error(invoke(*args), str(path), "member 'fc.weight' is not an array (.npy)")
+
+
+def fake_calibration(monkeypatch):
+    """``calibrate`` without measuring: a fixed cost model (the refusals below come before it)."""
+    from sparse_scan import calibration
+    from sparse_scan.engine.cost import DEFAULTS, CostModel
+
+    model = CostModel("cpu", 2, DEFAULTS["cpu"], "calibrated (fake)")
+    monkeypatch.setattr(calibration, "calibrate", lambda device, repeats, progress: (model, []))
+
+
+def test_calibrate_checks_its_output_before_measuring(tmp_path, monkeypatch):
+    from sparse_scan import calibration
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured before the output was checked")
+
+    monkeypatch.setattr(calibration, "calibrate", measure)
+    (tmp_path / "file").write_text("a regular file")
+    one_line_error(invoke("calibrate", "--output", tmp_path / "file" / "c.json"),
+                   f"--output {tmp_path / 'file' / 'c.json'}: cannot write the calibration: "
+                   f"{tmp_path / 'file'} is a regular file, not a folder")
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    one_line_error(invoke("calibrate", "--output", notes),
+                   f"--output {notes}: exists and is not a calibration (use --force to overwrite)")
+    assert notes.read_text() == '{"mine": true}'
+
+
+def test_calibrate_rewrites_a_calibration_and_overwrites_another_file_with_force(tmp_path, monkeypatch):
+    from sparse_scan.engine.cost import load
+
+    fake_calibration(monkeypatch)
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    assert invoke("calibrate", "--output", notes, "--force", "--quiet").exit_code == 0
+    assert load(notes).source == "calibrated (fake)"
+    assert invoke("calibrate", "--output", notes, "--quiet").exit_code == 0  # a calibration: rewritten
