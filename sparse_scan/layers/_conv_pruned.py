@@ -49,7 +49,14 @@ from .._threads import even_parts, workers_for
 from .._types import Array
 from ..csr import choose_index_dtype
 from ._geometry import ConvGeometry
-from ._kernels import direct_conv, sampled_conv_weights, to_planes, transposed_conv, transposed_conv_taps
+from ._kernels import (
+    direct_conv,
+    gather,
+    sampled_conv_weights,
+    to_planes,
+    transposed_conv,
+    transposed_conv_taps,
+)
 
 if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs none
     import scipy.sparse
@@ -60,21 +67,27 @@ __all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH"
 
 KERNEL_FILE = "conv.cu"
 
-DIRECT_MAX_DENSITY = 0.25
+DIRECT_MAX_DENSITY = 0.08
 """Pruned weights keeping at most this share of their entries run the forward as a direct sparse
-convolution (:func:`direct_forward`), denser ones the dense GEMM. The crossover measured by
-``bench/pruned.py`` (``results/pruned-2core-cpu.json``, docs/design.md)."""
+convolution (:func:`direct_forward`), denser ones the dense GEMM. ``bench/pruned.py`` on VGG-11's
+convolutions and a 512x512 Linear layer (2-core AMD EPYC, float32; the median over the nine layers of
+dense over sparse): 1.5-2.5x at 3 % kept, 1.35-1.7x at 5 % (batch 4, 16), 0.84-1.0x at 10 %, 0.6-0.8x
+at 15-20 % (``bench/results/pruned-2core-cpu.json``)."""
 
-SAMPLED_MAX_DENSITY = 0.25
+SAMPLED_MAX_DENSITY = 0.15
 """Pruned weights keeping at most this share of their entries compute their weight gradient as a
-sampled product (:func:`sampled_weight_gradient`), denser ones the dense GEMM, masked. The crossover
-measured by ``bench/pruned.py``."""
+sampled product (:func:`sampled_weight_gradient`), denser ones the dense GEMM, masked. Measured as
+:data:`DIRECT_MAX_DENSITY`: 2.1-3.0x at 3 %, 1.7-1.8x at 5 %, 1.2-1.3x at 10 %, 0.94-1.17x at 15 %,
+0.77-0.96x at 20 %."""
 
-TRANSPOSED_MAX_DENSITY = 0.05
+TRANSPOSED_MAX_DENSITY = 0.15
 """Pruned convolution weights keeping at most this share of their entries run ``JT @ g`` through the
 weights as the compiled transposed convolution over their CSR ``W^T``
-(:func:`pruned_transposed_convolution`; the scan's planner weighs it against JT's SpMV), denser ones
-the dense GEMM. Measured on 2 cores against NumPy's GEMM on VGG-11's layers (batch 16)."""
+(:func:`pruned_transposed_convolution`), denser ones the dense GEMM (or JT's SpMV, as the planner
+decides). Measured as :data:`DIRECT_MAX_DENSITY` against the dense GEMM: 2.1-3.4x at 3 %, 1.2-1.9x
+at 10 %, 0.9-1.1x at 15 %, 0.74-0.94x at 20 %; JT's SpMV, the planner's other choice below its
+``DENSE_MATVEC_MIN_DENSITY``, is slower still (the 90 %-pruned VGG-11's backward at batch 16: 120 ms
+of SpMVs)."""
 
 CSR_PATH_MAX_PADDED_SHARE = 2.0
 """The compiled sparse transposed convolution runs every tap of every non-zero weight over whole output
@@ -152,8 +165,13 @@ class PrunedWeights:
         key = be.name if be.name == "cpu" else _gpu_kernels.current_device()
         known = self._values.get(key)
         if known is None or known[0] != version:
-            positions = self.positions if be.name == "cpu" else self.on_device()[1]
-            known = self._values[key] = (version, be.xp.take(be.xp.asarray(weight).ravel(), positions))
+            if be.name == "cpu":  # a compiled gather on the pool: the weights' memory is the cost
+                values = np.empty(self.nnz, dtype=weight.dtype)
+                launch(gather, (np.ascontiguousarray(weight).reshape(-1), self.positions, values),
+                       even_parts(self.nnz, workers_for(self.nnz)))
+            else:
+                values = be.xp.take(be.xp.asarray(weight).ravel(), self.on_device()[1])
+            known = self._values[key] = (version, values)
         return known[1]
 
     def on_device(self) -> tuple[Array, Array]:

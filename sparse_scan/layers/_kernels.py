@@ -272,6 +272,14 @@ def transposed_conv_taps(indptr, indices, data, grad, geometry, out, first, last
 
 
 @compiled
+def gather(source, positions, out, e0, e1):
+    """``out[e] = source[positions[e]]`` for ``e`` in ``e0:e1``: a pruned layer's kept weights read from
+    its weights (increasing positions, so the reads stream), cut over the kernel pool's threads."""
+    for e in range(e0, e1):
+        out[u(e)] = source[u(positions[e])]
+
+
+@compiled
 def to_planes(x, geometry, out, nonfinite, c0, c1):
     """The channels ``c0:c1`` of a batch ``x`` (``(B, C, H, W)``) as zero-padded phase planes for the
     direct sparse convolution (:mod:`sparse_scan.layers._conv_pruned`): ``out[((c sh + py) sw + px),
