@@ -69,25 +69,26 @@ KERNEL_FILE = "conv.cu"
 
 DIRECT_MAX_DENSITY = 0.08
 """Pruned weights keeping at most this share of their entries run the forward as a direct sparse
-convolution (:func:`direct_forward`), denser ones the dense GEMM. ``bench/pruned.py`` on VGG-11's
-convolutions and a 512x512 Linear layer (2-core AMD EPYC, float32; the median over the nine layers of
-dense over sparse): 1.5-2.5x at 3 % kept, 1.35-1.7x at 5 % (batch 4, 16), 0.84-1.0x at 10 %, 0.6-0.8x
-at 15-20 % (``bench/results/pruned-2core-cpu.json``)."""
+convolution (:func:`direct_forward`), denser ones the dense GEMM. ``bench/pruned.py`` on VGG-11's eight
+convolutions and a 512x512 Linear layer (``bench/results/pruned-2core-cpu.json``: 2-core AMD EPYC,
+float32, a shared machine), the median over the nine layers of dense over sparse at batch 1 / 4 / 16:
+1.41 / 1.71 / 2.32 at 3 % kept, 0.99 / 1.35 / 1.52 at 5 %, 0.77 / 0.86 / 1.06 at 10 %, 0.69-0.83 at
+15 %."""
 
 SAMPLED_MAX_DENSITY = 0.15
 """Pruned weights keeping at most this share of their entries compute their weight gradient as a
 sampled product (:func:`sampled_weight_gradient`), denser ones the dense GEMM, masked. Measured as
-:data:`DIRECT_MAX_DENSITY`: 2.1-3.0x at 3 %, 1.7-1.8x at 5 %, 1.2-1.3x at 10 %, 0.94-1.17x at 15 %,
-0.77-0.96x at 20 %."""
+:data:`DIRECT_MAX_DENSITY`: 2.10 / 2.11 / 2.40 at 3 %, 1.9-2.3 at 10 %, 1.50-2.15 at 15 %, 0.55-0.78 at
+30 % (an earlier run of the same script: 0.94-1.17 at 15 %, 0.77-0.96 at 20 %)."""
 
 TRANSPOSED_MAX_DENSITY = 0.15
 """Pruned convolution weights keeping at most this share of their entries run ``JT @ g`` through the
 weights as the compiled transposed convolution over their CSR ``W^T``
 (:func:`pruned_transposed_convolution`), denser ones the dense GEMM (or JT's SpMV, as the planner
-decides). Measured as :data:`DIRECT_MAX_DENSITY` against the dense GEMM: 2.1-3.4x at 3 %, 1.2-1.9x
-at 10 %, 0.9-1.1x at 15 %, 0.74-0.94x at 20 %; JT's SpMV, the planner's other choice below its
-``DENSE_MATVEC_MIN_DENSITY``, is slower still (the 90 %-pruned VGG-11's backward at batch 16: 120 ms
-of SpMVs)."""
+decides). Measured as :data:`DIRECT_MAX_DENSITY` against the dense GEMM: 1.92 / 2.73 / 3.73 at 3 %,
+1.19 / 1.82 / 1.99 at 10 %, 1.20 / 1.38 / 1.64 at 15 %, 0.52-0.76 at 30 %; JT's SpMV, the planner's
+other choice below ``DENSE_MATVEC_MIN_DENSITY``, is slower still (the 90 %-pruned VGG-11's backward at
+batch 16 spent 120 ms in SpMVs)."""
 
 CSR_PATH_MAX_PADDED_SHARE = 2.0
 """The compiled sparse transposed convolution runs every tap of every non-zero weight over whole output
