@@ -3,6 +3,7 @@ nothing the user gave overwritten, and no work started that a bad option would w
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import sys
@@ -16,7 +17,8 @@ from limits import fails_rather_than_hangs
 from sparse_scan import backend
 from sparse_scan.cli import app
 
-DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DATA = REPO / "data"
 TINY = DATA / "tiny.yaml"
 
 
@@ -353,3 +355,30 @@ def test_calibrate_rewrites_a_calibration_and_overwrites_another_file_with_force
     assert invoke("calibrate", "--output", notes, "--force", "--quiet").exit_code == 0
     assert load(notes).source == "calibrated (fake)"
     assert invoke("calibrate", "--output", notes, "--quiet").exit_code == 0  # a calibration: rewritten
+
+
+def _sweep():
+    """tools/bad_input_sweep.py, the reviewer's sweep of issue 47's cases (loaded as test_readme loads
+    tools/readme_figures.py)."""
+    spec = importlib.util.spec_from_file_location("bad_input_sweep", REPO / "tools" / "bad_input_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+SWEEP = _sweep()
+
+
+@pytest.mark.parametrize("case", [case for case in SWEEP.CASES if case.isolated], ids=lambda case: case.name)
+def test_what_blocked_or_took_gigabytes_is_one_line_in_a_bounded_process(tmp_path, case):
+    """The issue's own cases that a regression would let block (a named pipe) or take gigabytes (a
+    40000x40000 linear, a 1x30000x30000 input, --random 10000000, an alias bomb, /dev/zero): each in a
+    process of its own with a timeout and an address-space limit (the sweep's), so that a regression
+    fails here instead of taking the machine."""
+    outcome = SWEEP.run_case(case, tmp_path)
+    assert outcome.matched, outcome
+
+
+def test_the_sweep_covers_every_command_line_item_of_the_issue():
+    assert {case.item for case in SWEEP.CASES} >= {"3", "4", "7", "8", "9", "10", "12", "14", "15"}
