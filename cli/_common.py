@@ -192,6 +192,7 @@ def check_batch(network: Any, samples: int, dtype: Any, what: str) -> None:
     ``SPARSE_SCAN_MEMORY_BUDGET``."""
     import numpy as np  # noqa: PLC0415 - imports NumPy
 
+    from sparse_scan._sequential import default_memory_budget  # noqa: PLC0415
     from sparse_scan.spec import sample_bytes  # noqa: PLC0415
     from sparse_scan.weights import budget_problem  # noqa: PLC0415
 
@@ -199,7 +200,8 @@ def check_batch(network: Any, samples: int, dtype: Any, what: str) -> None:
     parameters = sum(np.asarray(value).nbytes for value in network.state_dict().values())
     problem = budget_problem(parameters + samples * per_sample,
                              f"a batch of {plural(samples, 'sample')} ({size_text(per_sample)} each, the "
-                             "inputs, activations and gradients) with the model's parameters")
+                             "inputs, activations and gradients) with the model's parameters",
+                             default_memory_budget())
     if problem is not None:
         fail(f"{what}: {problem}")
 
@@ -234,10 +236,11 @@ def model_inputs(network: Any, input_path: pathlib.Path | None, random: int | No
 def load_weights(network: Any, path: pathlib.Path) -> None:
     """``--weights``: copy a ``.npz`` of parameters (state_dict names, e.g. ``train --out``) into
     ``network``; every problem is one line naming the option and the file."""
-    from sparse_scan.weights import read_npz  # noqa: PLC0415 - imports NumPy
+    from sparse_scan._sequential import default_memory_budget  # noqa: PLC0415 - imports NumPy
+    from sparse_scan.weights import read_npz  # noqa: PLC0415
 
     try:
-        state = read_npz(path)
+        state = read_npz(path, default_memory_budget())
     except FileNotFoundError:
         fail(f"--weights {path}: no such file")
     except (OSError, ValueError) as error:

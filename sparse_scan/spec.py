@@ -613,7 +613,7 @@ def _load_weights(path: pathlib.Path, weights: Any) -> dict[str, np.ndarray]:
         except Exception as error:  # the package's own errors for a corrupt file
             raise _fail(path, "", "weights", f"{file} is not a readable .safetensors: {error}") from None
     try:
-        return read_npz(file)
+        return read_npz(file, default_memory_budget())
     except (OSError, ValueError) as error:
         raise _fail(path, "", "weights", f"{file} is not a readable .npz: {error}") from None
 

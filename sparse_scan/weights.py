@@ -45,7 +45,9 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
+from ._environment import MEMORY_BUDGET
 from ._types import Array
+from .engine.figures import size_text
 
 __all__ = ["MAX_FILE_LINKS", "as_float_array", "budget_problem", "check_writable", "every_layer",
            "load_state_dict", "named_layers", "open_regular_file", "read_npz", "scoped_name", "state_dict",
@@ -150,8 +152,8 @@ def load_state_dict(model: Any, values: dict[str, Array], strict: bool = True) -
         setattr(layers[path], name, value)
 
 
-FILE_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"),
-              (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+_FILE_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"),
+               (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
 """What a path that is no regular file is, as messages say it."""
 
 MAX_FILE_LINKS = 40
@@ -177,38 +179,48 @@ def open_regular_file(path: str | pathlib.Path) -> IO[bytes]:
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise ValueError("a symlink loop") from None
-        if error.errno == errno.EISDIR:
-            raise ValueError("not a regular file (a directory)") from None
         raise
     mode = os.fstat(descriptor).st_mode
     if not stat.S_ISREG(mode):
         os.close(descriptor)
-        kind = next((name for test, name in FILE_KINDS if test(mode)), "not a file of data")
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file of data")
         raise ValueError(f"not a regular file ({kind})")
     os.set_blocking(descriptor, True)
     return os.fdopen(descriptor, "rb")
 
 
-def budget_problem(nbytes: int, what: str, budget: int | None = None) -> str | None:
-    """Why ``what`` (``"its 4 arrays"``, ``"a batch of 10 samples"``), estimated at ``nbytes``, may not
-    be allocated: over the memory ``budget`` (None: ``SPARSE_SCAN_MEMORY_BUDGET``, else half the memory
-    available, :func:`sparse_scan._sequential.default_memory_budget`), the message saying the size, the
-    budget and how to raise it; None where it fits.
+def budget_problem(nbytes: int, what: str, budget: int) -> str | None:
+    """Why ``what``, estimated at ``nbytes``, may not be allocated: over the memory budget.
 
+    Parameters
+    ----------
+    nbytes : int
+        The estimate, in bytes.
+    what : str
+        What would be allocated, as the message names it (``"its 4 arrays"``, ``"a batch of 10
+        samples"``).
+    budget : int
+        Bytes: the memory budget, :func:`sparse_scan._sequential.default_memory_budget`
+        (``SPARSE_SCAN_MEMORY_BUDGET``, else half the memory available: the one budget, which the
+        planner's products are held to too).
+
+    Returns
+    -------
+    str or None
+        The message (the size, the budget, how to raise it), or None where it fits.
+
+    Examples
+    --------
     >>> budget_problem(2**20, "a batch of 10 samples", 2**30) is None
     True
     >>> print(budget_problem(3 * 2**30, "a batch of 10 samples", 2**30))  # doctest: +NORMALIZE_WHITESPACE
     a batch of 10 samples would take ~3.0 GiB (estimated before allocating it), over the memory budget of
     1.0 GiB (raise it with SPARSE_SCAN_MEMORY_BUDGET)
     """
-    from ._sequential import MEMORY_BUDGET_VARIABLE, default_memory_budget  # noqa: PLC0415 - imports this
-    from .engine.figures import size_text  # noqa: PLC0415
-
-    budget = default_memory_budget() if budget is None else budget
     if nbytes <= budget:
         return None
     return (f"{what} would take ~{size_text(nbytes)} (estimated before allocating it), over the memory "
-            f"budget of {size_text(budget)} (raise it with {MEMORY_BUDGET_VARIABLE})")
+            f"budget of {size_text(budget)} (raise it with {MEMORY_BUDGET.name})")
 
 
 def as_float_array(array: Any, dtype: Any, what: str) -> np.ndarray:
@@ -256,10 +268,10 @@ def as_float_array(array: Any, dtype: Any, what: str) -> np.ndarray:
 _NPZ_MEMBER = re.compile(r".+\.npy")
 
 
-def read_npz(path: str | pathlib.Path) -> dict[str, np.ndarray]:
+def read_npz(path: str | pathlib.Path, budget: int | None = None) -> dict[str, np.ndarray]:
     """The arrays of a ``.npz`` file (no pickles), read only if the file is a regular one
-    (:func:`open_regular_file`), every member is an array (``.npy``) and they fit the memory budget
-    together (:func:`budget_problem`, from their headers).
+    (:func:`open_regular_file`), every member is an array (``.npy``) and, given a memory ``budget``
+    (bytes), they fit it together (:func:`budget_problem`, from their headers).
 
     Raises
     ------
@@ -287,10 +299,11 @@ def read_npz(path: str | pathlib.Path) -> dict[str, np.ndarray]:
                 if other is not None:
                     raise ValueError(f"member {other!r} is not an array (.npy): write the file with "
                                      "numpy.savez")
-                total = sum(_member_bytes(stored.zip, name) for name in members)
-                problem = budget_problem(total, f"its {len(members)} arrays")
-                if problem is not None:
-                    raise ValueError(problem)
+                if budget is not None:
+                    total = sum(_member_bytes(stored.zip, name) for name in members)
+                    problem = budget_problem(total, f"its {len(members)} arrays", budget)
+                    if problem is not None:
+                        raise ValueError(problem)
                 return {key: stored[key] for key in stored.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise ValueError(str(error) or type(error).__name__) from None
@@ -364,8 +377,15 @@ def _running(pid: int) -> bool:
 
 def check_writable(path: str | pathlib.Path) -> None:
     """Create and remove the temporary file :func:`write_npz_atomically` would write for ``path``
-    (after removing those that killed writers left): an ``OSError`` if it cannot be created there
-    (a read-only or full file system, a name too long, no permission)."""
+    (after removing those that killed writers left), to know before any work that it can be written.
+
+    Raises
+    ------
+    OSError
+        It cannot be created there: a read-only or full file system, a name too long, no permission.
+    ValueError
+        ``a symlink loop`` (:func:`write_target`).
+    """
     target = write_target(path)
     _remove_stale_temporaries(target)
     handle, temporary = tempfile.mkstemp(prefix=_temporary_prefix(target), suffix=".npz", dir=target.parent)

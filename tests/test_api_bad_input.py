@@ -345,9 +345,12 @@ def test_an_npz_member_that_is_no_array_is_named(tmp_path, member):
 def test_an_npz_over_the_memory_budget_is_refused_from_its_headers(tmp_path, monkeypatch):
     path = tmp_path / "w.npz"
     np.savez(path, a=np.zeros((512, 512)), b=np.zeros(10))
-    assert set(read_npz(path)) == {"a", "b"}
-    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "1M")
+    assert set(read_npz(path, 3 * 2**20)) == {"a", "b"}
     with pytest.raises(ValueError, match=r"^its 2 arrays would take ~2.0 MiB \(estimated before allocating "
                        r"it\), over the memory budget of 1.0 MiB \(raise it with "
                        r"SPARSE_SCAN_MEMORY_BUDGET\)$"):
-        read_npz(path)
+        read_npz(path, 2**20)
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "1M")  # what a spec's weights: file is held to
+    spec = spec_file(tmp_path, "input_shape: [4]\nweights: w.npz\nlayers: [{type: relu}]\n")
+    with pytest.raises(SpecError, match=r"field 'weights': .* its 2 arrays would take ~2.0 MiB"):
+        load_model(spec)
