@@ -48,6 +48,13 @@ layer by its path and place (``layer 'layer2.0.conv1' (layers[5].layers[0])``); 
 reach every layer of every block. Every problem is a :class:`SpecError` naming the file, the layer and
 the field; the spec and the weights file are only read.
 
+Nothing unbounded is read or made: the spec and its weights file must be regular files (a named pipe,
+``/dev/zero`` or a symlink loop is refused before a byte is read), the spec at most
+:data:`MAX_SPEC_BYTES` and :data:`MAX_SPEC_NODES` YAML nodes with its aliases expanded; and each layer's
+parameters (counted from its arguments before it is made) and one sample's activations
+(:func:`sample_bytes`) are held to the memory budget (``SPARSE_SCAN_MEMORY_BUDGET``, else half the memory
+available) as the model is built, the message naming the layer, the field, the size and the budget.
+
 A spec model loads in eval mode, like ``module.eval()`` in PyTorch: layers with a mode (``batchnorm2d``,
 ``dropout``) take ``training: false`` unless the spec says otherwise. ``batchnorm2d`` normalises by its
 frozen ``running_mean`` and ``running_var`` (loaded from the weights file; ``init`` gives PyTorch's
@@ -647,8 +654,10 @@ def load_model(path: str | pathlib.Path, dtype: Any = np.float32) -> Sequential 
     Raises
     ------
     SpecError
-        Unreadable or malformed file, unknown key, layer type or argument, shapes that do not chain,
-        missing, unused or misshaped weights: the message names the file, the layer and the field.
+        Unreadable or malformed file (or none that ends: a named pipe, a device, more than
+        :data:`MAX_SPEC_BYTES` or :data:`MAX_SPEC_NODES`), unknown key, layer type or argument, shapes that
+        do not chain, missing, unused or misshaped weights, a model over the memory budget: the message
+        names the file, the layer and the field.
     """
     dtype = as_float_dtype(dtype, "load_model")
     path = pathlib.Path(path)

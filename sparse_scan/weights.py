@@ -344,10 +344,6 @@ def write_target(path: str | pathlib.Path) -> pathlib.Path:
     raise ValueError("a symlink loop")
 
 
-def _temporary_prefix(target: pathlib.Path) -> str:
-    return f".{target.name}.{os.getpid()}."
-
-
 def _remove_stale_temporaries(target: pathlib.Path) -> None:
     """Remove the temporaries of writes to ``target`` (:func:`write_npz_atomically`) that a process
     killed while writing left (their names hold the writer's process id: one that no longer runs)."""
@@ -375,6 +371,17 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _new_temporary(path: str | pathlib.Path) -> tuple[pathlib.Path, int, str]:
+    """The file a write to ``path`` replaces (:func:`write_target`), and a new temporary file beside it
+    named ``.<name>.<pid>.<random>.npz`` (its descriptor and path), once the temporaries of killed
+    writers are removed."""
+    target = write_target(path)
+    _remove_stale_temporaries(target)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".npz",
+                                         dir=target.parent)
+    return target, handle, temporary
+
+
 def check_writable(path: str | pathlib.Path) -> None:
     """Create and remove the temporary file :func:`write_npz_atomically` would write for ``path``
     (after removing those that killed writers left), to know before any work that it can be written.
@@ -386,9 +393,7 @@ def check_writable(path: str | pathlib.Path) -> None:
     ValueError
         ``a symlink loop`` (:func:`write_target`).
     """
-    target = write_target(path)
-    _remove_stale_temporaries(target)
-    handle, temporary = tempfile.mkstemp(prefix=_temporary_prefix(target), suffix=".npz", dir=target.parent)
+    _, handle, temporary = _new_temporary(path)
     os.close(handle)
     os.unlink(temporary)
 
@@ -421,11 +426,8 @@ def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Array]) -> 
     the writer's process id (``.<name>.<pid>.<random>.npz``): a process killed while writing (SIGKILL)
     leaves it behind, and the next write to ``path`` removes it.
     """
-    target = write_target(path)
-    _remove_stale_temporaries(target)
     with _interrupts_held():
-        handle, temporary = tempfile.mkstemp(prefix=_temporary_prefix(target), suffix=".npz",
-                                             dir=target.parent)
+        target, handle, temporary = _new_temporary(path)
         try:
             os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; a plain file would not be
             with os.fdopen(handle, "wb") as stream:
