@@ -501,8 +501,116 @@ def test_a_pruned_iteration_reads_the_kept_weights_alone():
         bnet(x)
 
 
-def test_a_pruning_mask_changed_during_training_re_plans():
-    """Pruned further (a new mask): the next forward's pattern is the new mask's, exact."""
+class Small(nn.Module):
+    """A convolution, an activation and a global pool: changes of stride or padding keep the shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.act = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.act(self.conv(x))), 1))
+
+
+def _double(module, inputs, output):
+    return output * 2
+
+
+TREE_CHANGES = {
+    "replaced by another type": lambda net: setattr(net, "act", nn.Tanh()),
+    "replaced by the same type": lambda net: setattr(net, "act", nn.LeakyReLU(0.3)),
+    "replaced inside a Sequential": lambda net: setattr(net, "fc", nn.Sequential(nn.Linear(4, 3))),
+    "stride set": lambda net: setattr(net.conv, "stride", (2, 2)),
+    "padding set": lambda net: setattr(net.conv, "padding", (0, 0)),
+    "forward patched": lambda net: setattr(net.act, "forward", lambda x: torch.sigmoid(x) * 3),
+}
+
+
+def _check_changes_are_seen(device, change):
+    torch.manual_seed(0)
+    net = Small().double().eval().to(device)
+    bnet = bppsa(net, "blelloch")
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+    bnet(x).sum().backward()  # captured as it was
+    TREE_CHANGES[change](net)
+    net.double().to(device)
+    net.zero_grad()
+    leaf = x.clone().requires_grad_(True)
+    out = bnet(leaf)
+    out.square().sum().backward()
+    ours = {name: p.grad.clone() for name, p in net.named_parameters()}
+    reference = x.clone().requires_grad_(True)
+    net.zero_grad()
+    expected = net(reference)
+    expected.square().sum().backward()
+    np.testing.assert_allclose(out.detach().cpu().numpy(), expected.detach().cpu().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(leaf.grad.cpu().numpy(), reference.grad.cpu().numpy(), rtol=1e-10, atol=1e-14)
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(ours[name].cpu().numpy(), p.grad.cpu().numpy(), rtol=1e-10, atol=1e-14,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("change", sorted(TREE_CHANGES))
+def test_any_change_of_the_module_tree_is_captured_again(change):
+    """A submodule replaced (another type, the same type with other arguments, inside a container), a
+    hyper-parameter set in place (stride, padding), a forward patched onto the instance, a forward
+    hook: the next forward captures the module as it is, so outputs and gradients stay autograd's."""
+    _check_changes_are_seen(torch.device("cpu"), change)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", sorted(TREE_CHANGES))
+def test_on_the_gpu_any_change_of_the_module_tree_is_captured_again(on_the_gpu, change):
+    _check_changes_are_seen(on_the_gpu, change)
+
+
+def test_a_forward_hook_added_after_the_capture_is_refused_by_name():
+    """torch.fx does not trace hooks: the capture's probe sees the hooked layer differ and names it,
+    instead of the engine running the module as it was."""
+    net = Small().double().eval()
+    bnet = bppsa(net)
+    x = torch.randn(1, 2, 6, 6, dtype=torch.float64)
+    bnet(x)
+    net.act.register_forward_hook(_double)
+    with pytest.raises(CaptureError, match="node 'act'.*differ from the module's"):
+        bnet(x)
+
+
+def test_a_dropout_probability_set_in_place_is_captured_again():
+    """``p`` changed between forwards in training mode: the kept entries are scaled by the new
+    ``1 / (1 - p)``."""
+    net = nn.Sequential(nn.Linear(6, 400), nn.Dropout(0.5)).double().train()
+    bnet = bppsa(net, "linear")
+    x = torch.randn(2, 6, dtype=torch.float64)
+    first = bnet(x)
+    net[1].p = 0.75
+    second = bnet(x).detach()
+    before = net[0](x).detach()
+    kept = second != 0
+    np.testing.assert_allclose(second[kept].numpy(), (before[kept] * 4).numpy(), rtol=1e-12)
+    assert 0.1 < kept.double().mean() < 0.4 and first is not None
+
+
+def test_an_unchanged_tree_keeps_its_engine_and_modes_switch_between_two():
+    net = Small().double().eval()
+    bnet = bppsa(net)
+    x = torch.randn(1, 2, 6, 6, dtype=torch.float64)
+    bnet(x)
+    net.train()
+    bnet(x)
+    net.eval()
+    bnet(x)
+    assert sum(len(engines) for engines in bnet._engines.values()) == 2  # eval and train, each once
+
+
+@pytest.mark.parametrize("how", ["in place", "pruned again"])
+def test_a_pruning_mask_changed_during_training_re_plans(how):
+    """Pruned further: a mask written in place re-plans the same engine; pruning again with
+    torch.nn.utils.prune (a new hook) captures again. The next forward's pattern is the new mask's,
+    exact."""
     import torch.nn.utils.prune as prune
 
     net = build("lenet").eval()
@@ -512,11 +620,18 @@ def test_a_pruning_mask_changed_during_training_re_plans():
     bnet(x).sum().backward()
     (engine,) = next(iter(bnet._engines.values()))
     before = engine.model.layers[3].pattern((4, 6, 6)).nnz
-    prune.l1_unstructured(net.conv2, "weight", amount=0.5)  # half of what is left: a new mask
+    if how == "in place":
+        with torch.no_grad():
+            kept = net.conv2.weight_mask.nonzero(as_tuple=True)
+            net.conv2.weight_mask[tuple(index[::2] for index in kept)] = 0  # half of what is left
+    else:
+        prune.l1_unstructured(net.conv2, "weight", amount=0.5)
     net.zero_grad()
     out = bnet(x)
     out.sum().backward()
-    assert engine.model.layers[3].pattern((4, 6, 6)).nnz < before
+    now = list(bnet._engines.values())[-1][-1]  # the engine of the tree as it is now
+    assert (now is engine) == (how == "in place")
+    assert now.model.layers[3].pattern((4, 6, 6)).nnz < before
     ours = {name: p.grad.clone() for name, p in net.named_parameters()}
     net.zero_grad()
     expected = net(x)

@@ -149,16 +149,46 @@ class BPPSA(torch.nn.Module):
         return device
 
     def _engine(self, x: torch.Tensor, device: str) -> "_Engine":
-        """The engine of the module's forward in its current modes, for samples of ``x``'s shape on
-        ``device`` (captured at the first forward of each)."""
-        modes = tuple(m.training for m in self.module.modules())
-        for engine in self._engines.get((modes, x.dtype, device), []):
+        """The engine of the module's forward as the module tree is now (:func:`_signature`: its
+        modules, their types, hyper-parameters, modes, patched methods and hooks), for samples of
+        ``x``'s shape on ``device``, captured at the first forward of each; the engines of the
+        :data:`KEPT_SIGNATURES` trees seen last are kept (a tree changed back finds its engine)."""
+        key = (_signature(self.module), x.dtype, device)
+        engines = self._engines.pop(key, [])
+        self._engines[key] = engines  # the most recent last
+        for engine in engines:
             if engine.takes(tuple(x.shape)):
                 return engine
         engine = _Engine(capture(self.module, batch_shape=tuple(x.shape)), x.dtype, device, self.method,
                          self.levels, self.prune_pattern)
-        self._engines.setdefault((modes, x.dtype, device), []).append(engine)
+        engines.append(engine)
+        while len({signature for signature, _, _ in self._engines}) > KEPT_SIGNATURES:
+            del self._engines[next(iter(self._engines))]
         return engine
+
+
+KEPT_SIGNATURES = 4
+"""Module trees (:func:`_signature`) whose engines a :class:`BPPSA` keeps: training and evaluation
+modes, a layer swapped and back, without re-capturing."""
+
+_PLAIN = frozenset({bool, int, float, str, type(None), tuple, torch.dtype, torch.device})
+"""Attribute types compared by value in :func:`_signature` (others by identity)."""
+
+
+def _signature(root: torch.nn.Module) -> tuple[Any, ...]:
+    """What a capture of ``root``'s forward depends on besides the tensors' values, cheap enough for
+    every forward (about 0.1 ms for a VGG): per module its path, identity, class and the class's
+    ``forward``, its public attributes (hyper-parameters such as ``stride`` or ``p``, ``training``, by
+    value; a function or method patched onto the instance, ``module.forward = f``, by identity; tensors
+    are bound at each forward instead) and its forward hooks. A submodule replaced, added or removed, a
+    hyper-parameter set, a forward patched or a hook added changes it, and the next forward captures
+    again."""
+    return tuple(
+        (path, id(module), type(module), id(type(module).forward),
+         tuple((name, value if type(value) in _PLAIN else id(value)) for name, value in vars(module).items()
+               if name[0] != "_" and not isinstance(value, torch.Tensor)),
+         tuple(module._forward_hooks), tuple(module._forward_pre_hooks))
+        for path, module in root.named_modules(remove_duplicate=False))
 
 
 class _Engine:

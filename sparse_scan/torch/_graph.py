@@ -350,6 +350,11 @@ def trace(module: Any) -> tuple[Any, Any]:
             node.meta["no_grad"] = not torch.is_grad_enabled()
             return node
 
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            """PyTorch's layers are leaves, unless a forward was patched onto the instance: that
+            function is traced instead (what the module computes)."""
+            return super().is_leaf_module(m, qualname) and "forward" not in vars(m)
+
     tracer = Tracer()
     tracer.record_stack_traces = True
     try:
