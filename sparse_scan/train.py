@@ -52,7 +52,8 @@ from . import backend as _backend
 from ._checks import integer
 from .loss import softmax_cross_entropy
 from .optim import check_built_on
-from .weights import every_layer, read_npz
+from ._sequential import default_memory_budget
+from .weights import as_float_array, every_layer, read_npz
 
 __all__ = ["RECORD_KEYS", "DataError", "Dataset", "DivergenceError", "epoch_summary", "evaluate",
            "load_dataset", "train", "train_iterations"]
@@ -155,15 +156,17 @@ def load_dataset(name_or_path: str | pathlib.Path, input_shape: tuple[int, ...],
     Raises
     ------
     DataError
-        Missing file or key, inputs not ``(N, *input_shape)`` or not finite, labels not integers in
-        ``0 .. classes - 1`` or not one per input.
+        Missing file or key, arrays over the memory budget (``SPARSE_SCAN_MEMORY_BUDGET``, from the
+        file's headers, before reading them), inputs not ``(N, *input_shape)``, not finite or integers
+        ``dtype`` does not hold exactly, labels not integers in ``0 .. classes - 1`` or not one per
+        input.
     """
     if str(name_or_path) == "digits":
         arrays, source = _digits(tuple(input_shape)), "digits"
     else:
         source = str(name_or_path)
         try:
-            arrays = read_npz(name_or_path)
+            arrays = read_npz(name_or_path, default_memory_budget())
         except FileNotFoundError:
             raise DataError(f"{source}: no such file") from None
         except (OSError, ValueError) as error:
@@ -178,11 +181,10 @@ def load_dataset(name_or_path: str | pathlib.Path, input_shape: tuple[int, ...],
                             f"takes numbers of shape (N, {', '.join(map(str, input_shape))})")
         if not len(x):
             raise DataError(f"{source}: x_{part} holds no samples")
-        with np.errstate(over="ignore"):  # an overflow becomes Inf, refused just below
-            x = arrays[f"x_{part}"] = x.astype(dtype)
-        if not np.all(np.isfinite(x)):
-            raise DataError(f"{source}: x_{part} holds NaN or Inf (or values too large for "
-                            f"{np.dtype(dtype).name})")
+        try:  # nothing rounded, overflowing or not finite
+            x = arrays[f"x_{part}"] = as_float_array(x, dtype, f"{source}: x_{part}")
+        except ValueError as error:
+            raise DataError(str(error)) from None
         if y.shape != (len(x),) or y.dtype.kind not in "iu":
             raise DataError(f"{source}: y_{part} must hold {len(x)} integer labels, got shape "
                             f"{list(y.shape)} of {y.dtype}")

@@ -355,9 +355,10 @@ def test_calibrate_command_writes_and_shows_the_constants(tmp_path, monkeypatch)
     # VGG-11's hybrid 1 enumerates ~2.3e8 pattern entries and multiply-adds: ~70 s by the defaults
     (cost.PLAN_SECONDS_VARIABLE, "10", "vgg11.yaml", "1", "vgg11.yaml: planning hybrid 1 would take ~",
      "over the planning limit of 10 s (raise it with max_plan_seconds= or SPARSE_SCAN_MAX_PLAN_SECONDS)"),
-    ("SPARSE_SCAN_MEMORY_BUDGET", "2M", "vgg11-pruned.yaml", "2",
+    # 64 MiB holds the spec's weights and a sample's activations (checked at loading), not the product
+    ("SPARSE_SCAN_MEMORY_BUDGET", "64M", "vgg11-pruned.yaml", "2",
      "vgg11-pruned.yaml: planning hybrid 2: scan step",
-     "over the memory budget of 2.0 MiB (raise it with memory_budget= or SPARSE_SCAN_MEMORY_BUDGET")],
+     "over the memory budget of 64.0 MiB (raise it with memory_budget= or SPARSE_SCAN_MEMORY_BUDGET")],
     ids=["planning-limit", "memory-budget"])
 def test_the_command_line_refuses_a_schedule_over_a_limit_in_one_line(monkeypatch, variable, value, spec,
                                                                         levels, says, limit):

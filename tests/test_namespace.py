@@ -77,12 +77,14 @@ PUBLIC = {
     "sparse_scan.recurrent": ["GRU", "LSTM", "REDUCTIONS", "RNN", "Bitstream", "CellSequence", "GRUCell",
                               "Horizon", "LSTMCell", "RNNCell", "RecurrentClassifier", "RecurrentPlan",
                               "chain_through_factors"],
-    "sparse_scan.spec": ["LAYER_TYPES", "RECURRENT_TYPES", "SpecError", "load_model", "model_from_spec"],
+    "sparse_scan.spec": ["LAYER_TYPES", "MAX_SPEC_BYTES", "MAX_SPEC_NODES", "RECURRENT_TYPES", "SAMPLE_COPIES",
+                         "SpecError", "load_model", "model_from_spec", "sample_bytes"],
     "sparse_scan.torch": ["BPPSA", "Capture", "CaptureError", "Source", "bppsa", "capture", "export_torch"],
     "sparse_scan.train": ["RECORD_KEYS", "DataError", "Dataset", "DivergenceError", "epoch_summary",
                           "evaluate", "load_dataset", "train", "train_iterations"],
-    "sparse_scan.weights": ["every_layer", "load_state_dict", "named_layers", "read_npz", "scoped_name",
-                            "state_dict", "write_npz_atomically"],
+    "sparse_scan.weights": ["MAX_FILE_LINKS", "as_float_array", "budget_problem", "check_writable",
+                            "every_layer", "load_state_dict", "named_layers", "open_regular_file", "read_npz",
+                            "scoped_name", "state_dict", "write_npz_atomically", "write_target"],
 }
 """The documented public modules -> their ``__all__`` (``sparse_scan.spec``: the home of
 :func:`~sparse_scan.load_model`, named by the package docstring)."""

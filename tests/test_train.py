@@ -123,6 +123,8 @@ def test_digits_dataset_fits_the_bundled_lenet():
     (lambda d: d.update(x_test=np.full((12, 1, 6, 6), 1e300)), "too large for float32"),
     (lambda d: d.update(x_train=np.zeros((0, 1, 6, 6)), y_train=np.zeros(0, np.int64)),
      "x_train holds no samples"),
+    (lambda d: d.update(x_train=np.full((40, 1, 6, 6), 2**24 + 1, np.int64)),
+     "x_train: holds integers float32 does not hold exactly (16777217 would be 16777216"),
 ])
 def test_bad_data_files_are_one_line_exit_2(tmp_path, change, fragment):
     spec, data_path = files(tmp_path)
@@ -132,6 +134,18 @@ def test_bad_data_files_are_one_line_exit_2(tmp_path, change, fragment):
     result = invoke(spec, "--data", data_path, "--out", tmp_path / "w.npz")
     assert result.exit_code == 2 and fragment in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "w.npz").exists()
+
+
+def test_data_over_the_memory_budget_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    _, data_path = files(tmp_path)
+    arrays = dataset()
+    np.savez(data_path, **arrays)
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "8K")  # the arrays hold about 15 KiB
+    with pytest.raises(DataError, match=f"{data_path}.*over the memory budget of 8.0 KiB.*"
+                                        "SPARSE_SCAN_MEMORY_BUDGET"):
+        load_dataset(data_path, (1, 6, 6), 4)
+    monkeypatch.setenv("SPARSE_SCAN_MEMORY_BUDGET", "64K")
+    assert load_dataset(data_path, (1, 6, 6), 4).x_train.shape == (40, 1, 6, 6)
 
 
 @pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", "npy"])
