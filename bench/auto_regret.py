@@ -1,7 +1,8 @@
 """``method="auto"`` against every schedule, on the CPU (issue 38): regret and the cost model's error.
 
 For every case (a model and a batch size: every bundled spec at batch 1, 4 and 16; deep narrow MLPs of
-64-512 layers and widths 4-64 (issue 45: 512 layers of width 8); small CNN chains; RNN and LSTM classifiers over 100-10,000 time steps)
+64-512 layers and widths 4-64 (issue 45: 512 layers of width 8); small CNN chains; RNN and LSTM
+classifiers over 100-10,000 time steps)
 every schedule that plans within ``--max-plan-seconds`` (hybrid depths 0 .. the full depth, named as
 ``auto`` names them) and ``auto`` itself are timed in turn, one backward each per round
 (``model.backward`` after one forward, the forward not timed), in a new random order every round,

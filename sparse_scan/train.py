@@ -50,9 +50,9 @@ import numpy as np
 
 from . import backend as _backend
 from ._checks import integer
+from ._sequential import default_memory_budget
 from .loss import softmax_cross_entropy
 from .optim import check_built_on
-from ._sequential import default_memory_budget
 from .weights import as_float_array, every_layer, read_npz
 
 __all__ = ["RECORD_KEYS", "DataError", "Dataset", "DivergenceError", "epoch_summary", "evaluate",
