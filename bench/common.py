@@ -34,7 +34,8 @@ def median_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = 
     return statistics.median(times)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
@@ -50,7 +51,7 @@ def machine(be: backend.Backend, with_torch: bool = True) -> dict[str, Any]:
     OpenMP threads that slow NumPy work measured afterwards in the same process)."""
     import scipy
 
-    info = {"platform": platform.platform(), "processor": _cpu_model(), "cpu_count": os.cpu_count(),
+    info = {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
             "backend": be.name, "command": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from common import cpu_model
+
 BARE = "import click"
 
 
@@ -49,17 +51,6 @@ def _imported(arguments: list[str]) -> set[str]:
     return {field[-1].strip() for field in fields if field[0].split(":")[1].strip().isdigit()}
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="rounds, each command once per round")
@@ -77,7 +68,7 @@ def main() -> None:
             times[name].append(_seconds(commands[name]))
     bare = statistics.median(times["import click"])
     report = {
-        "machine": {"processor": _cpu(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"processor": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "load_average": os.getloadavg(),
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "command": " ".join(sys.argv)},

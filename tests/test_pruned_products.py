@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_conv_kernels import GEOMETRIES as KERNEL_GEOMETRIES
 
 from sparse_scan import backend
 from sparse_scan.layers import Conv2d, Linear
@@ -18,16 +19,9 @@ from sparse_scan.layers import _conv_pruned as pruned_module
 from sparse_scan.layers import _linear as linear_module
 from sparse_scan.layers import _weighted as weighted_module
 
-# (in, out, kernel, stride, padding, dilation, groups, (H, W))
-GEOMETRIES = [
-    (3, 8, 3, 1, 1, 1, 1, (9, 9)),
-    (4, 6, 3, 2, 0, 1, 2, (9, 8)),
-    (4, 6, (3, 2), (2, 1), (1, 2), (2, 1), 2, (10, 7)),
-    (6, 12, 1, 1, 0, 1, 3, (5, 5)),
-    (2, 5, (2, 4), (1, 3), (0, 1), (1, 2), 1, (6, 11)),
-    (8, 4, 5, 3, 2, 1, 4, (12, 12)),
-    (4, 4, 3, 1, 1, 1, 4, (2, 2)),  # depthwise on a 2x2 plane: the taps mostly in the padding
-]
+# test_conv_kernels' geometries (in, out, kernel, stride, padding, dilation, groups, (H, W)) but its two
+# wide ones (its per-row kernel), and a depthwise convolution on a 2x2 plane (its taps mostly padding)
+GEOMETRIES = KERNEL_GEOMETRIES[:6] + [(4, 4, 3, 1, 1, 1, 4, (2, 2))]
 LINEARS = [(7, 5), (32, 3), (1, 9)]
 KEPT = [0.0, 0.001, 0.03, 0.3, 0.999]
 
