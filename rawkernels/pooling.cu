@@ -95,12 +95,13 @@ __global__ void pool_fill(const long long* geometry, const I* indptr, I* indices
   }
 }
 
-// (c) Max-pool values: one thread per (sample, output) finds the first maximum of its window in window
-// order (PyTorch's rule: the first real element unless a later one is strictly greater, NaN wins) and
-// writes 1 at its entry of data (batch x nnz, zeroed by the caller). A NaN maximum sets *nan_found.
+// (c) Max-pool values: one thread per (sample, output) selects an element of its window in window
+// order (PyTorch's rule: the first real element unless a later one is strictly greater or NaN, so the
+// last NaN, else the first maximum) and writes 1 at its entry of data (batch x nnz, zeroed by the
+// caller).
 template <typename I, typename T>
 __global__ void maxpool_values(const long long* geometry, long long batch, const T* x,
-                               const I* slot, long long nnz, T* data, int* nan_found) {
+                               const I* slot, long long nnz, T* data) {
   const PoolGeometry g = load_geometry(geometry);
   const long long outputs = g.c * g.ho * g.wo;
   const long long items = batch * outputs;
@@ -127,7 +128,6 @@ __global__ void maxpool_values(const long long* geometry, long long batch, const
         }
       }
     }
-    if (best != best) *nan_found = 1;
     data[b * nnz + (long long)slot[best_k * outputs + o]] = (T)1.0f;
   }
 }

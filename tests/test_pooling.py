@@ -256,13 +256,17 @@ def test_max_ties_match_torch_gradient(kwargs):
         np.testing.assert_array_equal(grad.reshape(x.shape[1:]), tx.grad[b].numpy())
 
 
-def test_max_nan_in_window_raises():
+def test_max_nan_in_window_is_selected_last_first():
+    """PyTorch's rule: in window order an element replaces the one held if strictly greater or NaN, so
+    a window's last NaN is selected (tests/test_ieee.py compares with PyTorch)."""
     x = make_input((1, 4, 4))
-    x[0, 0, 1, 2] = np.nan
-    with pytest.raises(ValueError, match=r"MaxPool2d.*input.*NaN"):
-        MaxPool2d(2).transposed_jacobian(x)
+    x[0, 0, 1, 2] = np.nan  # window (0, 1): its one NaN, at offset p
+    x[0, 0, 2, 1] = x[0, 0, 3, 0] = np.nan  # window (1, 0): two NaNs, b then p
+    dense = MaxPool2d(2).transposed_jacobian(x).todense()[0]
+    assert dense[1 * 4 + 2, 1] == 1 and dense[:, 1].sum() == 1
+    assert dense[3 * 4 + 0, 2] == 1 and dense[2 * 4 + 1, 2] == 0 and dense[:, 2].sum() == 1
     # the forward pass propagates NaN like PyTorch
-    assert np.isnan(MaxPool2d(2)(x)[0, 0, 0, 1])
+    assert np.isnan(MaxPool2d(2)(x)[0, 0, 0, 1]) and np.isnan(MaxPool2d(2)(x)[0, 0, 1, 0])
 
 
 def test_max_nan_outside_every_window_is_ignored():
@@ -354,8 +358,8 @@ def _wrappers() -> str:
             text.append(
                 f'extern "C" void maxpool_{tag}_{value}(int grid, int block, const long long* g,'
                 f" long long batch, const {value}* x, const {index}* slot, long long nnz,"
-                f" {value}* data, int* nan_found) {{ SHIM_LAUNCH(grid, block,"
-                f" (maxpool_values<{index}, {value}>(g, batch, x, slot, nnz, data, nan_found))); }}\n")
+                f" {value}* data) {{ SHIM_LAUNCH(grid, block,"
+                f" (maxpool_values<{index}, {value}>(g, batch, x, slot, nnz, data))); }}\n")
     return "".join(text)
 
 
@@ -381,11 +385,10 @@ def kernel_pattern(library, g, dtype, grid, block):
 def kernel_max_values(library, g, x, slot, nnz, grid, block):
     tag = INDEX_TYPES[slot.dtype].replace(" ", "_")
     data = np.zeros((x.shape[0], nnz), dtype=x.dtype)
-    nan_found = np.zeros(1, dtype=np.int32)
     getattr(library, f"maxpool_{tag}_{VALUE_TYPES[x.dtype]}")(
         grid, block, pointer(g.as_array()), ctypes.c_longlong(x.shape[0]), pointer(x),
-        pointer(slot), ctypes.c_longlong(nnz), pointer(data), pointer(nan_found))
-    return data, bool(nan_found[0])
+        pointer(slot), ctypes.c_longlong(nnz), pointer(data))
+    return data
 
 
 def first_windowed_input(pattern) -> int:
@@ -421,13 +424,14 @@ def test_maxpool_kernel_on_cpu_matches_numpy(kernels, grid, block, index_dtype, 
         x[1] = rng.integers(-1, 2, size=shape)  # ties
         x[2, 0, :2, :2] = -np.inf
         g = aux["geometry"]
-        data, nan_found = kernel_max_values(kernels, g, x, aux["slot"], pattern.nnz, grid, block)
-        want, want_nan = _max_selection_cpu(CPU, x, aux, pattern.nnz)
-        assert data.dtype == want.dtype and nan_found == want_nan is False
+        data = kernel_max_values(kernels, g, x, aux["slot"], pattern.nnz, grid, block)
+        want = _max_selection_cpu(CPU, x, aux, pattern.nnz)
+        assert data.dtype == want.dtype
         np.testing.assert_array_equal(data, want)
         x[0].flat[first_windowed_input(pattern)] = np.nan
-        assert kernel_max_values(kernels, g, x, aux["slot"], pattern.nnz, grid, block)[1]
-        assert _max_selection_cpu(CPU, x, aux, pattern.nnz)[1]
+        x[0].reshape(-1)[1::5] = np.nan  # windows of several NaNs: the last one is selected
+        np.testing.assert_array_equal(kernel_max_values(kernels, g, x, aux["slot"], pattern.nnz, grid, block),
+                                      _max_selection_cpu(CPU, x, aux, pattern.nnz))
 
 
 @pytest.mark.gpu
@@ -459,10 +463,8 @@ def test_gpu_twins_launch_device_arrays_and_int64_scalars(monkeypatch, index_dty
             x = make_input(shape, batch=2, dtype=value_dtype, seed=i)
             x[1] = np.round(x[1])
             got = pooling.max_selection.twins["gpu"](gpu, gpu.asarray(x), device_aux, pattern.nnz)
-            want = _max_selection_cpu(CPU, x, aux, pattern.nnz)
-            np.testing.assert_array_equal(gpu.to_host(got[0]), want[0])
-            assert got[1] is want[1] is False
-    assert 7 in launches and 2 in launches  # maxpool_values (7 arguments) and pool_row_counts (2) ran
+            np.testing.assert_array_equal(gpu.to_host(got), _max_selection_cpu(CPU, x, aux, pattern.nnz))
+    assert 6 in launches and 2 in launches  # maxpool_values (6 arguments) and pool_row_counts (2) ran
 
 
 # --- GPU parity: the same body on NumPy and CuPy ---------------------------------------------------
@@ -482,7 +484,9 @@ def test_backend_parity(be, kind, kwargs, shape, index_dtype, value_dtype):
              for lay, b in ((layer, be), (cpu_layer, CPU))]
     np.testing.assert_array_equal(be.to_host(slots[0]), slots[1])
     np.testing.assert_allclose(be.to_host(layer(be.asarray(x))), cpu_layer(x), rtol=1e-6)
-    if kind == "max":
+    if kind == "max":  # NaN selected alike
         x[0].flat[first_windowed_input(want.pattern)] = np.nan
-        with pytest.raises(ValueError, match="NaN"):
-            layer.transposed_jacobian(be.asarray(x), index_dtype=index_dtype)
+        x[2].reshape(-1)[::3] = np.nan
+        np.testing.assert_array_equal(
+            be.to_host(layer.transposed_jacobian(be.asarray(x), index_dtype=index_dtype).data),
+            cpu_layer.transposed_jacobian(x, index_dtype=index_dtype).data)

@@ -7,6 +7,18 @@ The values fill is an elementwise array expression, identical on NumPy and CuPy 
 from SciPy or CuPy's ``cupyx.scipy.special``, dispatched by :func:`~sparse_scan.backend.twin`).
 Derivatives at kinks follow PyTorch's backward (ELU takes its ``x <= 0`` branch at 0, Hardtanh's
 gradient is 0 at its bounds, Softplus is linear above its threshold).
+
+IEEE values are PyTorch's (``tests/test_ieee.py``): a branch is chosen by PyTorch's comparison, so a NaN
+input takes the branch whose test it fails (ReLU's derivative at NaN is 1: PyTorch's backward is
+``x <= 0 ? 0 : grad``), a forward never multiplies an infinity by a zero mask (ReLU(-inf) is 0, not
+``-inf * 0``), and formulas that PyTorch multiplies out (GELU and SiLU at -inf: ``-inf * 0``, NaN) are
+multiplied out here too. Where PyTorch's answer depends on which of its loops reaches an element (the
+vectorised body or the scalar tail), the layer's docstring says which it takes: ELU's and Hardtanh's
+derivative at NaN (NaN, 0: the body's), float32 GELU(inf) (inf: the tail's, and float64's).
+
+JT's values are derivatives, and ``JT @ g`` multiplies them by the gradient, so a zero derivative times
+an infinite or NaN gradient is NaN (a product of matrices) where PyTorch's backward of ReLU and
+Hardtanh chooses 0 (a ``where``); with a finite gradient they agree.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from .._threads import even_parts, workers_for
 from .._types import Array
 from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
-from ._kernels import relu_backward
+from ._kernels import relu_backward, relu_forward
 
 __all__ = ["ELU", "GELU", "Affine", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid",
            "Softplus", "Tanh"]
@@ -62,23 +74,40 @@ class _Elementwise(Layer):
 
 
 class ReLU(_Elementwise):
-    """``max(x, 0)``; derivative 1 where ``x > 0``, else 0 (PyTorch's convention at 0)."""
+    """``max(x, 0)``; derivative 0 where ``x <= 0``, else 1 (PyTorch's convention at 0).
+
+    PyTorch's IEEE values: the forward is ``0 if x < 0 else x`` (ReLU(-inf) is 0, ReLU(-0.0) is -0.0,
+    ReLU(NaN) is NaN), and the derivative at NaN is 1 (its backward passes the gradient wherever
+    ``x <= 0`` is false).
+    """
 
     def _apply(self, x: Array) -> Array:
-        return x * (x > 0)
+        return _relu(_backend.of(x), x)
 
     def _derivative(self, x: Array) -> Array:
-        return (x > 0).astype(x.dtype)
+        return (~(x <= 0)).astype(x.dtype)
 
     def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
-        """``g -> g * (x > 0)`` in one compiled pass on the host (:func:`_relu_matvec`), the scaling by
-        JT's diagonal without its values; None on the GPU."""
+        """``g -> g * JT's diagonal`` in one compiled pass on the host (:func:`_relu_matvec`), without
+        the values; None on the GPU."""
         x = self._check_input(x)
         return _relu_operator(_backend.of(x), x)
 
 
+def _relu_host(be: _backend.Backend, x: np.ndarray) -> np.ndarray:
+    """``0 if x < 0 else x`` in one compiled pass (:func:`sparse_scan.layers._kernels.relu_forward`;
+    runs of positions per core from :data:`~sparse_scan._threads.THREAD_MIN_VALUES` values)."""
+    source = np.ascontiguousarray(x)
+    out = np.empty(source.shape, dtype=source.dtype)
+    launch(relu_forward, (source.reshape(-1), out.reshape(-1)), even_parts(out.size, workers_for(out.size)))
+    return out
+
+
+_relu = _backend.twin(cpu=_relu_host, gpu=lambda be, x: be.xp.where(x < 0, x.dtype.type(0), x))
+
+
 def _relu_matvec(x: np.ndarray, grad: np.ndarray) -> np.ndarray:
-    """``grad * (x > 0)`` for flat ``(B, n)`` batches, in their result dtype
+    """``grad * (0 if x <= 0 else 1)`` for flat ``(B, n)`` batches, in their result dtype
     (:func:`sparse_scan.layers._kernels.relu_backward`; runs of positions per core from
     :data:`~sparse_scan._threads.THREAD_MIN_VALUES` values)."""
     if grad.shape != x.shape:  # the kernel reads without bounds checks
@@ -182,6 +211,10 @@ class GELU(_Elementwise):
     """``x * Phi(x)`` with the normal CDF ``Phi`` (``approximate="none"``), or PyTorch's tanh
     approximation ``x / 2 * (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (``approximate="tanh"``).
 
+    GELU(inf) is inf, GELU(-inf) NaN (``-inf * 0``) and the derivative at both NaN, as PyTorch computes
+    them in float64 (in float32 its vectorised ``erf`` makes GELU(inf) NaN but for a tensor's last few
+    elements).
+
     Parameters
     ----------
     approximate : {"none", "tanh"}
@@ -221,7 +254,8 @@ class GELU(_Elementwise):
 
 class ELU(_Elementwise):
     """``x`` where ``x > 0``, ``alpha (exp(x) - 1)`` elsewhere; derivative 1, or ``alpha exp(x)`` for
-    ``x <= 0``.
+    ``x <= 0``. At NaN the derivative is NaN (PyTorch's vectorised loop; its scalar loop, a tensor's
+    last few elements, gives 1).
 
     Parameters
     ----------
@@ -235,19 +269,27 @@ class ELU(_Elementwise):
 
     def _apply(self, x: Array) -> Array:
         xp = _backend.of(x).xp
-        return xp.where(x > 0, x, self.alpha * xp.expm1(xp.minimum(x, 0))).astype(x.dtype, copy=False)
+        return xp.where(x > 0, x, self.alpha * xp.expm1(self._negative_part(x))).astype(x.dtype, copy=False)
 
     def _derivative(self, x: Array) -> Array:
         xp = _backend.of(x).xp
-        return xp.where(x > 0, x.dtype.type(1), self.alpha * xp.exp(xp.minimum(x, 0))).astype(
+        return xp.where(x > 0, x.dtype.type(1), self.alpha * xp.exp(self._negative_part(x))).astype(
             x.dtype, copy=False)
+
+    @staticmethod
+    def _negative_part(x: Array) -> Array:
+        """``x`` where ``x <= 0``, +0 elsewhere (no overflow in ``exp`` where its branch is not taken),
+        ``-0.0`` kept (ELU(-0.0) is -0.0): ``min(x, 0)`` with ``x``'s sign."""
+        xp = _backend.of(x).xp
+        return xp.copysign(xp.minimum(x, x.dtype.type(0)), x)
 
     def __repr__(self) -> str:
         return f"ELU(alpha={self.alpha})"
 
 
 class Hardtanh(_Elementwise):
-    """``x`` clipped to ``[min_val, max_val]``; derivative 1 strictly inside, 0 elsewhere.
+    """``x`` clipped to ``[min_val, max_val]``; derivative 1 strictly inside, 0 elsewhere and at NaN
+    (PyTorch's vectorised loop; its scalar loop, a tensor's last few elements, gives 1).
 
     Parameters
     ----------

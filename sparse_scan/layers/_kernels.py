@@ -25,7 +25,8 @@
 * Max pooling (:mod:`sparse_scan.layers._pooling_jt`): the values of 2x2 windows of stride 2
   (:func:`max_pool_2x2`, which given the gradient is the pool's ``JT(x) @ g`` too) and of any window
   geometry (:func:`max_pool_windows`, the window loop of ``rawkernels/pooling.cu``).
-* ReLU (:mod:`sparse_scan.layers._activation`): :func:`relu_backward`, ``JT(x) @ g`` from the input.
+* ReLU (:mod:`sparse_scan.layers._activation`): :func:`relu_forward`, and :func:`relu_backward`,
+  ``JT(x) @ g`` from the input.
 
 A ReLU's or a 2x2 max-pool's JT costs as much to fill as to apply: its values are a mask of the input,
 and applying them is one more pass. Where only matrix-vector steps read such a JT (every one in
@@ -400,21 +401,22 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length
 @compiled
 def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
     """Max-pool values of 2x2 windows of stride 2 that tile the input exactly (``H = 2 Ho``,
-    ``W = 2 Wo``, no padding or dilation): 1 at each window's first maximum (PyTorch's order a, b /
-    p, q), 0 elsewhere; or, given the gradient ``g`` (flat ``(B, C, Ho, Wo)``), ``JT @ g`` without the
-    values: each input gets its value times its window's gradient (bit for bit what the values' SpMV
-    gives; :meth:`sparse_scan.layers.MaxPool2d.input_matvec`). Both are the input's shape, so ``x``
-    and ``out`` are flat ``(B, C, H, W)`` arrays read as horizontal pairs ``(x[2j], x[2j + 1])``; the
-    kernel fills the pairs ``j0:j1`` (whole rows of windows: multiples of ``2 out_width``). Returns
-    whether one of those inputs is NaN. ``g`` is None for the values: numba compiles that case apart,
-    without the gradient's reads.
+    ``W = 2 Wo``, no padding or dilation): 1 at each window's selected input (PyTorch's choice in the
+    order a, b / p, q: the last NaN, else the first maximum), 0 elsewhere; or, given the gradient ``g``
+    (flat ``(B, C, Ho, Wo)``), ``JT @ g`` without the values: each input gets its value times its
+    window's gradient (bit for bit what the values' SpMV gives; :meth:`sparse_scan.layers.MaxPool2d.
+    input_matvec`). Both are the input's shape, so ``x`` and ``out`` are flat ``(B, C, H, W)`` arrays
+    read as horizontal pairs ``(x[2j], x[2j + 1])``; the kernel fills the pairs ``j0:j1`` (whole rows of
+    windows: multiples of ``2 out_width``). ``g`` is None for the values: numba compiles that case
+    apart, without the gradient's reads.
 
     Two vectorised passes per ``chunk`` pairs (no per-window branch, no short row loops): each pair's
-    maximum and whether its right element wins (strictly greater: ties keep the left), then per pair
-    whether it holds its window's maximum (the top pair unless the pair below is strictly greater),
-    read off a pattern of top/bottom pairs, period ``2 out_width``. The first maximum of a, b, p, q is
-    the top pair's winner unless the bottom pair's maximum is strictly greater, so this is PyTorch's
-    choice."""
+    selected value and whether its right element is selected (strictly greater, or NaN: ties keep the
+    left), then per pair whether it holds its window's selection (the top pair unless the pair below
+    is strictly greater or NaN), read off a pattern of top/bottom pairs, period ``2 out_width``.
+    PyTorch scans a, b, p, q keeping the running choice unless an element is strictly greater or NaN;
+    the bottom pair's choice replaces the top pair's exactly when it is strictly greater or NaN, so
+    this is PyTorch's choice."""
     wo = out_width
     period = 2 * wo
     size = period * max(1, chunk // period)
@@ -426,17 +428,15 @@ def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
     pair_grad = np.empty(size, dtype=out.dtype)  # pair i's window's gradient
     pair_max = np.zeros(size + 2 * wo, dtype=x.dtype)  # pair i at wo + i: the pair above is at i
     right = np.empty(size, dtype=out.dtype)
-    nan = False
     for c in range(j0, j1, size):
         n = min(size, j1 - c)
         base = 2 * c
         for i in range(n):
             a = x[u(base + 2 * i)]
             b = x[u(base + 2 * i + 1)]
-            wins = b > a
+            wins = (b > a) | (b != b)
             pair_max[u(wo + i)] = b if wins else a
             right[u(i)] = wins
-            nan |= (a != a) | (b != b)
         if g is not None:  # spread to the pairs by rows of windows: the next pass reads it in order
             first = c // 2  # windows before pair c: c // period rows of wo windows
             for r in range(0, n, period):
@@ -446,8 +446,9 @@ def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
                     pair_grad[u(r + wo + i)] = value
         for i in range(n):
             mine = pair_max[u(wo + i)]
-            top_holds = not (pair_max[u(wo + i + wo)] > mine)  # read for both, chosen below: no branch
-            bottom_holds = mine > pair_max[u(i)]
+            below = pair_max[u(wo + i + wo)]  # read for both, chosen below: no branch
+            top_holds = not ((below > mine) | (below != below))
+            bottom_holds = (mine > pair_max[u(i)]) | (mine != mine)
             holds = out.dtype.type(top_holds if top[u(i)] else bottom_holds)
             on_right = right[u(i)] * holds
             if g is None:
@@ -457,18 +458,16 @@ def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
                 grad = pair_grad[u(i)]
                 out[u(base + 2 * i + 1)] = on_right * grad
                 out[u(base + 2 * i)] = (holds - on_right) * grad
-    return nan
 
 
 @compiled
 def max_pool_windows(x, slot, geometry, out, p0, p1):
     """Max-pool values of any window geometry for the (sample, channel) planes ``p0:p1``: per output,
-    the first maximum over its window's real elements in window order (a later element wins only if
-    strictly greater; a NaN wins and stays), 1 at its JT entry ``slot[offset, output]`` of a zeroed
-    run of the channel's entries, as ``rawkernels/pooling.cu``'s ``maxpool_values`` computes it.
-    ``x`` is the flat ``(B, C, H, W)`` input, ``out`` the ``(B, nnz)`` values, ``geometry`` the tuple
-    of the 13 ints of :meth:`sparse_scan.layers._pooling.PoolGeometry.as_array`. Returns whether a
-    window holds a NaN.
+    PyTorch's choice over its window's real elements in window order (a later element wins if strictly
+    greater or NaN: the last NaN, else the first maximum), 1 at its JT entry ``slot[offset, output]``
+    of a zeroed run of the channel's entries, as ``rawkernels/pooling.cu``'s ``maxpool_values``
+    computes it. ``x`` is the flat ``(B, C, H, W)`` input, ``out`` the ``(B, nnz)`` values,
+    ``geometry`` the tuple of the 13 ints of :meth:`sparse_scan.layers._pooling.PoolGeometry.as_array`.
 
     A row of outputs at a time, window offset by offset, each offset updating the whole row (the
     outputs' running maxima are independent: one window at a time would wait on each compare)."""
@@ -478,7 +477,6 @@ def max_pool_windows(x, slot, geometry, out, p0, p1):
     inside_from, inside_to = _column_bounds(out_width, width, kw, sw, pw, dw)
     best = np.empty(out_width, dtype=x.dtype)
     best_k = np.empty(out_width, dtype=np.int64)
-    nan = False
     for plane in range(p0, p1):
         sample, channel = plane // channels, plane % channels
         values = out[sample]
@@ -501,16 +499,25 @@ def max_pool_windows(x, slot, geometry, out, p0, p1):
                         best_k[u(ow)] = k if take else c
             row = (channel * out_height + oh) * out_width
             for ow in range(out_width):
-                nan |= best[u(ow)] != best[u(ow)]
                 if best_k[u(ow)] >= 0:  # (PyTorch's output sizes leave no window in the padding)
                     values[u(slot[u(best_k[u(ow)]), u(row + ow)])] = one
-    return nan
+
+
+@compiled
+def relu_forward(x, out, i0, i1):
+    """``out[i] = 0 if x[i] < 0 else x[i]`` for the flat positions ``i0:i1``: PyTorch's ReLU, whose
+    zero is +0.0 for a negative input, -0.0 for -0.0, and whose NaN stays NaN (a select, no
+    ``x * (x > 0)``: ``-inf * 0`` would be NaN)."""
+    zero = out.dtype.type(0)
+    for i in range(i0, i1):
+        value = x[u(i)]
+        out[u(i)] = zero if value < 0 else value
 
 
 @compiled
 def relu_backward(x, g, out, i0, i1):
-    """``out[i] = g[i] * (x[i] > 0)`` for the flat positions ``i0:i1`` (ReLU's derivative is 1 where
-    the input is positive, 0 elsewhere and at NaN)."""
+    """``out[i] = g[i] * (0 if x[i] <= 0 else 1)`` for the flat positions ``i0:i1`` (ReLU's derivative,
+    PyTorch's: 1 at NaN)."""
     one, zero = out.dtype.type(1), out.dtype.type(0)
     for i in range(i0, i1):
-        out[u(i)] = g[u(i)] * (one if x[u(i)] > 0 else zero)
+        out[u(i)] = g[u(i)] * (zero if x[u(i)] <= 0 else one)

@@ -4,8 +4,9 @@ The transposed Jacobian of a pooling layer has one row per input element and one
 element, an entry where the input lies in the output's window (:mod:`~sparse_scan.layers._pooling_jt`
 builds its pattern and values on the host and on the GPU).
 
-* Max pooling is a *selection*: per sample, the entry of the first maximum of each window (PyTorch's
-  tie rule) is 1 and every other window entry is an explicit 0, so the pattern never changes.
+* Max pooling is a *selection*: per sample, the entry of each window's selected input (PyTorch's
+  rule: the last NaN, else the first maximum) is 1 and every other window entry is an explicit 0, so
+  the pattern never changes.
 * Average pooling is sample independent: every entry is ``1 / divisor`` of its output, with PyTorch's
   divisor (``count_include_pad``, windows clipped to the padded input).
 
@@ -37,7 +38,7 @@ from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ._base import Layer, Shape
 from ._geometry import PoolGeometry, output_size, pair
-from ._pooling_jt import NAN_IN_WINDOW, max_pool_operator, max_selection, pattern, two_by_two
+from ._pooling_jt import max_pool_operator, max_selection, pattern, two_by_two
 
 __all__ = ["AvgPool2d", "MaxPool2d"]
 
@@ -66,11 +67,14 @@ def _window_views(xp: Any, x: Array, g: PoolGeometry, fill: float) -> Iterator[A
 
 
 def _window_max(xp: Any, x: Array, g: PoolGeometry) -> Array:
-    """Max over each window; NaN propagates, as in PyTorch."""
+    """Max over each window, PyTorch's values: NaN propagates, and ties keep the earlier element, so the
+    maximum of ``-0.0, 0.0`` is ``-0.0``. NumPy's ``maximum`` returns the second of two equal
+    arguments (x86's max instructions do; tests/test_ieee.py checks the signs), so the running maximum
+    goes second; CUDA's ``max``, CuPy's, may order two zeros by their signs instead."""
     views = _window_views(xp, x, g, -np.inf)
     best = next(views).copy()
     for view in views:
-        xp.maximum(best, view, out=best)
+        xp.maximum(view, best, out=best)
     return best
 
 
@@ -157,9 +161,10 @@ class MaxPool2d(_Pool2d):
 
     Notes
     -----
-    JT is a selection: per sample, the entry of each window's first maximum (in window order, as
-    PyTorch picks it on ties) holds 1 and the other window entries are explicit zeros. A NaN in a
-    window makes that choice meaningless and raises ``ValueError``.
+    JT is a selection: per sample, the entry of each window's selected input holds 1 and the other
+    window entries are explicit zeros. The selection is PyTorch's: in window order, an element
+    replaces the one held if it is strictly greater or NaN, so a window's last NaN is selected (its
+    gradient goes there) and otherwise its first maximum.
     """
 
     jacobian_kind = "selection"
@@ -181,10 +186,7 @@ class MaxPool2d(_Pool2d):
         return _window_max(_backend.of(x).xp, x, self._geometry(x.shape[1:]))
 
     def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
-        data, nan_found = max_selection(be, x, aux, pattern.nnz)
-        if nan_found:
-            raise self._error("input", NAN_IN_WINDOW)
-        return data
+        return max_selection(be, x, aux, pattern.nnz)
 
     def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
         """``g -> JT(x) @ g`` in one compiled pass on the host for 2x2 windows of stride 2 (VGG's and
@@ -253,7 +255,9 @@ class AvgPool2d(_Pool2d):
         total = next(views).copy()
         for view in views:
             total += view
-        return total / xp.asarray(self._divisor(g), dtype=x.dtype)
+        total /= xp.asarray(self._divisor(g), dtype=x.dtype)
+        total += x.dtype.type(0)  # PyTorch's zero averages are +0.0 (-0.0 windows, -3e-323 / 9 alike)
+        return total
 
     def _build_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any

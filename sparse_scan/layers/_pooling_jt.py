@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +32,8 @@ from .._types import Array
 from . import _kernels
 from ._geometry import PoolGeometry, axis_grid
 
-__all__ = ["MAX_POOL_CHUNK", "MAX_POOL_THREAD_MIN_VALUES", "NAN_IN_WINDOW", "max_pool_operator",
-           "max_selection", "pattern", "two_by_two"]
+__all__ = ["MAX_POOL_CHUNK", "MAX_POOL_THREAD_MIN_VALUES", "max_pool_operator", "max_selection", "pattern",
+           "two_by_two"]
 
 KERNEL_FILE = "pooling.cu"
 
@@ -114,8 +114,6 @@ pattern = _backend.twin(cpu=_pattern_cpu, gpu=_pattern_gpu)
 
 
 # --- max-pool value twins ------------------------------------------------------------------------
-NAN_IN_WINDOW = "NaN in a pooling window: its maximum selects no element"
-
 MAX_POOL_CHUNK = 512
 """Pairs of inputs per pass of the compiled 2x2 kernel (its temporaries stay in L1). Measured on
 VGG-11's pools at batch 16 (one thread): 256-1024 alike, within 5 %."""
@@ -126,10 +124,8 @@ MAX_POOL_THREAD_MIN_VALUES = 2**22
 1M: 0.36 and 0.42 ms) and win above (4M: 1.28 and 0.77 ms; 13M: 11.7 and 7.2 ms)."""
 
 
-def _max_selection_cpu(
-    be: _backend.Backend, x: np.ndarray, aux: dict[str, Any], nnz: int
-) -> tuple[np.ndarray, bool]:
-    """CPU twin: 1 at each window's first maximum; also whether some window holds a NaN.
+def _max_selection_cpu(be: _backend.Backend, x: np.ndarray, aux: dict[str, Any], nnz: int) -> np.ndarray:
+    """CPU twin: 1 at each window's selected input (PyTorch's: the last NaN, else the first maximum).
 
     Compiled kernels over runs of (sample, channel) planes, one run per core from
     :data:`MAX_POOL_THREAD_MIN_VALUES` values. 2x2 windows of stride 2 (VGG's pools) run a
@@ -151,7 +147,8 @@ def _max_selection_cpu(
         kernel, geometry = _kernels.max_pool_windows, tuple(g.as_array().tolist())
         args = [(np.ascontiguousarray(x).reshape(-1), aux["slot"], geometry, data, p0, p1)
                 for p0, p1 in pieces]
-    return data, _any_flag(kernel, args)
+    launch(kernel, (), args)
+    return data
 
 
 def _plane_pieces(g: PoolGeometry, batch: int, values: int) -> list[tuple[int, int]]:
@@ -161,25 +158,10 @@ def _plane_pieces(g: PoolGeometry, batch: int, values: int) -> list[tuple[int, i
     return even_parts(planes, workers_for(values, MAX_POOL_THREAD_MIN_VALUES))
 
 
-def _any_flag(kernel: Callable[..., bool], args: list[tuple]) -> bool:
-    """``kernel(*a)`` for every ``a`` of ``args`` (on the kernel pool when there are several): whether
-    one of them returned True (a NaN seen)."""
-    if len(args) == 1:
-        return bool(kernel(*args[0]))
-    flags = [False] * len(args)
-
-    def run(index: int) -> None:
-        flags[index] = kernel(*args[index])
-
-    launch(run, (), [(index,) for index in range(len(args))])
-    return any(flags)
-
-
 def _max_pool_2x2_matvec(layer: Any, g: PoolGeometry, x: np.ndarray, grad: np.ndarray) -> np.ndarray:
     """``JT(x) @ grad`` of 2x2 windows of stride 2 for flat ``(B, outputs)`` gradients, without JT's
     values (:func:`sparse_scan.layers._kernels.max_pool_2x2` given the gradient, over the inputs the windows
-    cover; an odd last row or column, in no window, gets 0). Raises as the values fill does on a
-    NaN in a window."""
+    cover; an odd last row or column, in no window, gets 0)."""
     batch = x.shape[0]
     if grad.shape != (batch, g.outputs):  # the kernel reads without bounds checks
         raise ValueError(f"layer {layer.label}: JT @ g expects gradients of shape {(batch, g.outputs)}, "
@@ -193,8 +175,7 @@ def _max_pool_2x2_matvec(layer: Any, g: PoolGeometry, x: np.ndarray, grad: np.nd
     flat_grad = np.ascontiguousarray(grad).reshape(-1)
     args = [(covered.reshape(-1), flat_grad, values.reshape(-1), g.out_width, p0 * pairs, p1 * pairs,
              MAX_POOL_CHUNK) for p0, p1 in _plane_pieces(g, batch, values.size)]
-    if _any_flag(_kernels.max_pool_2x2, args):
-        raise layer._error("input", NAN_IN_WINDOW)
+    launch(_kernels.max_pool_2x2, (), args)
     if exact:
         return values.reshape(batch, -1)
     out = np.zeros(x.shape, dtype=dtype)
@@ -208,21 +189,18 @@ def two_by_two(g: PoolGeometry) -> bool:
             and 2 * g.out_height <= g.height and 2 * g.out_width <= g.width)
 
 
-def _max_selection_gpu(
-    be: _backend.Backend, x: Array, aux: dict[str, Any], nnz: int
-) -> tuple[Array, bool]:
-    """CUDA twin: one thread per (sample, output) writes 1 at its window's first maximum."""
+def _max_selection_gpu(be: _backend.Backend, x: Array, aux: dict[str, Any], nnz: int) -> Array:
+    """CUDA twin: one thread per (sample, output) writes 1 at its window's selected input."""
     cp = be.xp
     g = aux["geometry"]
     slot = aux["slot"]
     batch = x.shape[0]
     data = cp.zeros((batch, nnz), dtype=x.dtype)
-    nan_found = cp.zeros(1, dtype=cp.int32)
     kernel = _gpu_kernels.function(KERNEL_FILE, "maxpool_values", slot.dtype, x.dtype)
     _gpu_kernels.launch(kernel, batch * g.outputs,
                     (aux["geometry_array"], np.int64(batch), cp.ascontiguousarray(x), slot,
-                     np.int64(nnz), data, nan_found))
-    return data, bool(nan_found[0])  # sync: the NaN check must raise before the values are used
+                     np.int64(nnz), data))
+    return data
 
 
 max_selection = _backend.twin(cpu=_max_selection_cpu, gpu=_max_selection_gpu)
