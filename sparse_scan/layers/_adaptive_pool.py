@@ -9,12 +9,17 @@ The transposed Jacobian has one row per input ``(c, h, w)`` and one column per o
 (C-order), an entry for every input in the output's window, valued ``1 / (len_h(i) · len_w(j))``: it
 does not depend on the sample (``sample_independent``: values ``(nnz,)``, computed once per dtype).
 Its pattern is one channel's, built on the host from the two axes' windows (``O(nnz / C)``), then
-repeated over the channels where the arrays live; the forward pass sums each window with two small
-0/1 matrices and divides by its size. Both are array code, identical on NumPy and CuPy.
+repeated over the channels where the arrays live. The forward pass sums each window and divides by its
+size: on the host, a batch of finite values by two small 0/1 window matrices (BLAS products); any other
+batch, and every batch on the GPU (no synchronisation to look at the values), over the window's elements
+gathered by a table of positions, a zero appended past the input for the shorter windows' ends (a
+product with the window matrices would multiply every infinity or NaN by the zeros of the windows it is
+not in: NaN where PyTorch's outputs are finite, tests/test_ieee.py). Both are array code.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 import numpy as np
@@ -87,6 +92,54 @@ def _window_matrix(size: int, out: int) -> np.ndarray:
     return ((position >= starts[:, None]) & (position < ends[:, None])).astype(np.float64)
 
 
+def window_positions(size: int, out: int) -> np.ndarray:
+    """``(out, longest window)``: window ``i``'s input positions, then ``size`` (a zero appended to the
+    input) past its end.
+
+    Examples
+    --------
+    >>> window_positions(5, 3).tolist()       # windows [0, 2), [1, 4), [3, 5)
+    [[0, 1, 5], [1, 2, 3], [3, 4, 5]]
+    """
+    starts, ends = adaptive_windows(size, out)
+    positions = starts[:, None] + np.arange(int((ends - starts).max()))[None, :]
+    return np.where(positions < ends[:, None], positions, size)
+
+
+@dataclass(frozen=True)
+class _WindowSums:
+    """A forward's tables for one input shape, device and dtype: the 0/1 window matrices ``rows``
+    ``(Ho, H)`` and ``cols`` ``(W, Wo)``, the windows' positions along each axis
+    (:func:`window_positions`) and the windows' sizes ``(Ho, Wo)``."""
+
+    rows: Array
+    cols: Array
+    row_positions: Array
+    col_positions: Array
+    area: Array
+
+
+def _gathered_means(xp: Any, x: Array, tables: _WindowSums) -> Array:
+    """Each window's sum over its elements gathered along the width, then along the height (a zero
+    appended to each axis for the shorter windows), divided by its size: exact for any values."""
+    batch, channels, height, _ = x.shape
+    padded = xp.concatenate([x, xp.zeros((batch, channels, height, 1), dtype=x.dtype)], axis=3)
+    sums = padded[:, :, :, tables.col_positions].sum(axis=-1)  # (B, C, H, Wo)
+    padded = xp.concatenate([sums, xp.zeros((batch, channels, 1, sums.shape[3]), dtype=x.dtype)], axis=2)
+    return padded[:, :, tables.row_positions, :].sum(axis=3) / tables.area
+
+
+def _means_cpu(be: _backend.Backend, x: np.ndarray, tables: _WindowSums) -> np.ndarray:
+    """Host twin: BLAS products with the window matrices where every value is finite, else
+    :func:`_gathered_means`."""
+    if np.isfinite(x).all():
+        return tables.rows @ x @ tables.cols / tables.area
+    return _gathered_means(np, x, tables)
+
+
+_window_means = _backend.twin(cpu=_means_cpu, gpu=lambda be, x, tables: _gathered_means(be.xp, x, tables))
+
+
 def _output_size(value: Any, label: str) -> tuple[int | None, int | None]:
     """PyTorch's ``output_size``: an int, or an (h, w) pair of ints or None (the input's size)."""
     entries = (value, value) if is_int(value) else value
@@ -128,7 +181,7 @@ class AdaptiveAvgPool2d(Layer):
         super().__init__()
         self._output_size = _output_size(output_size, self.label)
         self.output_size = output_size if is_int(output_size) else tuple(output_size)
-        self._window_sums: dict[Hashable, tuple[Array, Array, Array]] = {}
+        self._window_sums: dict[Hashable, _WindowSums] = {}
 
     def check_in_shape(self, in_shape: Shape) -> Shape:
         shape = tuple(int(s) for s in in_shape)
@@ -151,11 +204,13 @@ class AdaptiveAvgPool2d(Layer):
             _, height, width = in_shape
             _, out_h, out_w = self.output_shape(in_shape)
             area = np.outer(_lengths(height, out_h), _lengths(width, out_w))
-            tables = tuple(be.asarray(table, dtype=x.dtype) for table in (
-                _window_matrix(height, out_h), _window_matrix(width, out_w).T, area))
+            tables = _WindowSums(
+                *(be.asarray(table, dtype=x.dtype) for table in (_window_matrix(height, out_h),
+                                                                  _window_matrix(width, out_w).T)),
+                be.asarray(window_positions(height, out_h)), be.asarray(window_positions(width, out_w)),
+                be.asarray(area, dtype=x.dtype))
             self._window_sums[key] = tables
-        rows, cols, area = tables
-        return rows @ x @ cols / area
+        return _window_means(be, x, tables)
 
     def _build_pattern(
         self, be: _backend.Backend, in_shape: Shape, index_dtype: Any
