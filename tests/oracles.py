@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Callable
 
 import numpy as np
@@ -80,3 +82,103 @@ def randomize_batch_norms(net) -> None:
                 module.running_var.uniform_(0.5, 2.0)
                 module.weight.uniform_(0.5, 1.5)
                 module.bias.normal_()
+
+
+def torch_mirror(layer, dtype=None):
+    """A PyTorch module computing what one sparse_scan ``layer`` computes, with its hyper-parameters
+    and a copy of its parameters, in ``dtype`` (a torch dtype; by default float64).
+
+    Every layer class of ``sparse_scan.layers`` is mirrored: ``Affine`` by a module computing ``x *
+    scale + shift`` as a module's forward writes it, ``Residual`` by a module summing its inner chain
+    (children ``0``, ``1``, …) and its shortcut (child ``shortcut``: the layer, or a chain), so that
+    parameter names match :meth:`~sparse_scan.layers.Residual.parameter_gradients`'. ``BatchNorm2d``
+    and ``Dropout`` take the layer's mode; a ``Dropout`` in training mode draws its own masks (mirror
+    the layer's mask with :func:`masked`)."""
+    import torch  # noqa: PLC0415 - the callers importorskip it
+
+    nn = torch.nn
+    dtype = torch.float64 if dtype is None else dtype
+    name = type(layer).__name__
+    if name == "Residual":
+        module = _torch_classes().Residual([torch_mirror(inner, dtype) for inner in layer.layers],
+                           [torch_mirror(short, dtype) for short in layer.shortcut], layer._single_shortcut)
+        return module.to(dtype)
+    if name == "Affine":
+        return _torch_classes().Affine(layer.scale, layer.shift)
+    simple = {
+        "Conv2d": lambda: nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                                    layer.padding, layer.dilation, layer.groups, layer.bias is not None),
+        "Linear": lambda: nn.Linear(layer.in_features, layer.out_features, layer.bias is not None),
+        "MaxPool2d": lambda: nn.MaxPool2d(layer.kernel_size, layer.stride, layer.padding, layer.dilation,
+                                          ceil_mode=layer.ceil_mode),
+        "AvgPool2d": lambda: nn.AvgPool2d(layer.kernel_size, layer.stride, layer.padding, layer.ceil_mode,
+                                          layer.count_include_pad),
+        "AdaptiveAvgPool2d": lambda: nn.AdaptiveAvgPool2d(layer.output_size),
+        "BatchNorm2d": lambda: nn.BatchNorm2d(layer.num_features, layer.eps, layer.momentum, layer.affine),
+        "Dropout": lambda: nn.Dropout(layer.p),
+        "Flatten": lambda: nn.Flatten(layer.start_dim, layer.end_dim),
+        "LeakyReLU": lambda: nn.LeakyReLU(layer.negative_slope),
+        "ELU": lambda: nn.ELU(layer.alpha),
+        "GELU": lambda: nn.GELU(layer.approximate),
+        "Hardtanh": lambda: nn.Hardtanh(layer.min_val, layer.max_val),
+        "Softplus": lambda: nn.Softplus(layer.beta, layer.threshold),
+        "Softmax": lambda: nn.Softmax(layer.dim),
+        "LogSoftmax": lambda: nn.LogSoftmax(layer.dim),
+    }
+    module = simple[name]() if name in simple else getattr(nn, name)()
+    module = module.to(dtype).train(layer.training)
+    with torch.no_grad():
+        for field in ("weight", "bias", "running_mean", "running_var"):
+            value = getattr(layer, field, None)
+            if value is not None and getattr(module, field, None) is not None:
+                getattr(module, field).copy_(torch.from_numpy(np.array(value)))
+    return module
+
+
+def masked(mask: np.ndarray):
+    """A PyTorch module multiplying its input by a fixed ``mask`` of its shape: what PyTorch's dropout
+    computes in training mode (``input * mask / (1 - p)``) given the mask."""
+    import torch  # noqa: PLC0415 - the callers importorskip it
+
+    factor = torch.from_numpy(np.asarray(mask))
+    return _torch_classes().Lambda(lambda x: x * factor.reshape(x.shape))
+
+
+@functools.cache
+def _torch_classes() -> types.SimpleNamespace:
+    """The ``nn.Module`` subclasses of :func:`torch_mirror` and :func:`masked`, defined once, after
+    torch is imported (the callers importorskip it)."""
+    import torch  # noqa: PLC0415
+
+    class Affine(torch.nn.Module):
+        def __init__(self, scale: float, shift: float) -> None:
+            super().__init__()
+            self.scale, self.shift = scale, shift
+
+        def forward(self, x):
+            out = x if self.scale == 1 else x * self.scale
+            return out if self.shift == 0 else out + self.shift
+
+    class Residual(torch.nn.Module):
+        def __init__(self, inner: list, shortcut: list, single: bool) -> None:
+            super().__init__()
+            for index, module in enumerate(inner):
+                self.add_module(str(index), module)
+            self.inner = len(inner)
+            self.shortcut = (shortcut[0] if single else torch.nn.Sequential(*shortcut)) if shortcut else None
+
+        def forward(self, x):
+            y = x
+            for index in range(self.inner):
+                y = getattr(self, str(index))(y)
+            return y + (x if self.shortcut is None else self.shortcut(x))
+
+    class Lambda(torch.nn.Module):
+        def __init__(self, function) -> None:
+            super().__init__()
+            self.function = function
+
+        def forward(self, x):
+            return self.function(x)
+
+    return types.SimpleNamespace(Affine=Affine, Residual=Residual, Lambda=Lambda)
