@@ -451,8 +451,8 @@ def test_on_the_gpu_a_warm_iteration_uploads_nothing_and_waits_only_where_docume
                                                                                      kind):
     """After the first iteration, a forward and backward through the bridge wait for the GPU only where
     docs/gpu.md says: no upload from pageable memory (the weights are the tensors' memory), the
-    max-pools' NaN flag, the recurrent layer's check of its input, a pruned layer's check that its
-    batch is finite (its sparse forward and weight gradient)."""
+    recurrent layer's check of its input, a pruned layer's check that its batch is finite (its sparse
+    forward and weight gradient)."""
     import torch.nn.utils.prune as prune
 
     net = build(kind.partition("-")[0]).eval().to(on_the_gpu)
@@ -464,7 +464,7 @@ def test_on_the_gpu_a_warm_iteration_uploads_nothing_and_waits_only_where_docume
     bnet(x).sum().backward()
     device_stats.clear()
     bnet(x).sum().backward()
-    documented = (("in _max_selection_gpu",), ("recurrent/_module.py:", "in _sequence"),  # file, function
+    documented = (("recurrent/_module.py:", "in _sequence"),  # file, function
                   ("in _direct_forward_gpu",), ("in _sampled_weight_gradient_gpu",))
     unexpected = [sync for sync in device_stats.syncs
                   if not any(all(part in sync for part in where) for where in documented)]
