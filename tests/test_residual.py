@@ -29,7 +29,7 @@ from sparse_scan.layers import (
     Residual,
     Tanh,
 )
-from sparse_scan.layers._residual import plan_sum
+from sparse_scan.layers._block import plan_sum
 from sparse_scan.weights import load_state_dict, named_layers, state_dict
 
 RTOL, ATOL = 1e-10, 1e-12

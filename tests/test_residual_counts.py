@@ -21,10 +21,9 @@ def planned_figures(block: Residual, shape: tuple[int, ...]) -> tuple[int, int]:
     before issue 38: the union's entries; one add per shortcut entry, the chains' product steps and
     the layers' own fills."""
     symbolic = block._plan(shape)
-    inner_shapes, short_shapes = block._shapes(shape)
     flops = int(symbolic.positions[1].shape[0])
-    for chain, layers, shapes in ((symbolic.inner, block.layers, inner_shapes),
-                                  (symbolic.shortcut, block.shortcut, short_shapes)):
+    for chain, layers, shapes in zip(symbolic.chains, block.branches, block._layout(shape).branches,
+                                     strict=True):
         if chain is not None:
             flops += sum(step.flops for step in chain.steps) + sum(
                 layer.jacobian_fill_flops(s) for layer, s in zip(layers, shapes[:-1], strict=True))
@@ -100,7 +99,7 @@ def test_other_chains_of_convolutions_and_diagonals_are_counted_exactly(seed):
 
 def test_blocks_the_counts_do_not_know_are_planned():
     block = Residual(Conv2d(2, 2, 3, padding=1, rng=0), MaxPool2d(3, stride=1, padding=1))
-    assert block_counts(block.layers, block.shortcut, *block._shapes((2, 5, 5))) is None
+    assert block_counts("sum", block.branches, block._layout((2, 5, 5)).branches) is None
     assert block.pattern_nnz((2, 5, 5)) == planned_figures(block, (2, 5, 5))[0]
     assert block.jacobian_fill_flops((2, 5, 5)) == planned_figures(block, (2, 5, 5))[1]
     assert block.plan_builds == 1

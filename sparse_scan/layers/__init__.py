@@ -5,9 +5,25 @@ transposed Jacobian, cached per shape) and ``transposed_jacobian(x)`` (a :class:
 BatchedCSR`: the cached pattern plus this batch's values).
 """
 
-from ._activation import ELU, GELU, Affine, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
+from ._activation import (
+    ELU,
+    GELU,
+    Affine,
+    Hardsigmoid,
+    Hardswish,
+    Hardtanh,
+    Identity,
+    LeakyReLU,
+    Mish,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softplus,
+    Tanh,
+)
 from ._adaptive_pool import AdaptiveAvgPool2d
 from ._base import Layer
+from ._block import Block
 from ._conv import Conv2d
 from ._dropout import Dropout
 from ._flatten import Flatten
@@ -22,11 +38,14 @@ __all__ = [
     "Affine",
     "AvgPool2d",
     "BatchNorm2d",
+    "Block",
     "Conv2d",
     "Dropout",
     "ELU",
     "Flatten",
     "GELU",
+    "Hardsigmoid",
+    "Hardswish",
     "Hardtanh",
     "Identity",
     "Layer",
@@ -34,6 +53,7 @@ __all__ = [
     "Linear",
     "LogSoftmax",
     "MaxPool2d",
+    "Mish",
     "ReLU",
     "Residual",
     "SiLU",

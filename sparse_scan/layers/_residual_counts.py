@@ -1,10 +1,14 @@
-"""A residual block's planning figures counted exactly without its symbolic product (issue 38).
+"""A block's planning figures counted exactly without its symbolic product (issue 38).
 
-A scan plan asks a block for two integers: its JT's stored entries (the union of the inner chain's
-product with the shortcut's pattern) and the FLOPs of filling its values (the chains' products).
-:class:`~sparse_scan.layers.Residual` plans the products symbolically for that (seconds on a
-ResNet-20); this module counts the same integers from the layers' structure instead, for chains of
-:class:`~sparse_scan.layers.Conv2d` and diagonal layers (ReLU, BatchNorm2d, Dropout, ...).
+A scan plan asks a block for two integers: its JT's stored entries (the union of its branches' terms:
+a residual block's inner chain's product and its shortcut's pattern) and the FLOPs of filling its
+values (the chains' products and the join's). :class:`~sparse_scan.layers.Block` would plan the
+products symbolically for that (seconds on a ResNet-20); this module counts the same integers from the
+layers' structure instead, for sums of two and concatenations of chains of
+:class:`~sparse_scan.layers.Conv2d` and diagonal layers (ReLU, BatchNorm2d, Dropout, ...)
+(:func:`block_counts`). For the other blocks, whose branches' products are planned, it counts the union
+of their terms without forming it (:func:`terms_union_nnz`: a squeeze-and-excitation gate's term
+holds every input-output pair of the block).
 
 A channel-major pattern (row ``c * P + p``: channel ``c`` of pixel ``p``) is seen as a
 :class:`PixelPattern`: the pixel pairs ``(p, q)`` holding entries, each with a boolean channel mask
@@ -23,11 +27,10 @@ Examples
 >>> import numpy as np
 >>> from sparse_scan.layers import Conv2d, ReLU, Residual
 >>> block = Residual(Conv2d(2, 3, 3, padding=1, rng=0), ReLU(), Conv2d(3, 2, 3, padding=1, rng=1))
->>> shapes = block._shapes((2, 5, 5))
->>> counted = block_counts(block.layers, block.shortcut, *shapes)
+>>> counted = block_counts("sum", block.branches, block._layout((2, 5, 5)).branches)
 >>> symbolic = block._plan((2, 5, 5))
->>> counted.nnz == symbolic.union.nnz, counted.shortcut_nnz == symbolic.positions[1].shape[0]
-(True, True)
+>>> counted.nnz == symbolic.union.nnz, block.plan_builds
+(True, 1)
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from typing import Sequence
 
 import numpy as np
 
+from ..csr import Pattern
 from ._base import Layer, Shape
 from ._conv import Conv2d
+from ._joins import ColumnMap
 
-__all__ = ["BlockCounts", "PixelPattern", "block_counts", "conv_pixels"]
+__all__ = ["BlockCounts", "PixelPattern", "block_counts", "conv_pixels", "terms_union_nnz"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,21 +87,19 @@ class PixelPattern:
 
 @dataclass(frozen=True)
 class BlockCounts:
-    """A residual block's figures for one input shape.
+    """A block's figures for one input shape.
 
     Attributes
     ----------
     nnz : int
-        Stored entries of the block's JT (the union of both chains' patterns).
-    shortcut_nnz : int
-        Stored entries of the shortcut's pattern (the identity's: one per element).
+        Stored entries of the block's JT (the union of its branches' terms).
     product_flops : int
-        FLOPs of the inner and shortcut chains' products and of the sum (one add per shortcut
+        FLOPs of the branches' chain products and of the join
+        (:func:`~sparse_scan.layers._joins.fill_flops`: a residual block's one add per shortcut
         entry); the layers' own fills not included.
     """
 
     nnz: int
-    shortcut_nnz: int
     product_flops: int
 
 
@@ -255,7 +258,7 @@ def _counted(layer: Layer) -> bool:
 
 def _chain(layers: Sequence[Layer], shapes: Sequence[Shape]) -> tuple[PixelPattern, int] | None:
     """The chain product's pattern and its steps' FLOPs, as
-    :meth:`~sparse_scan.layers._residual.ChainProduct.plan` plans them; None for a chain of diagonals alone
+    :meth:`~sparse_scan.layers._block.ChainProduct.plan` plans them; None for a chain of diagonals alone
     (whose product keeps the first one's pattern)."""
     first = layers[0]
     product = None if first.jacobian_kind == "diagonal" else conv_pixels(first, shapes[0])
@@ -273,18 +276,46 @@ def _chain(layers: Sequence[Layer], shapes: Sequence[Shape]) -> tuple[PixelPatte
     return None if product is None else (product, flops)
 
 
-def block_counts(inner: Sequence[Layer], shortcut: Sequence[Layer], inner_shapes: Sequence[Shape],
-                 shortcut_shapes: Sequence[Shape]) -> BlockCounts | None:
-    """A residual block's :class:`BlockCounts`, its layers taking ``inner_shapes`` and
-    ``shortcut_shapes`` (input first, output last); None where some layer is neither a
-    :class:`~sparse_scan.layers.Conv2d` nor diagonal, the tensors are not ``(C, H, W)``, or a chain
-    holds no convolution (the caller then plans the block)."""
-    if len(inner_shapes[0]) != 3 or not all(_counted(layer) for layer in (*inner, *shortcut)):
+def block_counts(join: str, branches: Sequence[Sequence[Layer]],
+                 shapes: Sequence[Sequence[Shape]]) -> BlockCounts | None:
+    """A block's :class:`BlockCounts`, its branches' layers taking ``shapes`` (per branch, input first,
+    output last); None where the join is no sum of two branches nor a concatenation, some layer is
+    neither a :class:`~sparse_scan.layers.Conv2d` nor diagonal, the tensors are not ``(C, H, W)``, or a
+    chain holds no convolution (the caller then plans the block)."""
+    if join == "product" or (join == "sum" and len(branches) != 2) or len(shapes[0][0]) != 3 or not all(
+            _counted(layer) for chain in branches for layer in chain):
         return None
-    counted = _chain(inner, inner_shapes)
-    short = _chain(shortcut, shortcut_shapes) if shortcut else (_identity_pixels(inner_shapes[0]), 0)
-    if counted is None or short is None:
+    counted = [_chain(chain, chain_shapes) if chain else (_identity_pixels(chain_shapes[0]), 0)
+               for chain, chain_shapes in zip(branches, shapes, strict=True)]
+    if any(count is None for count in counted):
         return None
-    (product, flops), (short_pattern, short_flops) = counted, short
-    shortcut_nnz = short_pattern.nnz
-    return BlockCounts(union_nnz(product, short_pattern), shortcut_nnz, flops + short_flops + shortcut_nnz)
+    flops = sum(count[1] for count in counted)
+    if join == "concat":  # the terms lie side by side: no entry shared, no arithmetic
+        return BlockCounts(sum(count[0].nnz for count in counted), flops)
+    (inner, _), (short, _) = counted
+    return BlockCounts(union_nnz(inner, short), flops + short.nnz)
+
+
+def terms_union_nnz(patterns: Sequence[Pattern], maps: Sequence[ColumnMap]) -> int:
+    """Stored entries of the union of a block's terms ``JT_i M_i`` (``patterns``: the branches' JT
+    patterns, host; ``maps``: their :class:`~sparse_scan.layers._joins.ColumnMap`), the largest term
+    never formed: the others' entries are, and looked up in the largest one's branch pattern."""
+    entries = [column_map.columns_nnz(pattern) for pattern, column_map in zip(patterns, maps, strict=True)]
+    largest = max(range(len(entries)), key=entries.__getitem__)
+    out_size = maps[largest].out_size
+    keys = []
+    for index, (pattern, column_map) in enumerate(zip(patterns, maps, strict=True)):
+        if index != largest:
+            term, _ = column_map.columns(pattern)
+            keys.append(np.asarray(term.row_of_entries(), np.int64) * out_size
+                        + np.asarray(term.indices, np.int64))
+    others = np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
+    rows, columns = np.divmod(others, out_size)
+    big, big_map = patterns[largest], maps[largest]
+    branch_columns, mapped = big_map.branch_columns(columns)
+    width = big.shape[1]
+    big_keys = np.sort(np.asarray(big.row_of_entries(), np.int64) * width + np.asarray(big.indices, np.int64))
+    query = rows * width + branch_columns
+    found = np.minimum(np.searchsorted(big_keys, query), max(len(big_keys) - 1, 0))
+    shared = mapped & (big_keys[found] == query) if len(big_keys) else np.zeros(len(query), dtype=bool)
+    return entries[largest] + len(others) - int(np.count_nonzero(shared))
