@@ -1,0 +1,239 @@
+"""torchvision's classification models through ``export_torch`` and ``bppsa`` (issue 46's zoo).
+
+One test per family of ``torchvision.models`` (``tests/torchvision_models.py``: the smallest variant,
+``weights=None``, seeded, eval mode with random batch-norm statistics, float64, 3x32x32 where the model
+takes it, else the smallest input it takes, batch 1-2):
+
+- every CNN family: ``export_torch`` writes a spec whose loaded model's forward, input gradient and every
+  parameter gradient equal PyTorch autograd's within 1e-10 of each array's largest magnitude, for the
+  ``linear`` and ``blelloch`` schedules; then ``bppsa(net, method)`` the same, through autograd's own
+  ``backward`` (``.grad`` of the input and of every parameter). Blelloch may be refused by the planning
+  bound (issue 46): a one-line ``ScanCostError`` or ``ScanMemoryError`` naming the limit passes for it;
+- the families refused today (:data:`REFUSED_TODAY`) are marked ``xfail(strict=True,
+  raises=CaptureError)``, and their test checks that the refusal, by ``export_torch`` and by ``bppsa``,
+  is one line naming a node of the model's torch.fx graph and the operation it is refused for today: a
+  crash or a refusal for another reason fails the test instead of passing as expected;
+- the transformer families (vit, swin, swin_v2, maxvit) are refused naming the op, by both doors: an
+  attention operation, or LayerNorm while no LayerNorm layer exists (today: the capture checks module
+  types first, and LayerNorm comes before attention in each of them); ViT's own self-attention, called
+  as its encoder block calls it, is refused naming ``MultiheadAttention`` today already;
+- every classification model ``torchvision.models.list_models`` names belongs to exactly one family.
+
+When later work makes a refused family exact, its strict xfail turns red (XPASS): delete the family's
+entry from :data:`REFUSED_TODAY` and it is held exact from then on. When it makes a family refused for
+another op first (the next missing one), its test fails on the reason: update the entry.
+
+Skipped without PyTorch or torchvision (CI installs both: docs/testing.md says how torchvision's CUDA
+wheel is imported beside the CPU torch).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torchvision_models
+from torchvision_models import FAMILIES, Family
+
+from sparse_scan import ScanCostError, ScanMemoryError, export_torch, load_model
+
+torch = pytest.importorskip("torch")
+if not torchvision_models.installed():
+    pytest.skip("torchvision is not installed (CI installs it: docs/testing.md)", allow_module_level=True)
+
+from oracles import randomize_batch_norms  # noqa: E402 - after the skip: it imports nothing of torch
+
+from sparse_scan.torch import CaptureError, bppsa  # noqa: E402
+
+METHODS = ("linear", "blelloch")
+RTOL = 1e-10
+
+REFUSED_TODAY = {
+    "convnext": "LayerNorm is not supported",  # then permute, layer_scale, stochastic_depth
+    "densenet": "cat is not supported",
+    "efficientnet": "stochastic_depth is not supported",  # then squeeze-and-excitation's product
+    "efficientnet_v2": "stochastic_depth is not supported",
+    "googlenet": "cat is not supported",
+    "inception_v3": "cat is not supported",
+    "mobilenet_v3": "Hardswish is not supported",
+    "regnet_y": "multiplies 2 tensors",  # squeeze-and-excitation: `scale * input`
+    "shufflenet_v2": "cat is not supported",
+    "squeezenet": "cat is not supported",
+}
+"""Family -> the start of the reason its refusal gives today (the first op the capture meets that no
+layer computes)."""
+
+TRANSFORMER_REFUSAL = (r"LayerNorm is not supported"
+                       r"|.*(MultiheadAttention|scaled_dot_product_attention|attention|matmul|einsum|bmm)")
+"""What a transformer may be refused for: an attention operation (issue 46: they stay refused, by name),
+or LayerNorm while no layer computes it (today)."""
+
+BATCH = {"alexnet": 1, "inception_v3": 1, "resnext": 1, "vgg": 1, "wide_resnet": 1}
+"""The batch size of the largest models (2 for the others)."""
+
+SLOW = ("alexnet", "resnext", "vgg", "wide_resnet")
+"""Families whose test takes more than a few seconds (VGG-11 the longest: its 132 M float64 parameters,
+captured three times)."""
+
+REFUSAL = re.compile(r"node '(?P<node>[^']+)' \([^`]*?(`.*?`)?\): (?P<reason>.*)")
+"""A capture's refusal (``sparse_scan.torch._graph.describe``): ``node 'name' (what at file.py:12:
+`code`): reason``."""
+
+
+def cnn_family(family: Family):
+    """``family`` as a test parameter, marked with what it is refused for today."""
+    marks = [pytest.mark.slow] if family.name in SLOW else []
+    if family.name in REFUSED_TODAY:
+        marks.append(pytest.mark.xfail(strict=True, raises=CaptureError,
+                                       reason=f"refused today: {REFUSED_TODAY[family.name]}"))
+    return pytest.param(family, marks=marks, id=family.name)
+
+
+def sample(family: Family, net) -> tuple:
+    """A seeded input batch of ``family``'s shape and a seeded output gradient for ``net``."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn((BATCH.get(family.name, 2), 3, family.side, family.side), dtype=torch.float64,
+                    generator=generator)
+    with torch.no_grad():
+        shape = net(x).shape
+    return x, torch.randn(shape, dtype=torch.float64, generator=generator)
+
+
+def assert_close(got, want, label: str) -> None:
+    """``got`` equals ``want`` within :data:`RTOL` of ``want``'s largest magnitude."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{label}: shape {got.shape}, PyTorch's {want.shape}"
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-300)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale, err_msg=label)
+
+
+def assert_refused_by_name(net, error: BaseException, reason: str) -> None:
+    """``error`` is a one-line refusal naming a node of ``net``'s torch.fx graph, its reason matching
+    ``reason`` (a regular expression, from the reason's start)."""
+    message = str(error)
+    assert "\n" not in message, message
+    found = REFUSAL.match(message)
+    assert found, f"not a refusal naming a node: {message!r}"
+    assert re.match(reason, found["reason"]), f"refused for {found['reason']!r}, not {reason!r}"
+    nodes = {node.name for node in torch.fx.symbolic_trace(net).graph.nodes}
+    assert found["node"] in nodes, f"node {found['node']!r} is not in the model's graph"
+
+
+def assert_refused_by_the_bound(error: BaseException, method: str) -> None:
+    """A schedule refused by the planning bound says so in one line, naming the limit."""
+    message = str(error)
+    assert method in METHODS[1:], f"{method} refused: {message}"
+    assert "\n" not in message and "over the" in message, message
+
+
+def autograd(net, x, g) -> tuple:
+    """PyTorch's output, input gradient and parameter gradients (None where autograd gives none: a
+    module the forward does not use in eval mode, such as GoogLeNet's auxiliary heads)."""
+    net.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_(True)
+    y = net(leaf)
+    y.backward(g)
+    grads = {name: None if p.grad is None else p.grad.numpy().copy() for name, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    return y.detach().numpy(), leaf.grad.numpy(), grads
+
+
+@pytest.mark.parametrize("family", [cnn_family(family) for family in FAMILIES if not family.transformer])
+def test_family_equals_autograd_through_export_and_bppsa(tmp_path, family):
+    net = torchvision_models.build(family, torch.float64)
+    randomize_batch_norms(net)
+    x, g = sample(family, net)
+    try:
+        spec = export_torch(net, tuple(x.shape[1:]), tmp_path / "model.yaml")
+    except CaptureError as error:
+        if family.name not in REFUSED_TODAY:
+            raise
+        assert_refused_by_name(net, error, REFUSED_TODAY[family.name])
+        assert list(tmp_path.iterdir()) == []
+        with pytest.raises(CaptureError) as bridge:
+            bppsa(net)(x)
+        assert_refused_by_name(net, bridge.value, REFUSED_TODAY[family.name])
+        raise
+    y, dx, grads = autograd(net, x, g)
+    used = {name for name, grad in grads.items() if grad is not None}
+
+    model = load_model(spec, dtype=np.float64)
+    assert_close(model.forward(x.numpy()), y, f"{family.name} export: forward")
+    for method in METHODS:
+        try:
+            gradients = model.backward(g.numpy(), method=method)
+        except (ScanCostError, ScanMemoryError) as error:
+            assert_refused_by_the_bound(error, method)
+            continue
+        assert_close(gradients[0], dx, f"{family.name} export {method}: dL/dx")
+        parameters = model.parameter_gradients(gradients)
+        assert set(parameters) == used, f"{family.name} export {method}"
+        for name in used:
+            assert_close(parameters[name], grads[name], f"{family.name} export {method}: {name}")
+    del model
+
+    for method in METHODS:
+        leaf = x.clone().requires_grad_(True)
+        out = bppsa(net, method=method)(leaf)
+        assert_close(out.detach().numpy(), y, f"{family.name} bppsa {method}: forward")
+        try:
+            out.backward(g)
+        except (ScanCostError, ScanMemoryError) as error:
+            assert_refused_by_the_bound(error, method)
+            net.zero_grad(set_to_none=True)
+            continue
+        assert_close(leaf.grad.numpy(), dx, f"{family.name} bppsa {method}: dL/dx")
+        for name, parameter in net.named_parameters():
+            if name in used:
+                assert_close(parameter.grad.numpy(), grads[name], f"{family.name} bppsa {method}: {name}")
+            else:
+                assert parameter.grad is None, f"{family.name} bppsa {method}: {name} has a gradient"
+        net.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family.transformer],
+                         ids=lambda family: family.name)
+def test_transformer_is_refused_naming_the_op(tmp_path, family):
+    net = torchvision_models.build(family, torch.float64)
+    x = torch.randn((1, 3, family.side, family.side), dtype=torch.float64)
+    with pytest.raises(CaptureError) as error:
+        export_torch(net, tuple(x.shape[1:]), tmp_path / "model.yaml")
+    assert_refused_by_name(net, error.value, TRANSFORMER_REFUSAL)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CaptureError) as bridge:
+        bppsa(net)(x)
+    assert_refused_by_name(net, bridge.value, TRANSFORMER_REFUSAL)
+
+
+class SelfAttention(torch.nn.Module):
+    """A ``MultiheadAttention`` called as torchvision's ViT encoder block calls it (``x, _ =
+    self.self_attention(x, x, x, need_weights=False)``)."""
+
+    def __init__(self, attention) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x):
+        out, _ = self.attention(x, x, x, need_weights=False)
+        return out
+
+
+def test_vit_self_attention_is_refused_naming_multihead_attention(tmp_path):
+    (family,) = [family for family in FAMILIES if family.name == "vit"]
+    block = torchvision_models.build(family, torch.float64).encoder.layers[0]
+    net = SelfAttention(block.self_attention)
+    tokens = (family.side // 32) ** 2 + 1  # vit_b_32's 32x32 patches and its class token
+    with pytest.raises(CaptureError) as error:
+        export_torch(net, (tokens, block.self_attention.embed_dim), tmp_path / "model.yaml")
+    assert_refused_by_name(net, error.value, "MultiheadAttention is not supported")
+
+
+def test_every_classification_model_belongs_to_one_family():
+    models = torchvision_models.load().models
+    names = models.list_models(module=models)
+    assert len(names) >= 80, names  # torchvision 0.28 has 80
+    for name in names:
+        assert len(torchvision_models.family_of(name)) == 1, (name, torchvision_models.family_of(name))
+    for family in FAMILIES:
+        assert family.builder in names and torchvision_models.family_of(family.builder) == [family]
