@@ -23,12 +23,14 @@ When later work makes a refused family exact, its strict xfail turns red (XPASS)
 entry from :data:`REFUSED_TODAY` and it is held exact from then on. When it makes a family refused for
 another op first (the next missing one), its test fails on the reason: update the entry.
 
-Skipped without PyTorch or torchvision (CI installs both: docs/testing.md says how torchvision's CUDA
-wheel is imported beside the CPU torch).
+Skipped without PyTorch or torchvision, but where ``SPARSE_SCAN_REQUIRE_TORCHVISION=1`` (CI, which installs
+both: docs/testing.md says how torchvision's CUDA wheel is imported beside the CPU torch) a missing
+torchvision fails.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -40,6 +42,8 @@ from sparse_scan import ScanCostError, ScanMemoryError, export_torch, load_model
 
 torch = pytest.importorskip("torch")
 if not torchvision_models.installed():
+    if os.environ.get("SPARSE_SCAN_REQUIRE_TORCHVISION") == "1":  # CI: the zoo must run
+        raise RuntimeError("SPARSE_SCAN_REQUIRE_TORCHVISION=1 but torchvision is not installed")
     pytest.skip("torchvision is not installed (CI installs it: docs/testing.md)", allow_module_level=True)
 
 from oracles import randomize_batch_norms  # noqa: E402 - after the skip: it imports nothing of torch
