@@ -42,8 +42,25 @@ is a layer of its own after the block):
           - {type: batchnorm2d}
       - {name: layer2.0.relu_out, type: relu}
 
+A ``block`` layer joins branches of the same input (:class:`~sparse_scan.layers.Block`, one scan
+element): ``join`` is ``sum``, ``concat`` (along the channels: Inception, DenseNet's ``cat([x, f(x)])``)
+or ``product`` (two branches, with broadcasting: a squeeze-and-excitation gate), ``branches`` a list of
+chains (``[]``: the identity), optional ``branch_names`` (a child name per branch, or null: its layers are
+the block's own children; default the branch's index) and ``scoped``:
+
+.. code-block:: yaml
+
+      - name: mixed
+        type: block
+        join: concat                  # weights: mixed.0.0.weight, mixed.1.0.weight, ...
+        branches:
+          - [{type: conv2d, out_channels: 8, kernel_size: 1}]
+          - [{type: conv2d, out_channels: 4, kernel_size: 1}, {type: relu},
+             {type: conv2d, out_channels: 8, kernel_size: 3, padding: 1}]
+          - []
+
 ``in_channels``/``in_features``/``num_features`` are inferred from the previous layer (given, they must
-agree), along a block's inner chain and its shortcut from the block's input too. Messages name a nested
+agree), along a block's chains (inner, shortcut, branches) from its input too. Messages name a nested
 layer by its path and place (``layer 'layer2.0.conv1' (layers[5].layers[0])``); ``init`` and ``prune``
 reach every layer of every block. Every problem is a :class:`SpecError` naming the file, the layer and
 the field; the spec and the weights file are only read.
@@ -118,6 +135,7 @@ from .layers import (
     Affine,
     AvgPool2d,
     BatchNorm2d,
+    Block,
     Conv2d,
     Dropout,
     Flatten,
@@ -148,15 +166,22 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
     "affine": Affine, "log_softmax": LogSoftmax, "softmax": Softmax, "residual": Residual,
+    "block": Block,
 }
 """Spec ``type`` -> layer class (arguments: the class's, PyTorch's names; ``residual``'s:
-:data:`RESIDUAL_FIELDS`)."""
+:data:`RESIDUAL_FIELDS`; ``block``'s: :data:`BLOCK_FIELDS`)."""
 
 RESIDUAL_FIELDS = ("layers", "shortcut", "shortcut_name", "scoped")
 """A ``residual`` block's fields: its inner chain, its shortcut (absent: the identity), the name its
 shortcut's parameters take (``"shortcut"`` by default; ``"downsample"`` gives torchvision's names) and
 whether its layers are named under the block (``scoped``, true by default; false: a sum written inline
 in a module's forward, whose layers keep their own names in the scope holding the block)."""
+
+BLOCK_FIELDS = ("join", "branches", "branch_names", "scoped")
+"""A ``block``'s fields: how it joins its branches (``sum``, ``concat``, ``product``: required), its
+branches (a list of chains, each a list of layers; ``[]`` the identity), the name of each branch among
+the block's children (default its index; null: the branch's layers are the block's own children) and
+whether its layers are named under the block (``scoped``, true by default)."""
 
 RECURRENT_TYPES: dict[str, type] = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
 """Spec ``type`` of a recurrent first layer -> its class (arguments: PyTorch's; ``input_size`` inferred)."""
@@ -435,7 +460,7 @@ def _build_chain(ctx: _Context, entries: Any, shape: tuple[int, ...], location: 
 
 def _build_entry(ctx: _Context, entry: Any, shape: tuple[int, ...], location: str, default: str,
                  prefix: str) -> tuple[Layer, tuple[int, ...]]:
-    """One layer (a ``residual`` block with its chains) with its weights set and pruned."""
+    """One layer (a ``residual`` or ``block`` with its chains) with its weights set and pruned."""
     name, where = _layer_name(ctx.path, location, entry, default, prefix)
     full = prefix + name
     if full in ctx.paths:
@@ -443,6 +468,8 @@ def _build_entry(ctx: _Context, entry: Any, shape: tuple[int, ...], location: st
     ctx.paths.add(full)
     if entry.get("type") == "residual":
         return _build_residual(ctx, entry, shape, location, name, where, full, prefix)
+    if entry.get("type") == "block":
+        return _build_block(ctx, entry, shape, location, name, where, full, prefix)
     layer, out_shape = _build_layer(ctx.path, where, name, entry, shape, ctx.dtype, ctx.rng,
                                     ctx.amount is not None, ctx.memory)
     _set_weights(ctx.path, where, full, layer, ctx.stored, ctx.initialised)
@@ -537,10 +564,63 @@ def _residual_block(ctx: _Context, where: str, name: str, shape: tuple[int, ...]
     return block, inner_shape
 
 
+def _build_block(ctx: _Context, entry: dict[str, Any], shape: tuple[int, ...], location: str, name: str,
+                 where: str, full: str, prefix: str) -> tuple[Block, tuple[int, ...]]:
+    """A ``block``: its ``branches`` (lists of layers, ``[]`` the identity) joined by ``join``, each
+    branch's layers under ``<full>.<branch name>`` (under ``full`` for a branch named null), or in the
+    block's scope ``prefix`` when it is not ``scoped``."""
+    for argument in entry:
+        if argument not in ("name", "type") + BLOCK_FIELDS:
+            raise _fail(ctx.path, where, argument, f"unknown argument of block (allowed: "
+                        f"{', '.join(BLOCK_FIELDS)})")
+    join = entry.get("join")
+    if not isinstance(join, str) or join not in Block.joins:
+        given = "missing" if "join" not in entry else f"got {join!r}"
+        raise _fail(ctx.path, where, "join", f"must be one of {', '.join(Block.joins)} ({given})")
+    branches = entry.get("branches")
+    count = "two" if join == "product" else "at least two"
+    if not isinstance(branches, list) or len(branches) < 2 or (join == "product" and len(branches) != 2):
+        raise _fail(ctx.path, where, "branches", f"must be a list of {count} branches (each a list of "
+                    f"layers, [] the identity) for a {join}, got {branches!r}")
+    scoped = entry.get("scoped", True)
+    if not isinstance(scoped, bool):
+        raise _fail(ctx.path, where, "scoped", f"must be true or false, got {scoped!r}")
+    names = entry.get("branch_names", [str(index) for index in range(len(branches))])
+    if "branch_names" in entry and not scoped:
+        raise _fail(ctx.path, where, "branch_names", "names the branches under the block; with scoped: false "
+                    "every layer is named by its own name")
+    if not isinstance(names, list) or len(names) != len(branches) or not all(
+            branch is None or (isinstance(branch, str) and branch and "." not in branch) for branch in names):
+        raise _fail(ctx.path, where, "branch_names", f"must be a list of {len(branches)} names without dots "
+                    f"(or null), one per branch, got {names!r}")
+    chains = []
+    for index, (branch, branch_name) in enumerate(zip(branches, names, strict=True)):
+        if not isinstance(branch, list):
+            raise _fail(ctx.path, where, "branches", f"branch {index} must be a list of layers ([] is the "
+                        f"identity), got {branch!r}")
+        under = prefix if not scoped else f"{full}." if branch_name is None else f"{full}.{branch_name}."
+        chain = _build_chain(ctx, branch, shape, f"{location}.branches[{index}]", under, where,
+                             "branches")[0] if branch else []
+        chains.append(chain)
+    try:
+        block = Block(*chains, join=join, names=names, scoped=scoped)
+    except (TypeError, ValueError) as error:  # defensive: the checks above cover Block's own
+        raise _fail(ctx.path, where, "branches", str(error)) from None
+    try:
+        out_shape = tuple(block.output_shape(shape))
+    except ValueError as error:  # the branches' outputs do not join
+        match = _LAYER_MESSAGE.match(str(error))
+        raise _fail(ctx.path, where, "branches", match.group(2) if match else str(error)) from None
+    block.name = name
+    block.training = False  # its own flag only: its layers keep the modes their entries gave them
+    return block, out_shape
+
+
 def _build_layer(path: pathlib.Path, where: str, name: str, entry: dict[str, Any], shape: tuple[int, ...],
                  dtype: Any, rng: np.random.Generator, prune: bool,
                  memory: _Memory) -> tuple[Layer, tuple[int, ...]]:
-    """A layer of one of :data:`LAYER_TYPES` but ``residual``, from its entry and its input ``shape``;
+    """A layer of one of :data:`LAYER_TYPES` but ``residual`` and ``block``, from its entry and its input
+    ``shape``;
     its parameters and one sample's output held to the memory budget (``memory``) before either is
     allocated."""
     kind = entry.get("type")

@@ -12,7 +12,8 @@ infinity equals autograd (outputs, input gradient, parameter gradients).
 
 Three places where PyTorch itself gives no single answer are left out, each depending on which of its
 loops reaches the element (the vectorised body or the scalar tail, by its position in the tensor):
-ELU's and Hardtanh's gradient at a NaN input (NaN or 0 in the body, the gradient in the tail), and
+ELU's, Hardtanh's and Hardswish's gradient at a NaN input (NaN, 0 and NaN in the body, the gradient in
+the tail), and
 float32 GELU(inf) (NaN in the body, inf in the tail and in float64).
 """
 
@@ -33,12 +34,15 @@ from sparse_scan.layers import (
     Conv2d,
     Dropout,
     Flatten,
+    Hardsigmoid,
+    Hardswish,
     Hardtanh,
     Identity,
     LeakyReLU,
     Linear,
     LogSoftmax,
     MaxPool2d,
+    Mish,
     ReLU,
     Residual,
     Sigmoid,
@@ -86,6 +90,9 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape)
     "hardtanh": (lambda d: Hardtanh(-0.5, 0.8), PLANE),
     "softplus": (lambda d: Softplus(), PLANE),
     "softplus-2-3": (lambda d: Softplus(2.0, 3.0), PLANE),
+    "hardswish": (lambda d: Hardswish(), PLANE),
+    "hardsigmoid": (lambda d: Hardsigmoid(), PLANE),
+    "mish": (lambda d: Mish(), PLANE),
     "identity": (lambda d: Identity(), PLANE),
     "affine": (lambda d: Affine(scale=-2.0, shift=1.0), PLANE),
     "affine-shift": (lambda d: Affine(shift=0.5), PLANE),
@@ -190,7 +197,7 @@ def unspecified(layer, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | N
     """Where PyTorch's forward and input gradient have no single answer (the module docstring)."""
     exact_gelu = isinstance(layer, GELU) and layer.approximate == "none" and x.dtype == np.float32
     return (np.isposinf(x) if exact_gelu else None,
-            np.isnan(x) if isinstance(layer, (ELU, Hardtanh)) else None)
+            np.isnan(x) if isinstance(layer, (ELU, Hardtanh, Hardswish)) else None)
 
 
 def check_layer(layer, x: np.ndarray) -> None:

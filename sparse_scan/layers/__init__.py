@@ -5,7 +5,22 @@ transposed Jacobian, cached per shape) and ``transposed_jacobian(x)`` (a :class:
 BatchedCSR`: the cached pattern plus this batch's values).
 """
 
-from ._activation import ELU, GELU, Affine, Hardtanh, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
+from ._activation import (
+    ELU,
+    GELU,
+    Affine,
+    Hardsigmoid,
+    Hardswish,
+    Hardtanh,
+    Identity,
+    LeakyReLU,
+    Mish,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softplus,
+    Tanh,
+)
 from ._adaptive_pool import AdaptiveAvgPool2d
 from ._base import Layer
 from ._block import Block
@@ -29,6 +44,8 @@ __all__ = [
     "ELU",
     "Flatten",
     "GELU",
+    "Hardsigmoid",
+    "Hardswish",
     "Hardtanh",
     "Identity",
     "Layer",
@@ -36,6 +53,7 @@ __all__ = [
     "Linear",
     "LogSoftmax",
     "MaxPool2d",
+    "Mish",
     "ReLU",
     "Residual",
     "SiLU",

@@ -1,20 +1,23 @@
-"""Elementwise activations: ReLU, LeakyReLU, Tanh, Sigmoid, GELU, SiLU, ELU, Hardtanh, Softplus, Identity,
-and Affine (a constant scaling and shift, ``x * 2.0`` or ``x + 1`` in a module's forward).
+"""Elementwise activations: ReLU, LeakyReLU, Tanh, Sigmoid, GELU, SiLU, ELU, Hardtanh, Softplus,
+Hardswish, Hardsigmoid, Mish, Identity, and Affine (a constant scaling and shift, ``x * 2.0`` or ``x + 1``
+in a module's forward).
 
 Their transposed Jacobian is diagonal (``jacobian_kind = "diagonal"``): the pattern is the identity's,
 and the values are the elementwise derivative, input-dependent zeros (ReLU's off units) kept explicit.
 The values fill is an elementwise array expression, identical on NumPy and CuPy (GELU's ``erf`` comes
 from SciPy or CuPy's ``cupyx.scipy.special``, dispatched by :func:`~sparse_scan.backend.twin`).
 Derivatives at kinks follow PyTorch's backward (ELU takes its ``x <= 0`` branch at 0, Hardtanh's
-gradient is 0 at its bounds, Softplus is linear above its threshold).
+gradient is 0 at its bounds, Softplus is linear above its threshold, Hardswish's is 0 at -3 and 1 at 3,
+Hardsigmoid's 0 at both).
 
 IEEE values are PyTorch's (``tests/test_ieee.py``): a branch is chosen by PyTorch's comparison, so a NaN
 input takes the branch whose test it fails (ReLU's derivative at NaN is 1: PyTorch's backward is
 ``x <= 0 ? 0 : grad``), a forward never multiplies an infinity by a zero mask (ReLU(-inf) is 0, not
 ``-inf * 0``), and formulas that PyTorch multiplies out (GELU and SiLU at -inf: ``-inf * 0``, NaN) are
 multiplied out here too. Where PyTorch's answer depends on which of its loops reaches an element (the
-vectorised body or the scalar tail), the layer's docstring says which it takes: ELU's and Hardtanh's
-derivative at NaN (NaN, 0: the body's), float32 GELU(inf) (inf: the tail's, and float64's).
+vectorised body or the scalar tail), the layer's docstring says which it takes: ELU's, Hardtanh's and
+Hardswish's derivative at NaN (NaN, 0, NaN: the body's), float32 GELU(inf) (inf: the tail's, and
+float64's).
 
 JT's values are derivatives, and ``JT @ g`` multiplies them by the gradient, so a zero derivative times
 an infinite or NaN gradient is NaN (a product of matrices) where PyTorch's backward of ReLU and
@@ -37,8 +40,8 @@ from ..csr import Pattern
 from ._base import Layer, Shape, diagonal_pattern
 from ._kernels import relu_backward, relu_forward
 
-__all__ = ["ELU", "GELU", "Affine", "Hardtanh", "Identity", "LeakyReLU", "ReLU", "SiLU", "Sigmoid",
-           "Softplus", "Tanh"]
+__all__ = ["ELU", "GELU", "Affine", "Hardsigmoid", "Hardswish", "Hardtanh", "Identity", "LeakyReLU", "Mish",
+           "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"]
 
 
 def _sigmoid(x: Array) -> Array:
@@ -346,6 +349,97 @@ class Softplus(_Elementwise):
 
     def __repr__(self) -> str:
         return f"Softplus(beta={self.beta}, threshold={self.threshold})"
+
+
+def _hard_gate(x: Array) -> Array:
+    """``min(max(x + 3, 0), 6)``, NaN kept (PyTorch's ``hardsigmoid`` and ``hardswish`` before their
+    division by 6)."""
+    xp = _backend.of(x).xp
+    return xp.minimum(xp.maximum(x + x.dtype.type(3), x.dtype.type(0)), x.dtype.type(6))
+
+
+class Hardswish(_Elementwise):
+    """``x * min(max(x + 3, 0), 6) / 6`` (PyTorch's ``nn.Hardswish``, MobileNetV3's); derivative 0 for
+    ``x <= -3``, 1 for ``x >= 3``, ``x / 3 + 1/2`` between: PyTorch's sides of the kinks.
+
+    PyTorch's IEEE values: Hardswish(-inf) is NaN (``-inf * 0``), Hardswish(-5) is -0.0; the derivative
+    at NaN is NaN (PyTorch's vectorised loop; its scalar loop, a tensor's last few elements, gives 1).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[-4.0, -3.0, -1.5, 0.0, 3.0]])
+    >>> Hardswish().forward(x)
+    array([[-0.   , -0.   , -0.375,  0.   ,  3.   ]])
+    >>> Hardswish().transposed_jacobian(x).data
+    array([[0. , 0. , 0. , 0.5, 1. ]])
+    """
+
+    def _apply(self, x: Array) -> Array:
+        return x * _hard_gate(x) / x.dtype.type(6)
+
+    def _derivative(self, x: Array) -> Array:
+        xp = _backend.of(x).xp
+        middle = x / x.dtype.type(3) + x.dtype.type(0.5)
+        return xp.where(x <= -3, x.dtype.type(0), xp.where(x >= 3, x.dtype.type(1), middle))
+
+
+_ONE_SIXTH = np.float32(1) / np.float32(6)
+"""PyTorch's Hardsigmoid slope, a float32 constant whatever the dtype."""
+
+
+class Hardsigmoid(_Elementwise):
+    """``min(max(x + 3, 0), 6) / 6`` (PyTorch's ``nn.Hardsigmoid``); derivative 1/6 strictly between -3
+    and 3, 0 elsewhere, at the kinks and at NaN (PyTorch's). The 1/6 is PyTorch's float32 constant in
+    both dtypes (its float64 backward multiplies by ``1.0f / 6.0f`` too: 0.1666666716...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[-3.0, 0.0, 1.5, 3.0]])
+    >>> Hardsigmoid().forward(x)
+    array([[0.  , 0.5 , 0.75, 1.  ]])
+    >>> Hardsigmoid().transposed_jacobian(x).data.round(4)
+    array([[0.    , 0.1667, 0.1667, 0.    ]])
+    """
+
+    def _apply(self, x: Array) -> Array:
+        return _hard_gate(x) / x.dtype.type(6)
+
+    def _derivative(self, x: Array) -> Array:
+        xp = _backend.of(x).xp
+        return xp.where((x > -3) & (x < 3), x.dtype.type(_ONE_SIXTH), x.dtype.type(0))
+
+
+class Mish(_Elementwise):
+    """``x * tanh(softplus(x))`` (PyTorch's ``nn.Mish``, softplus without a threshold); derivative
+    ``t + x s (1 - t^2)`` with ``t = tanh(softplus(x))`` and ``s = sigmoid(x)``, PyTorch's formula.
+
+    PyTorch's IEEE values: Mish(-inf) is NaN (``-inf * 0``), and the derivative is NaN at both infinities
+    (``inf * 0`` in the formula); ``softplus`` is ``logaddexp(0, x)`` here (no overflow warning where
+    PyTorch's ``log1p(exp(x))`` overflows to the same infinity).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[-1.0, 0.0, 2.0]])
+    >>> Mish().forward(x).round(4)
+    array([[-0.3034,  0.    ,  1.944 ]])
+    >>> Mish().transposed_jacobian(x).data.round(4)
+    array([[0.0592, 0.6   , 1.0693]])
+    """
+
+    def _apply(self, x: Array) -> Array:
+        return x * self._tanh_softplus(x)
+
+    @staticmethod
+    def _tanh_softplus(x: Array) -> Array:
+        xp = _backend.of(x).xp
+        return xp.tanh(xp.logaddexp(x.dtype.type(0), x)).astype(x.dtype, copy=False)
+
+    def _derivative(self, x: Array) -> Array:
+        t = self._tanh_softplus(x)
+        return t + x * _sigmoid(x) * (1 - t * t)
 
 
 class Affine(_Elementwise):

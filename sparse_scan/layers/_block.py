@@ -284,6 +284,8 @@ class Block(Layer):
 
     jacobian_kind = "general"
     parameter_names: tuple[str, ...] = ()
+    joins: tuple[str, ...] = JOINS
+    """The joins a block takes (:data:`~sparse_scan.layers._joins.JOINS`)."""
 
     def __init__(self, *branches: Branch, join: str = "sum", names: Sequence[str | None] | None = None,
                  scoped: bool = True) -> None:
