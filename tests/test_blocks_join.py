@@ -21,6 +21,7 @@ import scipy.sparse as sp
 from oracles import finite_difference_jt, torch_jt, torch_mirror
 
 from sparse_scan import Sequential
+from sparse_scan.engine.plan import operands_needing_patterns
 from sparse_scan.engine.schedule import depth
 from sparse_scan.layers import (
     AdaptiveAvgPool2d,
@@ -415,3 +416,47 @@ def test_bad_arguments_and_shapes_raise_one_clear_error():
         product.pattern((2, 5, 5))
     with pytest.raises(RuntimeError, match="call forward"):
         Block([ReLU()], [], join="product").weights_matvec((2, 3))
+
+
+def test_jt_fills_are_counted_where_a_scan_multiplies_a_blocks_jt():
+    """A plan whose products read a block's JT adds the costliest such fill to its critical path and
+    every one to its work; back-propagation (which applies blocks through their branches) none; the
+    static and live figures of :mod:`sparse_scan.flops` agree with the plan."""
+    from sparse_scan.flops import analyse, live
+
+    model = Sequential(Tanh(), *se_resnet().layers)
+    shape = (3, 5, 5)
+    n, shapes = len(model), model.shapes(shape)
+    assert model.plan(shape, "linear").fill_flops == (0, 0)
+    plan = model.plan(shape, "blelloch")
+    read = [j for j in operands_needing_patterns(n, "blelloch", None)
+            if isinstance(model.layers[n - j], Block)]
+    fills = [model.layers[n - j].jacobian_fill_flops(shapes[n - j]) for j in read]
+    assert read and plan.fill_flops == (max(fills), sum(fills))
+    model.input_shape = shape
+    static = analyse(model, method="blelloch")
+    assert static["totals"]["critical_flops"] == plan.critical_flops
+    assert static["totals"]["work_flops"] == plan.work_flops
+    for index, layer in enumerate(static["layers"]):
+        assert layer["nnz"] == model.layers[index].pattern_nnz(shapes[index])
+    counted = live(model, make_input(shape), "blelloch")["totals"]
+    assert counted["critical_flops"]["static"] == plan.critical_flops
+    assert counted["work_flops"]["live"]["max"] <= plan.work_flops
+    assert counted["work_flops"]["live"]["min"] >= plan.fill_flops[1]
+
+
+@pytest.mark.parametrize("which", ["inception", "se_resnet"])
+def test_a_distributed_slice_of_blocks_multiplies_their_jts_like_back_propagation(which):
+    """A rank's slice product (:mod:`sparse_scan.distributed`) over blocks' JTs, applied to the
+    gradient after the slice, gives back-propagation's gradient before it."""
+    from sparse_scan.distributed._slices import SliceProduct, apply
+
+    build, shape = MODELS[which]
+    model = build()
+    y = model.forward(make_input(shape))
+    grads = model.backward(np.random.default_rng(3).standard_normal(y.shape), method="linear")
+    jacobians, shapes, n = model.transposed_jacobians(), model.shapes(shape), len(model)
+    for a, b in [(0, n), (0, 2), (1, n - 1)]:
+        product = SliceProduct(model.layers[a:b], shapes[a]).compute(jacobians[a:b])
+        np.testing.assert_allclose(apply(product, grads[b].reshape(3, -1)), grads[a].reshape(3, -1),
+                                   rtol=RTOL, atol=ATOL, err_msg=f"{a}:{b}")
