@@ -144,6 +144,8 @@ from .layers import (
     Hardtanh,
     Identity,
     Layer,
+    LayerNorm,
+    LayerScale,
     LeakyReLU,
     Linear,
     LogSoftmax,
@@ -168,6 +170,7 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
     "hardswish": Hardswish, "hardsigmoid": Hardsigmoid, "mish": Mish,
+    "layer_norm": LayerNorm, "layer_scale": LayerScale,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
     "affine": Affine, "log_softmax": LogSoftmax, "softmax": Softmax, "residual": Residual,
     "block": Block,
@@ -192,7 +195,8 @@ RECURRENT_TYPES: dict[str, type] = {"rnn": RNN, "gru": GRU, "lstm": LSTM}
 
 TOP_LEVEL = ("input_shape", "layers", "weights", "init", "prune")
 INFERRED = {Conv2d: ("in_channels", lambda shape: shape[0]), Linear: ("in_features", lambda shape: shape[0]),
-            BatchNorm2d: ("num_features", lambda shape: shape[0])}
+            BatchNorm2d: ("num_features", lambda shape: shape[0]),
+            LayerScale: ("dim", lambda shape: shape[0])}
 ENGINE_ARGUMENTS = ("dtype", "rng", "prune_pattern")  # set by the loader (those a class takes), not the spec
 IGNORED_KEYS = {BatchNorm2d: ("num_batches_tracked",)}
 """Entries of PyTorch's state_dict a weights file may hold that the layer never uses (frozen statistics

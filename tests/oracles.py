@@ -124,11 +124,15 @@ def torch_mirror(layer, dtype=None):
         "Softplus": lambda: nn.Softplus(layer.beta, layer.threshold),
         "Softmax": lambda: nn.Softmax(layer.dim),
         "LogSoftmax": lambda: nn.LogSoftmax(layer.dim),
+        "LayerNorm": lambda: (nn.LayerNorm if layer.data_format == "channels_last"
+                              else _torch_classes().ChannelsLayerNorm)(
+            layer.normalized_shape, layer.eps, layer.elementwise_affine, bias=layer.bias is not None),
+        "LayerScale": lambda: _torch_classes().LayerScale(layer.dim),
     }
     module = simple[name]() if name in simple else getattr(nn, name)()
     module = module.to(dtype).train(layer.training)
     with torch.no_grad():
-        for field in ("weight", "bias", "running_mean", "running_var"):
+        for field in ("weight", "bias", "running_mean", "running_var", "gamma"):
             value = getattr(layer, field, None)
             if value is not None and getattr(module, field, None) is not None:
                 getattr(module, field).copy_(torch.from_numpy(np.array(value)))
@@ -181,4 +185,22 @@ def _torch_classes() -> types.SimpleNamespace:
         def forward(self, x):
             return self.function(x)
 
-    return types.SimpleNamespace(Affine=Affine, Residual=Residual, Lambda=Lambda)
+    class ChannelsLayerNorm(torch.nn.LayerNorm):
+        """A LayerNorm over the channels of ``(N, C, ...)``: torchvision's ``LayerNorm2d`` (ConvNeXt's
+        ``permute(0, 2, 3, 1)``, ``nn.LayerNorm(C)``, ``permute(0, 3, 1, 2)``)."""
+
+        def forward(self, x):
+            return super().forward(x.movedim(1, -1)).movedim(-1, 1)
+
+    class LayerScale(torch.nn.Module):
+        """ConvNeXt's ``layer_scale * x``, the parameter named ``gamma`` (timm's name)."""
+
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.gamma = torch.nn.Parameter(torch.ones(dim, 1, 1))
+
+        def forward(self, x):
+            return self.gamma * x
+
+    return types.SimpleNamespace(Affine=Affine, Residual=Residual, Lambda=Lambda,
+                                 ChannelsLayerNorm=ChannelsLayerNorm, LayerScale=LayerScale)

@@ -14,7 +14,9 @@ Three places where PyTorch itself gives no single answer are left out, each depe
 loops reaches the element (the vectorised body or the scalar tail, by its position in the tensor):
 ELU's, Hardtanh's and Hardswish's gradient at a NaN input (NaN, 0 and NaN in the body, the gradient in
 the tail), and
-float32 GELU(inf) (NaN in the body, inf in the tail and in float64).
+float32 GELU(inf) (NaN in the body, inf in the tail and in float64). And a LayerNorm's groups whose
+squares overflow the dtype (float32's 1e30): PyTorch's vectorised moments make their variance infinite
+or NaN by the group's length.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from sparse_scan.layers import (
     Hardswish,
     Hardtanh,
     Identity,
+    LayerNorm,
+    LayerScale,
     LeakyReLU,
     Linear,
     LogSoftmax,
@@ -70,6 +74,19 @@ def batch_norm(channels: int, dtype) -> BatchNorm2d:
     layer.running_var = rng.uniform(0.5, 2.0, channels).astype(dtype)
     layer.weight = np.where(np.arange(channels) == 0, 0, rng.uniform(0.5, 1.5, channels)).astype(dtype)
     layer.bias = rng.standard_normal(channels).astype(dtype)
+    return layer
+
+
+def with_parameters(layer):
+    """``layer`` with random parameters, the first entry of each but a bias zero (``inf * 0``)."""
+    rng = np.random.default_rng(7)
+    for name in layer.parameter_names:
+        value = getattr(layer, name)
+        if value is not None:
+            random = rng.uniform(0.5, 1.5, value.shape)
+            if name != "bias":
+                random.flat[0] = 0.0
+            setattr(layer, name, random.astype(value.dtype))
     return layer
 
 
@@ -108,6 +125,12 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape)
     "adaptive-avg-pool-1": (lambda d: AdaptiveAvgPool2d(1), PLANE),
     "adaptive-avg-pool-none": (lambda d: AdaptiveAvgPool2d((3, None)), PLANE),
     "batch-norm": (lambda d: batch_norm(2, d), PLANE),
+    "layer-norm": (lambda d: with_parameters(LayerNorm(6, dtype=d)), PLANE),
+    "layer-norm-2d-plain": (lambda d: LayerNorm((4, 6), elementwise_affine=False, dtype=d), PLANE),
+    "layer-norm-flat": (lambda d: with_parameters(LayerNorm(12, bias=False, dtype=d)), FLAT),
+    "layer-norm-channels": (lambda d: with_parameters(LayerNorm(2, 1e-6, data_format="channels_first",
+                                                                dtype=d)), PLANE),
+    "layer-scale": (lambda d: with_parameters(LayerScale(2, dtype=d)), PLANE),
     "dropout-eval": (lambda d: Dropout(0.3).eval(), PLANE),
     "flatten": (lambda d: Flatten(), PLANE),
     "log-softmax": (lambda d: LogSoftmax(dim=1), FLAT),
@@ -196,8 +219,19 @@ def autograd(module, x: np.ndarray, grad: np.ndarray) -> tuple[np.ndarray, np.nd
 def unspecified(layer, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Where PyTorch's forward and input gradient have no single answer (the module docstring)."""
     exact_gelu = isinstance(layer, GELU) and layer.approximate == "none" and x.dtype == np.float32
-    return (np.isposinf(x) if exact_gelu else None,
-            np.isnan(x) if isinstance(layer, (ELU, Hardtanh, Hardswish)) else None)
+    overflow = overflowing_groups(layer, x) if isinstance(layer, LayerNorm) else None
+    return (np.isposinf(x) if exact_gelu else overflow,
+            np.isnan(x) if isinstance(layer, (ELU, Hardtanh, Hardswish)) else overflow)
+
+
+def overflowing_groups(layer: LayerNorm, x: np.ndarray) -> np.ndarray:
+    """Where a LayerNorm's group holds a finite value whose square, times the group's length, overflows
+    the dtype (the module docstring)."""
+    groups, n, positions = layer._layout(x.shape[1:])
+    grouped = np.abs(x.astype(np.float64)).reshape(len(x), groups, n, positions)
+    largest = np.where(np.isfinite(grouped), grouped, 0).max(axis=2, keepdims=True)
+    overflow = largest * largest * n > np.finfo(x.dtype).max
+    return np.broadcast_to(overflow, grouped.shape).reshape(x.shape)
 
 
 def check_layer(layer, x: np.ndarray) -> None:

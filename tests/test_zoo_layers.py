@@ -18,16 +18,39 @@ import pytest
 from oracles import finite_difference_jt, torch_jt, torch_mirror
 
 from sparse_scan import Sequential, backend, flops
-from sparse_scan.layers import Conv2d, Hardsigmoid, Hardswish, Mish
+from sparse_scan.layers import GELU, Conv2d, Hardsigmoid, Hardswish, LayerNorm, LayerScale, Mish, Residual
 from sparse_scan.spec import model_from_spec
 
 DTYPES = [np.float32, np.float64]
 PLANE = (3, 4, 5)
 
+
+def randomized(layer, seed: int = 0):
+    """``layer`` with random values in every parameter it has (PyTorch's initial ones and zeros would
+    hide a wrong Jacobian)."""
+    rng = np.random.default_rng(seed)
+    for name in getattr(layer, "parameter_names", ()):
+        value = getattr(layer, name)
+        if value is not None:
+            setattr(layer, name, rng.uniform(-1.5, 1.5, value.shape).astype(value.dtype))
+    return layer
+
+
 CASES = {  # id: (layer factory of the dtype, per-sample input shape, its spec entry)
     "hardswish": (lambda d: Hardswish(), PLANE, {"type": "hardswish"}),
     "hardsigmoid": (lambda d: Hardsigmoid(), PLANE, {"type": "hardsigmoid"}),
     "mish": (lambda d: Mish(), PLANE, {"type": "mish"}),
+    "layer-norm": (lambda d: randomized(LayerNorm((4, 5), dtype=d)), PLANE,
+                   {"type": "layer_norm", "normalized_shape": [4, 5]}),
+    "layer-norm-last": (lambda d: randomized(LayerNorm(5, eps=1e-3, bias=False, dtype=d)), PLANE,
+                        {"type": "layer_norm", "normalized_shape": 5, "eps": 1e-3, "bias": False}),
+    "layer-norm-plain": (lambda d: LayerNorm(PLANE, elementwise_affine=False, dtype=d), PLANE,
+                         {"type": "layer_norm", "normalized_shape": list(PLANE),
+                          "elementwise_affine": False}),
+    "layer-norm-channels": (lambda d: randomized(LayerNorm(3, 1e-6, data_format="channels_first", dtype=d)),
+                            PLANE, {"type": "layer_norm", "normalized_shape": 3, "eps": 1e-6,
+                                    "data_format": "channels_first"}),
+    "layer-scale": (lambda d: randomized(LayerScale(3, dtype=d)), PLANE, {"type": "layer_scale"}),
 }
 KINKS = {"hardswish": (-3.0, 3.0), "hardsigmoid": (-3.0, 3.0)}
 """Where a layer's derivative jumps: finite differences stay away from them."""
@@ -133,7 +156,8 @@ def test_a_chains_scan_equals_autograd(case, method, levels):
     ours = model.parameter_gradients(grads)
     assert sorted(ours) == sorted(parameters)
     for name, value in ours.items():
-        np.testing.assert_allclose(value, parameters[name], rtol=1e-10, atol=1e-12 * np.abs(value).max())
+        scale = max(1.0, float(np.abs(parameters[name]).max()))  # some sum to 0 (a bias before a norm)
+        np.testing.assert_allclose(value, parameters[name], rtol=1e-10, atol=1e-12 * scale)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -157,6 +181,9 @@ def test_a_spec_entry_builds_the_layer(case):
                              "layers": [{"name": "layer", **entry}]}, dtype=np.float64)
     layer, expected = model.layers[0], make_layer(case)
     assert type(layer) is type(expected) and repr(layer) == repr(expected)
+    model.load_state_dict({f"layer.{name}": getattr(expected, name)
+                           for name in getattr(expected, "parameter_names", ())
+                           if getattr(expected, name) is not None})
     assert not layer.training  # a spec model loads in eval mode
     x = make_input(case)
     np.testing.assert_array_equal(model.forward(x), expected.eval().forward(x))
@@ -203,3 +230,144 @@ def test_activations_are_diagonal_per_sample():
         layer = make_layer(case)
         assert layer.jacobian_kind == "diagonal" and not layer.sample_independent
         assert repr(layer) == f"{type(layer).__name__}()"
+
+
+# --- layer normalisation and layer scale ---------------------------------------------------------
+def test_layer_norm_over_channels_is_the_permuted_last_dimension_norm():
+    """channels_first equals moving the channels last, normalising them, moving them back."""
+    channels = randomized(LayerNorm(3, data_format="channels_first", dtype=np.float64))
+    last = LayerNorm(3, data_format="channels_last", dtype=np.float64)
+    last.weight, last.bias = channels.weight, channels.bias
+    x = make_input("layer-norm-channels")
+    expected = np.moveaxis(last.forward(np.moveaxis(x, 1, -1)), -1, 1)
+    np.testing.assert_allclose(channels.forward(x), expected, rtol=1e-14, atol=1e-14)
+    grad = np.random.default_rng(1).standard_normal(x.shape)
+    ours = channels.parameter_gradients(x, grad)
+    theirs = last.parameter_gradients(np.moveaxis(x, 1, -1), np.moveaxis(grad, 1, -1))
+    for name in ("weight", "bias"):
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-13)
+    # a dense C x C block per pixel: row (c, p) reads the columns (c', p) of every c'
+    pattern = channels.pattern(PLANE)
+    row = 2 * 20 + 7  # channel 2, pixel 7
+    np.testing.assert_array_equal(pattern.indices[pattern.indptr[row]:pattern.indptr[row + 1]], [7, 27, 47])
+
+
+@pytest.mark.parametrize("case", ["layer-norm", "layer-norm-last", "layer-norm-channels", "layer-scale"])
+def test_parameter_gradients_equal_finite_differences(case):
+    """Along a random direction of each parameter, the central difference of ``L = sum(g * y)``."""
+    layer = make_layer(case)
+    x = make_input(case)
+    grad = np.random.default_rng(2).standard_normal(layer.forward(x).shape)
+    rng = np.random.default_rng(3)
+    for name, value in layer.parameter_gradients(x, grad).items():
+        original = getattr(layer, name)
+        direction, eps = rng.standard_normal(original.shape), 1e-6
+
+        def loss(step, name=name, original=original, direction=direction):
+            setattr(layer, name, original + step * direction)
+            return float(np.sum(grad * layer.forward(x)))
+
+        numeric = (loss(eps) - loss(-eps)) / (2 * eps)
+        setattr(layer, name, original)
+        assert value.shape == original.shape
+        assert float(np.sum(value * direction)) == pytest.approx(numeric, rel=1e-6, abs=1e-8)
+
+
+def test_layer_norm_state_and_repr_are_pytorchs():
+    torch = pytest.importorskip("torch")
+    for args, kwargs in (((5,), {}), (((4, 5),), {"eps": 1e-6}), ((5,), {"elementwise_affine": False}),
+                         ((5,), {"bias": False})):
+        layer, module = LayerNorm(*args, **kwargs), torch.nn.LayerNorm(*args, **kwargs)
+        assert repr(layer) == repr(module)
+        state = {name: value.numpy() for name, value in module.state_dict().items()}
+        ours = {name: getattr(layer, name) for name in layer.parameter_names
+                if getattr(layer, name) is not None}
+        assert sorted(ours) == sorted(state)
+        for name, value in state.items():
+            np.testing.assert_array_equal(ours[name], value)
+            assert ours[name].dtype == np.float32
+    assert repr(LayerNorm(3, data_format="channels_first")) == (
+        "LayerNorm((3,), eps=1e-05, elementwise_affine=True, bias=True, data_format='channels_first')")
+    assert repr(LayerScale(4)) == "LayerScale(4, init_values=1e-05)"
+    np.testing.assert_array_equal(LayerScale(2, 1e-6).gamma, np.full((2, 1, 1), 1e-6, np.float32))
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: LayerNorm(0), "normalized_shape"),
+    (lambda: LayerNorm([]), "normalized_shape"),
+    (lambda: LayerNorm("3"), "normalized_shape"),
+    (lambda: LayerNorm((3, 2.0)), "normalized_shape"),
+    (lambda: LayerNorm(3, eps=-1e-5), "eps"),
+    (lambda: LayerNorm(3, eps=float("nan")), "eps"),
+    (lambda: LayerNorm(3, elementwise_affine="yes"), "elementwise_affine"),
+    (lambda: LayerNorm(3, bias=1), "bias"),
+    (lambda: LayerNorm(3, data_format="nchw"), "data_format"),
+    (lambda: LayerNorm((3, 4), data_format="channels_first"), "normalized_shape"),
+    (lambda: LayerNorm(3, dtype=np.int32), "dtype"),
+    (lambda: LayerNorm(3)(np.zeros((2, 4, 4), np.float32)), "input"),
+    (lambda: LayerNorm(3, data_format="channels_first")(np.zeros((2, 4, 3), np.float32)), "input"),
+    (lambda: LayerNorm(3)(np.zeros((2, 3), np.float64)), "input"),
+    (lambda: LayerNorm((2, 3)).pattern((3,)), "input"),
+    (lambda: setattr(LayerNorm(3), "weight", np.ones(4, np.float32)), "weight"),
+    (lambda: setattr(LayerNorm(3), "bias", np.ones(3, np.float64)), "bias"),
+    (lambda: setattr(LayerNorm(3, bias=False), "bias", np.ones(3, np.float32)), "bias"),
+    (lambda: setattr(LayerNorm(3, elementwise_affine=False), "weight", np.ones(3, np.float32)), "weight"),
+    (lambda: LayerScale(0), "dim"),
+    (lambda: LayerScale(2, init_values=float("inf")), "init_values"),
+    (lambda: LayerScale(2)(np.zeros((1, 3, 2, 2), np.float32)), "input"),
+    (lambda: LayerScale(2)(np.zeros((1, 2, 4), np.float32)), "input"),
+    (lambda: setattr(LayerScale(2), "gamma", np.ones(2, np.float32)), "gamma"),
+])
+def test_bad_arguments_name_the_layer_and_the_field(build, field):
+    with pytest.raises(ValueError, match=rf"layer \w+: {field}:"):
+        build()
+
+
+def test_a_convnext_block_equals_torchvisions_for_every_schedule():
+    """ConvNeXt's CNBlock (eval mode): a depthwise 7x7 conv, the channels-last LayerNorm between two
+    permutes, two Linear layers around a GELU (1x1 convolutions here), the layer scale, plus the
+    input: as torchvision writes it, against a Residual of our layers."""
+    torch = pytest.importorskip("torch")
+    dim, shape = 4, (4, 6, 6)
+    f64 = {"dtype": np.float64}
+    layers = [Conv2d(dim, dim, 7, padding=3, groups=dim, rng=1, **f64),
+              randomized(LayerNorm(dim, 1e-6, data_format="channels_first", **f64), 2),
+              Conv2d(dim, 4 * dim, 1, rng=3, **f64), GELU(), Conv2d(4 * dim, dim, 1, rng=4, **f64),
+              randomized(LayerScale(dim, 1e-6, **f64), 5)]
+    model = Sequential(Residual(*layers), input_shape=shape)
+
+    class CNBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dwconv = torch.nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+            self.norm = torch.nn.LayerNorm(dim, eps=1e-6)
+            self.fc1, self.fc2 = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+            self.layer_scale = torch.nn.Parameter(torch.ones(dim, 1, 1))
+
+        def forward(self, x):
+            y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+            y = self.fc2(torch.nn.functional.gelu(self.fc1(y))).permute(0, 3, 1, 2)
+            return self.layer_scale * y + x
+
+    net = CNBlock().double()
+    with torch.no_grad():
+        for module, layer in ((net.dwconv, layers[0]), (net.norm, layers[1]), (net.fc1, layers[2]),
+                              (net.fc2, layers[4])):
+            module.weight.copy_(torch.from_numpy(layer.weight.reshape(module.weight.shape)))
+            module.bias.copy_(torch.from_numpy(layer.bias))
+        net.layer_scale.copy_(torch.from_numpy(layers[5].gamma))
+    x = np.random.default_rng(6).standard_normal((2,) + shape)
+    y = model.forward(x)
+    grad = np.random.default_rng(7).standard_normal(y.shape)
+    out, dx, parameters = autograd(net, x, grad)
+    np.testing.assert_allclose(y, out, rtol=1e-10, atol=1e-12)
+    names = {"0.0": "dwconv", "0.1": "norm", "0.2": "fc1", "0.4": "fc2"}
+    for method in ("linear", "blelloch"):
+        grads = model.backward(grad, method)
+        np.testing.assert_allclose(grads[0], dx, rtol=1e-10, atol=1e-12)
+        ours = model.parameter_gradients(grads)
+        assert len(ours) == len(parameters)
+        for key, value in ours.items():
+            path, _, parameter = key.rpartition(".")
+            theirs = parameters["layer_scale" if parameter == "gamma" else f"{names[path]}.{parameter}"]
+            np.testing.assert_allclose(value.reshape(theirs.shape), theirs, rtol=1e-10, atol=1e-12)

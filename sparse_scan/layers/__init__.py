@@ -27,6 +27,8 @@ from ._block import Block
 from ._conv import Conv2d
 from ._dropout import Dropout
 from ._flatten import Flatten
+from ._layer_norm import LayerNorm
+from ._layer_scale import LayerScale
 from ._linear import Linear
 from ._normalization import BatchNorm2d
 from ._pooling import AvgPool2d, MaxPool2d
@@ -49,6 +51,8 @@ __all__ = [
     "Hardtanh",
     "Identity",
     "Layer",
+    "LayerNorm",
+    "LayerScale",
     "LeakyReLU",
     "Linear",
     "LogSoftmax",

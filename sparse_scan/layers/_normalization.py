@@ -36,10 +36,56 @@ from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape, diagonal_pattern
 from ._weighted import device_or_host
 
-__all__ = ["BatchNorm2d"]
+__all__ = ["BatchNorm2d", "ParameterLayer"]
 
 
-class BatchNorm2d(Layer):
+class ParameterLayer(Layer):
+    """A layer holding a few float parameters by PyTorch's names (:attr:`parameter_names`, each kept as
+    ``_<name>``, None where the layer has none) in one dtype (:attr:`dtype`), which its inputs must
+    have: :class:`BatchNorm2d`, :class:`~sparse_scan.layers.LayerNorm`,
+    :class:`~sparse_scan.layers.LayerScale`. Assigned values are checked (:meth:`_checked_parameter`)
+    and kept where they live (NumPy, or CuPy: the PyTorch bridge's views of CUDA tensors)."""
+
+    parameter_names: tuple[str, ...] = ()
+
+    def __init__(self, dtype: Any) -> None:
+        super().__init__()
+        self._dtype = as_float_dtype(dtype, self.label)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The parameter dtype (inputs must have it)."""
+        return self._dtype
+
+    def _checked_parameter(self, field: str, value: Any, shape: Shape) -> Array:
+        """``value`` as a contiguous array of ``shape`` in the layer's dtype, where it lives."""
+        array = device_or_host(value)
+        if array.dtype not in FLOAT_DTYPES:
+            raise self._error(field, f"dtype must be float32 or float64, got {array.dtype}")
+        if array.dtype != self._dtype:
+            raise self._error(field, f"dtype {array.dtype} differs from the layer's {self._dtype} "
+                              "(convert the layer with layer.astype(...))")
+        if tuple(array.shape) != tuple(shape):
+            raise self._error(field, f"expected shape {tuple(shape)}, got {tuple(array.shape)}")
+        return _backend.of(array).xp.ascontiguousarray(array)
+
+    def astype(self, dtype: Any) -> "ParameterLayer":
+        """Convert the parameters to ``dtype`` (float32 or float64) in place; return self."""
+        self._dtype = as_float_dtype(dtype, self.label)
+        for name in self.parameter_names:
+            value = getattr(self, f"_{name}")
+            if value is not None:
+                setattr(self, f"_{name}", value.astype(self._dtype))
+        return self
+
+    def _check_dtype(self, x: Array) -> None:
+        """Refuse an input whose dtype is not the parameters'."""
+        if np.dtype(x.dtype) != self._dtype:
+            raise self._error("input", f"dtype {x.dtype} does not match the parameters' {self._dtype}; "
+                              "convert one of them (layer.astype(...))")
+
+
+class BatchNorm2d(ParameterLayer):
     """PyTorch's ``nn.BatchNorm2d`` on a batch ``(B, C, H, W)``, with frozen statistics.
 
     Parameters
@@ -109,7 +155,7 @@ class BatchNorm2d(Layer):
         training: bool = True,
         dtype: Any = None,
     ) -> None:
-        super().__init__()
+        super().__init__(dtype)
         self.num_features = integer(num_features, f"layer {self.label}: num_features", 1)
         self.eps = number(eps, f"layer {self.label}: eps", 0.0, inclusive=False)
         if momentum is not None:
@@ -124,7 +170,6 @@ class BatchNorm2d(Layer):
                               "in eval mode too, which couples the samples of a batch; only frozen running "
                               "statistics (True, in eval mode) are supported")
         self.training = training
-        self._dtype = as_float_dtype(dtype, self.label)
         shape = (self.num_features,)
         self._weight = np.ones(shape, self._dtype) if self.affine else None
         has_bias = flag(bias, f"layer {self.label}: bias") and self.affine
@@ -142,11 +187,6 @@ class BatchNorm2d(Layer):
 
     # --- parameters ----------------------------------------------------------------------------
     @property
-    def dtype(self) -> np.dtype:
-        """The parameter dtype (inputs must have it)."""
-        return self._dtype
-
-    @property
     def weight(self) -> np.ndarray | None:
         """The scale ``(num_features,)``, or None when ``affine=False``."""
         return self._weight
@@ -155,7 +195,7 @@ class BatchNorm2d(Layer):
     def weight(self, value: Any) -> None:
         if self._weight is None:
             raise self._error("weight", "the layer has none (affine=False)")
-        self._weight = self._checked_parameter("weight", value)
+        self._weight = self._checked_parameter("weight", value, (self.num_features,))
 
     @property
     def bias(self) -> np.ndarray | None:
@@ -166,7 +206,7 @@ class BatchNorm2d(Layer):
     def bias(self, value: Any) -> None:
         if self._bias is None:
             raise self._error("bias", "the layer has none (affine=False or bias=False)")
-        self._bias = self._checked_parameter("bias", value)
+        self._bias = self._checked_parameter("bias", value, (self.num_features,))
 
     @property
     def running_mean(self) -> np.ndarray:
@@ -175,7 +215,7 @@ class BatchNorm2d(Layer):
 
     @running_mean.setter
     def running_mean(self, value: Any) -> None:
-        self._running_mean = self._checked_parameter("running_mean", value)
+        self._running_mean = self._checked_parameter("running_mean", value, (self.num_features,))
 
     @property
     def running_var(self) -> np.ndarray:
@@ -184,33 +224,10 @@ class BatchNorm2d(Layer):
 
     @running_var.setter
     def running_var(self, value: Any) -> None:
-        variance = self._checked_parameter("running_var", value)
+        variance = self._checked_parameter("running_var", value, (self.num_features,))
         if not bool(_backend.of(variance).xp.all(variance >= 0)):  # on the GPU: one read back per setting
             raise self._error("running_var", "must be non-negative (a variance)")
         self._running_var = variance
-
-    def _checked_parameter(self, field: str, value: Any) -> Array:
-        """``value`` as a contiguous array where it lives (NumPy, or CuPy: the PyTorch bridge's views
-        of CUDA tensors), checked."""
-        array = device_or_host(value)
-        if array.dtype not in FLOAT_DTYPES:
-            raise self._error(field, f"dtype must be float32 or float64, got {array.dtype}")
-        if array.dtype != self._dtype:
-            raise self._error(field, f"dtype {array.dtype} differs from the layer's {self._dtype} "
-                              "(convert the layer with layer.astype(...))")
-        if tuple(array.shape) != (self.num_features,):
-            raise self._error(field, f"expected shape ({self.num_features},), got {tuple(array.shape)}")
-        return _backend.of(array).xp.ascontiguousarray(array)
-
-    def astype(self, dtype: Any) -> "BatchNorm2d":
-        """Convert the parameters and statistics to ``dtype`` (float32 or float64) in place; return
-        self."""
-        self._dtype = as_float_dtype(dtype, self.label)
-        for field in ("_weight", "_bias", "_running_mean", "_running_var"):
-            value = getattr(self, field)
-            if value is not None:
-                setattr(self, field, value.astype(self._dtype))
-        return self
 
     # --- shapes --------------------------------------------------------------------------------
     def check_in_shape(self, in_shape: Shape) -> Shape:
@@ -234,9 +251,7 @@ class BatchNorm2d(Layer):
 
     def _check_frozen_dtype(self, x: Array) -> None:
         self._check_frozen()
-        if np.dtype(x.dtype) != self._dtype:
-            raise self._error("input", f"dtype {x.dtype} does not match the parameters' {self._dtype}; "
-                              "convert one of them (layer.astype(...))")
+        self._check_dtype(x)
 
     def _scale_shift(self, be: _backend.Backend) -> Array:
         """``[alpha, beta]`` of shape ``(2, C)`` on ``be``, in the parameters' dtype: computed where the
