@@ -260,6 +260,11 @@ class Concat(Functional):
         return torch.cat([self.conv(x), x], 1)
 
 
+class ConcatRows(Functional):
+    def forward(self, x):
+        return torch.cat([self.conv(x), x], 2)
+
+
 class SharedWeights(Functional):
     def forward(self, x):
         return self.conv(self.conv(x)) + self.conv(x)
@@ -276,11 +281,12 @@ class Split(Functional):
         return self.conv2(self.conv(x)) + self.b(self.a(x))
 
 
-@pytest.mark.parametrize("module", [Functional, TwoSums, Split])
+@pytest.mark.parametrize("module", [Functional, TwoSums, Split, Concat])
 @pytest.mark.parametrize("method", ["linear", "blelloch"])
 def test_inline_sums_are_captured_as_residual_blocks(tmp_path, module, method):
-    """``relu(conv(x)) + x``, ``conv(x) + x + x`` (a block in a block) and a shortcut of two modules no
-    nn.Sequential holds: blocks whose layers keep the module's names."""
+    """``relu(conv(x)) + x``, ``conv(x) + x + x`` (a block in a block), a shortcut of two modules no
+    nn.Sequential holds, and ``torch.cat([conv(x), x], 1)``: blocks whose layers keep the module's
+    names."""
     torch.manual_seed(0)
     net = nn.Sequential()
     net.add_module("block", module().double().eval())
@@ -289,7 +295,7 @@ def test_inline_sums_are_captured_as_residual_blocks(tmp_path, module, method):
 
 
 @pytest.mark.parametrize("module, fragment", [
-    (Concat(), "node 'cat' (torch.cat at test_export.py:"),
+    (ConcatRows(), "node 'cat' (torch.cat at test_export.py:"),
     (SharedWeights(), "node 'block_conv_1' (module 'block.conv' at test_export.py:"),
 ])
 def test_other_module_patterns_are_refused_with_the_node_named(tmp_path, module, fragment):

@@ -719,20 +719,6 @@ class WeightTying(nn.Module):
         return self.fc_out(x)
 
 
-class Concat(nn.Module):
-    """torch.cat of two convolution branches along the channels."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(2, 2, 3, padding=1)
-        self.b = nn.Conv2d(2, 2, 1)
-        self.fc = nn.Linear(4 * 4 * 4, 3)
-
-    def forward(self, x):
-        x = torch.cat([self.a(x), self.b(x)], 1)
-        return self.fc(torch.flatten(x, 1))
-
-
 class WithLayerNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -819,20 +805,6 @@ class TrainingBatchNorm(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.flatten(F.relu(self.bn(self.conv(x))), 1))
-
-
-class BranchProduct(nn.Module):
-    """``self.a(x) * self.b(x)``: a gated product of two branches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(12, 6)
-        self.b = nn.Linear(12, 6)
-        self.fc = nn.Linear(6, 3)
-
-    def forward(self, x):
-        x = torch.flatten(x, 1)
-        return self.fc(self.a(x) * self.b(x))
 
 
 class ParameterScale(nn.Module):
@@ -969,6 +941,173 @@ class TwoInputs(nn.Module):
         return self.fx(torch.flatten(x, 1)) + self.fy(torch.flatten(y, 1))
 
 
+# --- joins of branches (issue 46): concatenations and products ------------------------------------
+class Concat(nn.Module):
+    """torch.cat of two convolution branches along the channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 3, padding=1)
+        self.b = nn.Conv2d(2, 2, 1)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        x = torch.cat([self.a(x), self.b(x)], 1)
+        return self.fc(torch.flatten(x, 1))
+
+
+class BranchProduct(nn.Module):
+    """``self.a(x) * self.b(x)``: a gated product of two branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 6)
+        self.b = nn.Linear(12, 6)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = torch.flatten(x, 1)
+        return self.fc(self.a(x) * self.b(x))
+
+
+class Fire(nn.Module):
+    """SqueezeNet's fire module: a squeeze 1x1 conv, then torch.cat of a 1x1 and a 3x3 expand branch."""
+
+    def __init__(self, cin: int = 3, squeeze: int = 2, expand: int = 3) -> None:
+        super().__init__()
+        self.squeeze = nn.Conv2d(cin, squeeze, 1)
+        self.squeeze_activation = nn.ReLU(inplace=True)
+        self.expand1x1 = nn.Conv2d(squeeze, expand, 1)
+        self.expand1x1_activation = nn.ReLU(inplace=True)
+        self.expand3x3 = nn.Conv2d(squeeze, expand, 3, padding=1)
+        self.expand3x3_activation = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = self.squeeze_activation(self.squeeze(x))
+        return torch.cat([self.expand1x1_activation(self.expand1x1(x)),
+                          self.expand3x3_activation(self.expand3x3(x))], 1)
+
+
+class SqueezeNetLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 3, 3), nn.ReLU(inplace=True), Fire(),
+                                      nn.MaxPool2d(2, ceil_mode=True), Fire(6, 2, 2))
+        self.classifier = nn.Sequential(nn.Conv2d(4, 3, 1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1))
+
+    def forward(self, x):
+        return torch.flatten(self.classifier(self.features(x)), 1)
+
+
+class InceptionLike(nn.Module):
+    """GoogLeNet's inception module: torch.cat of a 1x1, a 1x1-3x3, a pool-projection branch and the
+    input itself, written with F.max_pool2d and torch.cat(outputs, 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch1 = nn.Sequential(nn.Conv2d(3, 2, 1), nn.BatchNorm2d(2), nn.ReLU())
+        self.branch2 = nn.Sequential(nn.Conv2d(3, 2, 1), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1))
+        self.branch4 = nn.Conv2d(3, 1, 1)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        outputs = [self.branch1(x), self.branch2(x), self.branch4(F.max_pool2d(x, 3, 1, 1)), x]
+        x = F.relu(torch.cat(outputs, 1))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class DenseLayer(nn.Module):
+    """torchvision's _DenseLayer (no bottleneck): BN-ReLU-conv of the concatenation of every earlier
+    feature map."""
+
+    def __init__(self, cin: int, growth: int) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(cin)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(cin, growth, 3, padding=1, bias=False)
+
+    def forward(self, features):
+        return self.conv1(self.relu1(self.norm1(torch.cat(features, 1))))
+
+
+class DenseNetLike(nn.Module):
+    """torchvision's _DenseBlock: features = [x]; each layer reads torch.cat(features, 1) and appends its
+    output; the block returns torch.cat(features, 1); a transition, a head."""
+
+    def __init__(self, growth: int = 2, layers: int = 3) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(2, 3, 3, padding=1, bias=False)
+        self.denselayers = nn.ModuleList([DenseLayer(3 + index * growth, growth) for index in range(layers)])
+        channels = 3 + layers * growth
+        self.transition = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(), nn.Conv2d(channels, 4, 1),
+                                        nn.AvgPool2d(2))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        features = [self.conv0(x)]
+        for layer in self.denselayers:
+            features.append(layer(features))
+        x = self.transition(torch.cat(features, 1))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops.SqueezeExcitation: scale = sigmoid(fc2(relu(fc1(avgpool(x))))); scale * x."""
+
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeezed, 1)
+        self.fc2 = nn.Conv2d(squeezed, channels, 1)
+        self.activation = nn.ReLU()
+        self.scale_activation = nn.Sigmoid()
+
+    def forward(self, x):
+        scale = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+class SEResNetLike(nn.Module):
+    """A BasicBlock whose residual branch ends in a squeeze-and-excitation module (SE-ResNet, RegNet-Y),
+    ``out += identity``; a gate over the rows alone (``x * torch.sigmoid(pool(x))``, ``(B, C, H, 1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.se = SqueezeExcitation(4, 2)
+        self.downsample = nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), nn.BatchNorm2d(4))
+        self.rows = nn.AdaptiveAvgPool2d((None, 1))
+        self.fc = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        identity = self.downsample(x)
+        out = self.se(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+        out += identity
+        out = F.relu(out)
+        out = out * torch.sigmoid(self.rows(out))
+        return self.fc(torch.flatten(out, 1))
+
+
+class NestedJoins(nn.Module):
+    """A concatenation inside a residual sum inside a concatenation; torch.cat([x, x], 1); x * x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 1, 1)
+        self.b = nn.Conv2d(2, 1, 3, padding=1)
+        self.c = nn.Conv2d(2, 2, 1)
+        self.fc = nn.Linear(8 * 3 * 3, 3)
+
+    def forward(self, x):
+        inner = x + torch.cat([self.a(x), torch.tanh(self.b(x))], 1)
+        x = torch.cat([inner, self.c(x)], 1)
+        x = torch.cat([x, x], 1) * torch.cat([x, x], 1)
+        return self.fc(torch.flatten(x, 1))
+
+
 def recurrent(kind: str, head: str, dropout: bool = False, **arguments) -> Callable[[], nn.Module]:
     return lambda: Recurrent(kind, head, dropout, **arguments)
 
@@ -1042,12 +1181,23 @@ CORPUS: list[Case] = [
          "nn.GRU batch_first, out[:, -1], nn.Dropout (eval), Linear"),
     Case("bidirectional_gru_last", recurrent("GRU", "last", batch_first=True, bidirectional=True), (5, 3),
          "bidirectional nn.GRU batch_first, out[:, -1] (both directions)"),
+    Case("concat_branches", Concat, (2, 4, 4), "torch.cat([self.a(x), self.b(x)], 1): a concat block"),
+    Case("branch_product", BranchProduct, (3, 2, 2),
+         "self.a(x) * self.b(x) of flat features: a product block"),
+    Case("squeezenet_fire", SqueezeNetLike, (3, 8, 8),
+         "SqueezeNet's fire modules: a squeeze conv, torch.cat of two expand branches, in-place ReLUs"),
+    Case("inception_module", InceptionLike, (3, 5, 5),
+         "GoogLeNet-style torch.cat(outputs, 1) of three conv branches (F.max_pool2d in one) and the input"),
+    Case("densenet_block", DenseNetLike, (2, 4, 4),
+         "torchvision's dense block: torch.cat(features, 1) of a growing list, read as cat([x, f(x)])"),
+    Case("se_resnet_block", SEResNetLike, (3, 5, 5),
+         "squeeze-and-excitation (scale * x, a (B, C, 1, 1) gate) in a BasicBlock, a (B, C, H, 1) gate"),
+    Case("nested_joins", NestedJoins, (2, 3, 3),
+         "a concatenation in a sum in a concatenation; torch.cat([x, x], 1); a product of two cats"),
     # refused --------------------------------------------------------------------------------------
     Case("weight_tying", WeightTying, (3, 2, 2),
          "one nn.Linear with parameters applied twice: a spec cannot share a layer's weights",
          node=r"shared(_1)?", keyword=CALLED_TWICE),
-    Case("concat_branches", Concat, (2, 4, 4), "torch.cat of two branches: no chain of layers",
-         node="cat", keyword=None),
     Case("layer_norm", WithLayerNorm, (3, 2, 2), "nn.LayerNorm has no spec layer", node="norm",
          keyword="LayerNorm"),
     Case("embedding_ids", EmbeddingBag, (6,), "nn.Embedding takes integer ids: no spec layer, no gradient",
@@ -1065,8 +1215,6 @@ CORPUS: list[Case] = [
     Case("batchnorm_training", TrainingBatchNorm, (3, 8, 8),
          "BatchNorm2d in training mode couples the samples of a batch", node="bn", keyword="training",
          training=True),
-    Case("branch_product", BranchProduct, (3, 2, 2), "the product of two branches: not a chain",
-         node="mul"),
     Case("parameter_scale", ParameterScale, (3, 2, 2),
          "x * self.scale with scale an nn.Parameter: a parameter outside any supported layer",
          node=r"mul|scale"),

@@ -12,6 +12,12 @@ Then every node the output depends on becomes part of one chain:
 - a constant scaling or shift (``x * 2.0``, ``1 - x``, ``-x``): an ``affine`` layer;
 - the sum (or difference) of two branches that leave one node: an inline residual block
   (``scoped: false``: its layers keep the module's names), nested blocks for sums of sums;
+- ``torch.cat`` of branches that leave one node, along the channels (``dim=1``): an inline ``block``
+  with ``join: concat``; a concatenation that extends an earlier one's tensors (DenseNet's
+  ``torch.cat(features, 1)`` after each layer appends its output) is read as that one's output and the
+  new tensors (``cat([x, f(x)])``, blocks in a chain); the product of two branches (``f(x) * g(x)``, a
+  squeeze-and-excitation module's ``scale * input`` with its ``(B, C, 1, 1)`` gate broadcast): an
+  inline ``block`` with ``join: product``; joins nest in each other's branches;
 - a recurrent layer read by its head (``out[:, -1]``, ``out[-1]``, ``h_n[-1]``, ``out.mean(dim=1)``)
   and one ``Linear``: a recurrent classifier.
 
@@ -184,11 +190,12 @@ class _Layer:
 
 @dataclasses.dataclass
 class _Block:
-    """An inline residual sum: the arms from the split node to the sum's two operands."""
+    """An inline join of branches: the arms from the split node to the join's operands (a sum's: its
+    inner chain first, then its shortcut)."""
 
     node: Any
-    inner: list[Any]
-    shortcut: list[Any]
+    join: str
+    arms: list[list[Any]]
 
 
 def capture(module: Any, input_shape: Any = None, *, batch_shape: Any = None) -> Capture:
@@ -356,8 +363,8 @@ class _Builder:
                 continue
             op = traced.op(node)
             tensors = traced.tensor_inputs(node)
-            if op.name in ("add", "sub") and len(tensors) == 2:
-                continue  # a residual sum: its arms are chains of these nodes
+            if _join(op, tensors) is not None:
+                continue  # a join of branches: its arms are chains of these nodes
             if len(tensors) != 1:
                 raise self._joins(node, op, tensors)
             self._converted[node] = self._entries(node, op)
@@ -394,21 +401,24 @@ class _Builder:
         traced = self.traced
         op = traced.op(node)
         tensors = traced.tensor_inputs(node)
-        if op.name in ("add", "sub") and len(tensors) == 2:
+        join = _join(op, tensors)
+        if join == "sum":
             return self._sum(node, op)
+        if join is not None:
+            return self._branches(node, join)
         if len(tensors) != 1:
             raise self._joins(node, op, tensors)
         return _Layer(node, self._converted[node], node.target if node.op == "call_module" else None), \
             tensors[0]
 
     def _predecessor(self, node: Any) -> Any:
-        """The node ``node``'s value comes from along the chain: its tensor input, or for a sum of two
+        """The node ``node``'s value comes from along the chain: its tensor input, or for a join of
         branches the node they split from."""
         if node not in self._predecessors:
             op = self.traced.op(node)
             tensors = self.traced.tensor_inputs(node)
-            if op.name in ("add", "sub") and len(tensors) == 2:
-                self._predecessors[node] = self._split(node, *tensors)
+            if _join(op, tensors) is not None:
+                self._predecessors[node] = self._split(self._operands(node, op))
             elif len(tensors) == 1:
                 self._predecessors[node] = tensors[0]
             else:
@@ -422,7 +432,8 @@ class _Builder:
                                 "tensor in the forward); no layer computes it")
         what = {"mul": "multiplies", "div": "divides"}.get(op.name, f"{op.name} combines")
         return CaptureError(f"{describe(node)}: {what} {len(tensors)} tensors; only a sum (or difference) "
-                            "of two branches joins branches (a residual block)")
+                            "or a product of two branches, or torch.cat of branches, joins branches (a "
+                            "block)")
 
     def _ancestry(self, node: Any) -> list[Any]:
         chain = [node]
@@ -430,10 +441,45 @@ class _Builder:
             chain.append(self._predecessor(chain[-1]))
         return chain
 
-    def _split(self, node: Any, a: Any, b: Any) -> Any:
-        """The node both operands of a sum come from (the deepest common node of their chains)."""
-        seen = set(self._ancestry(b))
-        return next(candidate for candidate in self._ancestry(a) if candidate in seen)
+    def _split(self, operands: list[Any]) -> Any:
+        """The node every operand of a join comes from (the deepest common node of their chains)."""
+        others = [set(self._ancestry(operand)) for operand in operands[1:]]
+        return next(candidate for candidate in self._ancestry(operands[0])
+                    if all(candidate in seen for seen in others))
+
+    def _operands(self, node: Any, op: Any) -> list[Any]:
+        """A join's operands: its tensor inputs, those of a concatenation read as an earlier live
+        concatenation of its first ones (along the same axis) and the rest, the longest such."""
+        tensors = self.traced.tensor_inputs(node)
+        if op.name != "cat":
+            return tensors
+        if not hasattr(self, "_concatenations"):
+            self._concatenations: dict[tuple[Any, ...], Any] = {}
+            for other in self.live:
+                if other.op == "call_function" and self.traced.op(other).name == "cat":
+                    self._concatenations.setdefault((tuple(self.traced.tensor_inputs(other)),
+                                                     self._cat_axis(other)), other)
+        axis = self._cat_axis(node)
+        for length in range(len(tensors) - 1, 1, -1):
+            earlier = self._concatenations.get((tuple(tensors[:length]), axis))
+            if earlier is not None:
+                return [earlier, *tensors[length:]]
+        return tensors
+
+    def _cat_axis(self, node: Any) -> int:
+        """The axis of a ``torch.cat`` node: refused unless the first per-sample one (the channels)."""
+        arguments = self.traced.arguments(node, self.traced.op(node))
+        dim, tensors = arguments["dim"], self.traced.tensor_inputs(node)
+        ranks = {len(shape) for tensor in tensors for shape in self.traced.shapes(tensor)}
+        if arguments["out"] is not None:
+            raise CaptureError(f"{describe(node)}: torch.cat with out=: writes into a tensor; write it "
+                               "out of place")
+        if len(ranks) != 1 or isinstance(dim, bool) or dim not in (1, 1 - max(ranks)):
+            what = f"{max(ranks)}-axis tensors" if len(ranks) == 1 else "tensors of different ranks"
+            raise CaptureError(f"{describe(node)}: torch.cat along dim {dim!r} of {what}; only the "
+                               "concatenation along the channels (dim 1, the first axis of a sample) is a "
+                               "block")
+        return 1
 
     def _sum(self, node: Any, op: Any) -> tuple[Any, Any]:
         """``a + b`` (``a - b``, ``alpha``) of two branches: a residual block from their split, or an
@@ -444,7 +490,7 @@ class _Builder:
         if not _scalar(alpha):
             raise CaptureError(f"{describe(node)}: alpha must be a constant number, got {alpha!r}")
         factor = (-1.0 if op.name == "sub" else 1.0) * float(alpha)
-        split = self._split(node, a, b)
+        split = self._split([a, b])
         arms = [self._chain(a, split), self._chain(b, split)]
         if factor != 1:
             arms[1].append(_Layer(node, [{"type": "affine", "scale": factor}], synthetic=True))
@@ -452,7 +498,30 @@ class _Builder:
             return _Layer(node, [{"type": "affine", "scale": 1.0 + factor}]), split
         sizes = [sum(len(self._entries_of(item)) for item in arm) for arm in arms]
         inner, shortcut = (arms[0], arms[1]) if sizes[0] >= sizes[1] else (arms[1], arms[0])
-        return _Block(node, inner, shortcut), split
+        return _Block(node, "sum", [inner, shortcut]), split
+
+    def _branches(self, node: Any, join: str) -> tuple[Any, Any]:
+        """``torch.cat([a, b, ...], 1)`` or ``a * b`` of branches: a block from their split, the arms in
+        the operands' order."""
+        op = self.traced.op(node)
+        operands = self._operands(node, op)
+        if join == "product":
+            self._check_broadcast(node, operands)
+        split = self._split(operands)
+        return _Block(node, join, [self._chain(operand, split) for operand in operands]), split
+
+    def _check_broadcast(self, node: Any, operands: list[Any]) -> None:
+        """Refuse a product whose operands' shapes the block does not broadcast: equal lengths, the batch
+        axis alike, every other axis equal or 1."""
+        for run in range(len(self.traced.values)):
+            shapes = [self.traced.shapes(operand)[run] for operand in operands]
+            out = tuple(max(sizes) for sizes in zip(*shapes, strict=False))
+            if len({len(shape) for shape in shapes}) != 1 or len({shape[0] for shape in shapes}) != 1 or any(
+                    size not in (1, full) for shape in shapes for size, full in zip(shape, out, strict=True)):
+                raise CaptureError(f"{describe(node)}: multiplies tensors of shapes "
+                                   f"{' and '.join(str(list(shape)) for shape in shapes)}; a product of two "
+                                   "branches needs shapes of one length, the batch axis alike and every "
+                                   "other axis equal or 1 (broadcast)")
 
     def _entries_of(self, item: Any) -> list[Any]:
         return item.entries if isinstance(item, _Layer) else [item]
@@ -465,8 +534,8 @@ class _Builder:
         def visit(entries: list[Any]) -> None:
             for item in entries:
                 if isinstance(item, _Block):
-                    visit(item.inner)
-                    visit(item.shortcut)
+                    for arm in item.arms:
+                        visit(arm)
                 if not getattr(item, "synthetic", False):
                     covered.append(item.node)
 
@@ -474,14 +543,14 @@ class _Builder:
         seen: set[Any] = set()
         for node in covered:
             if node in seen:
-                raise CaptureError(f"{describe(node)}: its value feeds branches that are not one residual "
-                                   "sum (the chain would compute it twice)")
+                raise CaptureError(f"{describe(node)}: its value feeds branches that are not one join (a "
+                                   "sum, a product or a concatenation; the chain would compute it twice)")
             seen.add(node)
         for node in self.live:
             if node.op in ("placeholder", "output", "get_attr") or not self.traced.is_tensor(node):
                 continue
             if node not in seen:
-                raise CaptureError(f"{describe(node)}: not part of one chain of layers and residual sums")
+                raise CaptureError(f"{describe(node)}: not part of one chain of layers and joins of branches")
 
     # --- one node's layer entries ----------------------------------------------------------------
     def _entries(self, node: Any, op: Any) -> list[dict[str, Any]]:
@@ -674,6 +743,11 @@ class _Builder:
     def _op_sub(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         return self._op_add(node, args, -1.0)
 
+    def _op_cat(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``torch.cat`` of one tensor (DenseNet's first layer reads ``cat([x], 1)``): its input."""
+        self._cat_axis(node)
+        return []
+
     def _op_getitem(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         raise CaptureError(f"{describe(node)}: indexes a tensor ({args['index']!r}); no layer selects part "
                            "of a sample")
@@ -705,12 +779,14 @@ class _Builder:
         """``item``'s named spec entries; a module's layer takes its path (a later call of a
         parameter-free module ``<path>_<k>``) and its weights."""
         if isinstance(item, _Block):
-            inner = [entry for sub in item.inner for entry in self._name(sub)]
-            shortcut = [entry for sub in item.shortcut for entry in self._name(sub)]
+            arms = [[entry for sub in arm for entry in self._name(sub)] for arm in item.arms]
+            if item.join != "sum":
+                return [{"name": self._block_name(item), "type": "block", "join": item.join, "scoped": False,
+                         "branches": arms}]
             block: dict[str, Any] = {"name": self._block_name(item), "type": "residual", "scoped": False,
-                                     "layers": inner}
-            if shortcut:
-                block["shortcut"] = shortcut
+                                     "layers": arms[0]}
+            if arms[1]:
+                block["shortcut"] = arms[1]
             return [block]
         out = []
         for index, entry in enumerate(item.entries):
@@ -899,9 +975,21 @@ def _index(index: Any) -> tuple[Any, ...]:
 
 def _members(block: _Block) -> list[_Layer]:
     out = []
-    for item in block.inner + block.shortcut:
+    for item in (item for arm in block.arms for item in arm):
         out += _members(item) if isinstance(item, _Block) else [item]
     return out
+
+
+def _join(op: Any, tensors: list[Any]) -> str | None:
+    """How a node joins branches: ``"sum"`` (a sum or difference of two tensors), ``"concat"``
+    (``torch.cat`` of two or more), ``"product"`` (of two); None for any other node."""
+    if op.name in ("add", "sub") and len(tensors) == 2:
+        return "sum"
+    if op.name == "cat" and len(tensors) >= 2:
+        return "concat"
+    if op.name == "mul" and len(tensors) == 2:
+        return "product"
+    return None
 
 
 def _merged_axes(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, int] | None:

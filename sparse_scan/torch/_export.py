@@ -28,7 +28,10 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     ``torch.relu``, ``x.relu()``, ``F.max_pool2d``, ``F.dropout(x, p, training=self.training)``, ...);
     reshapes that keep the batch axis (``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``) and the
     global mean ``x.mean((2, 3))``; constant scalings and shifts (``x * 2.0``, ``1 - x``); residual
-    sums written inline (``f(x) + x``, ``out += identity``, a torchvision ``BasicBlock``), nested;
+    sums written inline (``f(x) + x``, ``out += identity``, a torchvision ``BasicBlock``), concatenations
+    of branches along the channels (``torch.cat([f(x), g(x), x], 1)``, DenseNet's growing
+    ``torch.cat(features, 1)``) and products of two branches (a squeeze-and-excitation gate's ``scale *
+    x``), nested;
     parameter-free modules called more than once (one layer per call); ``ModuleList`` loops and
     custom submodules (traced through); and recurrent classifiers: an ``nn.RNN``, ``nn.GRU`` or
     ``nn.LSTM`` reading the input, its head's selection (``out[:, -1]``, ``out[-1]``, ``h_n[-1]``,

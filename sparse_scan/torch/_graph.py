@@ -51,6 +51,7 @@ def _sig_product(input, other): ...  # noqa: E704, ANN001, ANN201
 def _sig_div(input, other, *, rounding_mode=None): ...  # noqa: E704, ANN001, ANN201
 def _sig_reshape(input, *shape, **options): ...  # noqa: E704, ANN001, ANN002, ANN003, ANN201
 def _sig_getitem(input, index): ...  # noqa: E704, ANN001, ANN201
+def _sig_cat(tensors, dim=0, *, out=None): ...  # noqa: E704, ANN001, ANN201
 
 
 _SIGNATURES: dict[str, Callable[..., Any]] = {
@@ -60,7 +61,7 @@ _SIGNATURES: dict[str, Callable[..., Any]] = {
     "avg_pool2d": _sig_avg_pool2d, "adaptive_avg_pool2d": _sig_adaptive_avg_pool2d,
     "dropout": _sig_dropout, "softmax": _sig_softmax, "log_softmax": _sig_softmax, "mean": _sig_mean,
     "add": _sig_binary, "sub": _sig_binary, "mul": _sig_product, "div": _sig_div, "neg": _sig_unary,
-    "reshape": _sig_reshape, "getitem": _sig_getitem, "contiguous": _sig_reshape,
+    "reshape": _sig_reshape, "getitem": _sig_getitem, "contiguous": _sig_reshape, "cat": _sig_cat,
 }
 """Operation -> the stub its arguments bind to. ``reshape`` stands for every reshape (``view``,
 ``flatten``, ``squeeze``, ...): their arguments are not read, the probes' shapes are."""
@@ -101,6 +102,8 @@ def _functions() -> dict[Any, tuple[str, bool]]:
         table.setdefault(getattr(torch, name), (name, False))
     for name in ("flatten", "reshape", "squeeze", "unsqueeze"):
         table.setdefault(getattr(torch, name), ("reshape", False))
+    for name in ("cat", "concat"):  # torch.concatenate takes axis=: not bound, refused as unknown
+        table.setdefault(getattr(torch, name), ("cat", False))
     return table
 
 
