@@ -108,8 +108,15 @@ def nested() -> Sequential:
     return Sequential(block, Flatten(), flat, Linear(8, 3, **F64, rng=30))
 
 
+def outer() -> Sequential:
+    """A product of two broadcasts: channels ``(C, 1, 1)`` times a map ``(1, H, W)``."""
+    product = Block([AdaptiveAvgPool2d(1), conv(2, 3, 1, 10)], [conv(2, 1, 3, 11, padding=1), Tanh()],
+                    join="product")
+    return Sequential(product, Flatten(), Linear(3 * 4 * 4, 3, **F64, rng=12))
+
+
 MODELS = {"inception": (inception, (2, 5, 5)), "densenet": (densenet, (1, 4, 4)),
-          "se_resnet": (se_resnet, (3, 5, 5)), "nested": (nested, (2, 4, 4))}
+          "se_resnet": (se_resnet, (3, 5, 5)), "nested": (nested, (2, 4, 4)), "outer": (outer, (2, 4, 4))}
 
 
 def schedules(n: int) -> list[tuple[str, int | None]]:

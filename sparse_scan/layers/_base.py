@@ -45,7 +45,7 @@ class Layer:
     sample_independent: bool = False
     scoped: bool = True
     """Whether the layers this one holds are named under its name, as PyTorch names a module's
-    children (``"block.conv1"``); False for a :class:`Residual` written inline in a module's forward,
+    children (``"block.conv1"``); False for a :class:`Block` written inline in a module's forward,
     whose layers are named in the scope that holds the block (:func:`sparse_scan.weights.scoped_name`)."""
 
     def __init__(self) -> None:
@@ -155,8 +155,8 @@ class Layer:
     def jacobian_fill_flops(self, in_shape: Shape) -> int:
         """FLOPs per sample of computing JT's values for ``in_shape`` beyond writing them: 0 for a
         layer whose values come from its input and weights; a block whose JT is a product of its
-        layers' JTs (:class:`Residual`) counts those products (the planner adds them to a scan that
-        multiplies its JT)."""
+        layers' JTs (:class:`Block`) counts those products and its join's (the planner adds them to a
+        scan that multiplies its JT)."""
         return 0
 
     def pattern_nnz(self, in_shape: Shape) -> int:
