@@ -158,6 +158,7 @@ from .layers import (
     Softmax,
     Softplus,
     Tanh,
+    Upsample,
 )
 from .recurrent import GRU, LSTM, REDUCTIONS, RNN, RecurrentClassifier
 from .weights import budget_problem, named_layers, open_regular_file, read_npz
@@ -170,7 +171,7 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "sigmoid": Sigmoid, "maxpool2d": MaxPool2d, "avgpool2d": AvgPool2d, "flatten": Flatten,
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
     "hardswish": Hardswish, "hardsigmoid": Hardsigmoid, "mish": Mish,
-    "layer_norm": LayerNorm, "layer_scale": LayerScale,
+    "layer_norm": LayerNorm, "layer_scale": LayerScale, "upsample": Upsample,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
     "affine": Affine, "log_softmax": LogSoftmax, "softmax": Softmax, "residual": Residual,
     "block": Block,

@@ -128,6 +128,8 @@ def torch_mirror(layer, dtype=None):
                               else _torch_classes().ChannelsLayerNorm)(
             layer.normalized_shape, layer.eps, layer.elementwise_affine, bias=layer.bias is not None),
         "LayerScale": lambda: _torch_classes().LayerScale(layer.dim),
+        "Upsample": lambda: nn.Upsample(layer.size, layer.scale_factor, layer.mode, layer.align_corners,
+                                        layer.recompute_scale_factor),
     }
     module = simple[name]() if name in simple else getattr(nn, name)()
     module = module.to(dtype).train(layer.training)

@@ -16,7 +16,9 @@ ELU's, Hardtanh's and Hardswish's gradient at a NaN input (NaN, 0 and NaN in the
 the tail), and
 float32 GELU(inf) (NaN in the body, inf in the tail and in float64). And a LayerNorm's groups whose
 squares overflow the dtype (float32's 1e30): PyTorch's vectorised moments make their variance infinite
-or NaN by the group's length.
+or NaN by the group's length. And a bilinear upsampling's zero and subnormal outputs: PyTorch's compiled
+loops fuse its products into their sums (FMA) by the vector width, so the sign and the rounding of an
+output whose products underflow are its loop's.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from sparse_scan.layers import (
     Softmax,
     Softplus,
     Tanh,
+    Upsample,
 )
 
 torch = pytest.importorskip("torch")
@@ -131,6 +134,12 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape)
     "layer-norm-channels": (lambda d: with_parameters(LayerNorm(2, 1e-6, data_format="channels_first",
                                                                 dtype=d)), PLANE),
     "layer-scale": (lambda d: with_parameters(LayerScale(2, dtype=d)), PLANE),
+    "upsample-nearest": (lambda d: Upsample(scale_factor=2), PLANE),
+    "upsample-nearest-exact": (lambda d: Upsample(size=(5, 9), mode="nearest-exact"), PLANE),
+    "upsample-bilinear": (lambda d: Upsample(scale_factor=1.5, mode="bilinear"), PLANE),
+    "upsample-bilinear-corners": (lambda d: Upsample(size=(7, 4), mode="bilinear", align_corners=True),
+                                  PLANE),
+    "upsample-bilinear-copy": (lambda d: Upsample(size=(4, 3), mode="bilinear"), PLANE),
     "dropout-eval": (lambda d: Dropout(0.3).eval(), PLANE),
     "flatten": (lambda d: Flatten(), PLANE),
     "log-softmax": (lambda d: LogSoftmax(dim=1), FLAT),
@@ -220,6 +229,8 @@ def unspecified(layer, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | N
     """Where PyTorch's forward and input gradient have no single answer (the module docstring)."""
     exact_gelu = isinstance(layer, GELU) and layer.approximate == "none" and x.dtype == np.float32
     overflow = overflowing_groups(layer, x) if isinstance(layer, LayerNorm) else None
+    if isinstance(layer, Upsample) and layer.mode == "bilinear":  # outputs of underflowing products
+        return np.abs(layer.forward(x)) < np.finfo(x.dtype).tiny, None
     return (np.isposinf(x) if exact_gelu else overflow,
             np.isnan(x) if isinstance(layer, (ELU, Hardtanh, Hardswish)) else overflow)
 
@@ -352,7 +363,9 @@ def test_every_layer_is_covered():
 
 # --- the GPU twins: what the host computes --------------------------------------------------------
 GPU_CASES = ["relu", "elu", "max-pool-2", "max-pool-2-odd", "max-pool-3-2-1", "max-pool-dilated-ceil",
-             "avg-pool-2", "avg-pool-3-2-1", "adaptive-avg-pool", "adaptive-avg-pool-1"]
+             "avg-pool-2", "avg-pool-3-2-1", "adaptive-avg-pool", "adaptive-avg-pool-1",
+             "hardswish", "mish", "layer-norm", "layer-norm-channels", "layer-scale", "upsample-nearest",
+             "upsample-bilinear", "upsample-bilinear-corners"]
 
 
 @pytest.mark.gpu

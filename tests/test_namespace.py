@@ -71,7 +71,7 @@ PUBLIC = {
                            "Dropout", "ELU", "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU",
                            "Linear", "LogSoftmax", "MaxPool2d", "ReLU", "Residual", "SiLU", "Sigmoid",
                            "Softmax", "Softplus", "Tanh",
-                           "Hardsigmoid", "Hardswish", "Mish", "LayerNorm", "LayerScale"],
+                           "Hardsigmoid", "Hardswish", "Mish", "LayerNorm", "LayerScale", "Upsample"],
     "sparse_scan.loss": ["softmax_cross_entropy"],
     "sparse_scan.model": ["JacobianSize", "Model", "ModelPlan"],
     "sparse_scan.optim": ["SGD", "Adam", "Optimizer", "check_built_on"],

@@ -18,7 +18,17 @@ import pytest
 from oracles import finite_difference_jt, torch_jt, torch_mirror
 
 from sparse_scan import Sequential, backend, flops
-from sparse_scan.layers import GELU, Conv2d, Hardsigmoid, Hardswish, LayerNorm, LayerScale, Mish, Residual
+from sparse_scan.layers import (
+    GELU,
+    Conv2d,
+    Hardsigmoid,
+    Hardswish,
+    LayerNorm,
+    LayerScale,
+    Mish,
+    Residual,
+    Upsample,
+)
 from sparse_scan.spec import model_from_spec
 
 DTYPES = [np.float32, np.float64]
@@ -51,6 +61,17 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape, its spec e
                             PLANE, {"type": "layer_norm", "normalized_shape": 3, "eps": 1e-6,
                                     "data_format": "channels_first"}),
     "layer-scale": (lambda d: randomized(LayerScale(3, dtype=d)), PLANE, {"type": "layer_scale"}),
+    "upsample-nearest": (lambda d: Upsample(scale_factor=2), PLANE, {"type": "upsample", "scale_factor": 2}),
+    "upsample-nearest-size": (lambda d: Upsample(size=[7, 3]), PLANE, {"type": "upsample", "size": [7, 3]}),
+    "upsample-nearest-exact": (lambda d: Upsample(scale_factor=1.7, mode="nearest-exact",
+                                                  recompute_scale_factor=True), PLANE,
+                               {"type": "upsample", "scale_factor": 1.7, "mode": "nearest-exact",
+                                "recompute_scale_factor": True}),
+    "upsample-bilinear": (lambda d: Upsample(scale_factor=(1.5, 2.0), mode="bilinear"), PLANE,
+                          {"type": "upsample", "scale_factor": [1.5, 2.0], "mode": "bilinear"}),
+    "upsample-bilinear-corners": (lambda d: Upsample(size=[6, 9], mode="bilinear", align_corners=True), PLANE,
+                                  {"type": "upsample", "size": [6, 9], "mode": "bilinear",
+                                   "align_corners": True}),
 }
 KINKS = {"hardswish": (-3.0, 3.0), "hardsigmoid": (-3.0, 3.0)}
 """Where a layer's derivative jumps: finite differences stay away from them."""
@@ -371,3 +392,104 @@ def test_a_convnext_block_equals_torchvisions_for_every_schedule():
             path, _, parameter = key.rpartition(".")
             theirs = parameters["layer_scale" if parameter == "gamma" else f"{names[path]}.{parameter}"]
             np.testing.assert_allclose(value.reshape(theirs.shape), theirs, rtol=1e-10, atol=1e-12)
+
+
+# --- upsampling -------------------------------------------------------------------------------------
+def upsample_configurations() -> list[tuple[dict, tuple[int, int, int]]]:
+    """Arguments and per-sample shapes across the modes, sizes and scale factors (some not exact in
+    binary), both of PyTorch's nearest kernels (outputs up to 128 pixels wide and tall together, and a
+    1x1 input of 4 channels; larger outputs) and recomputed scales."""
+    configurations = []
+    for mode, align in (("nearest", None), ("nearest-exact", None), ("bilinear", False), ("bilinear", True)):
+        common = {"mode": mode, "align_corners": align}
+        for height in (1, 2, 3, 5, 7):
+            for out in (1, 2, 4, 6, 9, 13, 29, 97, 130):
+                configurations.append(({"size": (out, 2 + out % 5), **common}, (2, height, 3)))
+            for scale in (0.5, 0.7, 1.0, 1.7, 2.0, 3.3, 13.7):
+                for recompute in (None, True) if height * scale >= 1 else ():
+                    configurations.append(({"scale_factor": (scale, 1.3), "recompute_scale_factor": recompute,
+                                            **common}, (2, height, 5)))
+        configurations.append(({"scale_factor": 2.5, **common}, (4, 1, 1)))
+        configurations.append(({"size": (70, 90), **common}, (1, 6, 7)))
+    return configurations
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_upsample_takes_pytorchs_indices_and_weights(dtype):
+    """Nearest outputs equal PyTorch's exactly (the same source pixels), bilinear ones to rounding, over
+    :func:`upsample_configurations`, in float32 and float64 (whose indices PyTorch computes in each
+    dtype)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    for kwargs, shape in upsample_configurations():
+        x = rng.standard_normal((1,) + shape).astype(dtype)
+        layer = Upsample(**kwargs)
+        expected = torch.nn.Upsample(**kwargs)(torch.from_numpy(x)).numpy()
+        got = layer.forward(x)
+        assert got.shape == expected.shape == (1,) + layer.output_shape(shape), (kwargs, shape)
+        if kwargs["mode"] == "bilinear":
+            tolerance = 1e-6 if dtype == np.float32 else 1e-14
+            np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance, err_msg=str(kwargs))
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=str(kwargs))
+
+
+@pytest.mark.parametrize("index", range(0, 260, 13))
+def test_upsample_jt_equals_autograd_and_its_entries_count(index):
+    """JT (float64) equals autograd's Jacobian, its pattern holds no more than the forward's weights
+    (two per axis and output at most), and ``pattern_nnz`` counts it."""
+    configurations = upsample_configurations()
+    kwargs, shape = configurations[index % len(configurations)]
+    layer = Upsample(**kwargs)
+    x = np.random.default_rng(index).standard_normal((1,) + shape)
+    jt = layer.transposed_jacobian(x)
+    out_shape = layer.output_shape(shape)
+    per_output = 4 if kwargs["mode"] == "bilinear" else 1
+    assert jt.shared and layer.pattern_nnz(shape) == jt.nnz <= per_output * math.prod(out_shape)
+    np.testing.assert_allclose(jt.todense(), torch_jt(twin(layer), x[0]), rtol=1e-13, atol=1e-15)
+    # each output's weights sum to 1: an upsampling moves values, it does not scale them
+    np.testing.assert_allclose(jt.todense().sum(axis=0), 1.0, rtol=1e-14)
+
+
+def test_upsample_attributes_and_repr_are_pytorchs():
+    torch = pytest.importorskip("torch")
+    for kwargs in ({"scale_factor": 2}, {"size": 5}, {"size": [3, 4], "mode": "bilinear"},
+                   {"scale_factor": (1.5, 2), "mode": "bilinear", "align_corners": True},
+                   {"scale_factor": 0.5, "mode": "nearest-exact", "recompute_scale_factor": True}):
+        layer, module = Upsample(**kwargs), torch.nn.Upsample(**kwargs)
+        assert repr(layer) == repr(module)
+        for name in ("size", "scale_factor", "mode"):
+            assert getattr(layer, name) == getattr(module, name), name
+    assert Upsample(size=3, mode="bilinear").align_corners is False
+    assert Upsample(size=3).align_corners is None
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: Upsample(), "size"),
+    (lambda: Upsample(size=2, scale_factor=2), "size"),
+    (lambda: Upsample(scale_factor=2, mode="bicubic"), "mode"),
+    (lambda: Upsample(scale_factor=2, align_corners=True), "align_corners"),
+    (lambda: Upsample(scale_factor=2, mode="bilinear", align_corners="yes"), "align_corners"),
+    (lambda: Upsample(size=2, recompute_scale_factor=True), "recompute_scale_factor"),
+    (lambda: Upsample(scale_factor=2, recompute_scale_factor=1), "recompute_scale_factor"),
+    (lambda: Upsample(size=0), "size"),
+    (lambda: Upsample(size=(2, 3, 4)), "size"),
+    (lambda: Upsample(size=2.0), "size"),
+    (lambda: Upsample(scale_factor=-1), "scale_factor"),
+    (lambda: Upsample(scale_factor=float("nan")), "scale_factor"),
+    (lambda: Upsample(scale_factor=True), "scale_factor"),
+    (lambda: Upsample(scale_factor=0.1).output_shape((1, 4, 4)), "input"),
+    (lambda: Upsample(scale_factor=2)(np.zeros((1, 4, 4), np.float32)), "input"),
+])
+def test_upsample_bad_arguments_name_the_field(build, field):
+    with pytest.raises(ValueError, match=rf"layer Upsample: {field}:"):
+        build()
+
+
+def test_upsample_one_pattern_serves_both_dtypes():
+    layer = Upsample(scale_factor=1.3, mode="bilinear")
+    x = np.random.default_rng(0).standard_normal((2, 2, 7, 5))
+    single, double = layer.transposed_jacobian(x.astype(np.float32)), layer.transposed_jacobian(x)
+    assert single.pattern is double.pattern and single.dtype == np.float32 and double.dtype == np.float64
+    np.testing.assert_allclose(single.data, double.data, atol=1e-6)  # scales rounded to float32
+    assert layer.transposed_jacobian(x).data is double.data  # computed once per dtype

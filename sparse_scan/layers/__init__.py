@@ -34,6 +34,7 @@ from ._normalization import BatchNorm2d
 from ._pooling import AvgPool2d, MaxPool2d
 from ._residual import Residual
 from ._softmax import LogSoftmax, Softmax
+from ._upsample import Upsample
 
 __all__ = [
     "AdaptiveAvgPool2d",
@@ -65,4 +66,5 @@ __all__ = [
     "Softmax",
     "Softplus",
     "Tanh",
+    "Upsample",
 ]

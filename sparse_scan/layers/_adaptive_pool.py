@@ -63,6 +63,43 @@ def _axis_members(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return positions, outputs, lengths
 
 
+def separable_plane(rows_h: np.ndarray, cols_h: np.ndarray, rows_w: np.ndarray, cols_w: np.ndarray,
+                    height: int, width: int, out_width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One channel's JT pattern of an operator acting on each axis apart: entry ``(i, o)`` of the height
+    axis' matrix and ``(j, p)`` of the width axis' give the entry ``((i, j), (o, p))``. Returns
+    ``(indptr, indices, order)``, int64, rows sorted: ``order`` takes the outer product of the two axes'
+    entries (height major, ``np.outer(h, w).ravel()``) to the pattern's entry order (for the values).
+
+    Examples
+    --------
+    >>> indptr, indices, order = separable_plane(np.array([0, 0]), np.array([0, 1]), np.array([0, 1]),
+    ...                                          np.array([0, 0]), 1, 2, 1)   # (1 1) (x) (1 1)^T
+    >>> indptr.tolist(), indices.tolist(), order.tolist()
+    ([0, 2, 4], [0, 1, 0, 1], [0, 2, 1, 3])
+    """
+    rows = (rows_h[:, None] * width + rows_w[None, :]).ravel()
+    cols = (cols_h[:, None] * out_width + cols_w[None, :]).ravel()
+    order = np.lexsort((cols, rows))
+    indptr = np.zeros(height * width + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=height * width), out=indptr[1:])
+    return indptr, cols[order], order
+
+
+def tile_channels(be: _backend.Backend, indptr: np.ndarray, indices: np.ndarray, channels: int,
+                  plane_out: int, index_dtype: Any) -> Pattern:
+    """The pattern of an operator applying one channel's JT (``indptr``, ``indices``: a plane of
+    ``len(indptr) - 1`` inputs and ``plane_out`` outputs) to every channel alike, built where ``be``
+    computes."""
+    per_channel, plane_in = indices.size, indptr.size - 1
+    dtype = choose_index_dtype(channels * per_channel, channels * plane_out, index_dtype)
+    xp = be.xp
+    channel = xp.arange(channels, dtype=dtype)[:, None]
+    starts = (be.asarray(indptr[:-1].astype(dtype))[None, :] + channel * dtype.type(per_channel)).ravel()
+    full_indptr = xp.concatenate([starts, xp.full(1, channels * per_channel, dtype=dtype)])
+    full_indices = (be.asarray(indices.astype(dtype))[None, :] + channel * dtype.type(plane_out)).ravel()
+    return Pattern(full_indptr, full_indices, (channels * plane_in, channels * plane_out))
+
+
 def plane_pattern(height: int, width: int, out_height: int, out_width: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One channel's JT on the host: ``(indptr, indices, values)``, int64 and float64, rows sorted.
@@ -75,12 +112,7 @@ def plane_pattern(height: int, width: int, out_height: int, out_width: int
     """
     pos_h, out_h, len_h = _axis_members(height, out_height)
     pos_w, out_w, len_w = _axis_members(width, out_width)
-    rows = (pos_h[:, None] * width + pos_w[None, :]).ravel()
-    cols = (out_h[:, None] * out_width + out_w[None, :]).ravel()
-    order = np.lexsort((cols, rows))
-    rows, cols = rows[order], cols[order]
-    indptr = np.zeros(height * width + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=height * width), out=indptr[1:])
+    indptr, cols, _ = separable_plane(pos_h, out_h, pos_w, out_w, height, width, out_width)
     inverse_area = 1.0 / np.outer(len_h, len_w).ravel()
     return indptr, cols, inverse_area[cols]
 
@@ -218,15 +250,8 @@ class AdaptiveAvgPool2d(Layer):
         channels, height, width = in_shape
         _, out_h, out_w = self.output_shape(in_shape)
         rowptr, cols, values = plane_pattern(height, width, out_h, out_w)
-        per_channel, plane_out = cols.size, out_h * out_w
-        dtype = choose_index_dtype(channels * per_channel, channels * plane_out, index_dtype)
-        xp = be.xp
-        channel = xp.arange(channels, dtype=dtype)[:, None]
-        starts = (be.asarray(rowptr[:-1].astype(dtype))[None, :] + channel * dtype.type(per_channel)).ravel()
-        indptr = xp.concatenate([starts, xp.full(1, channels * per_channel, dtype=dtype)])
-        indices = (be.asarray(cols.astype(dtype))[None, :] + channel * dtype.type(plane_out)).ravel()
         aux = {"plane_values": be.asarray(values), "channels": channels}
-        return Pattern(indptr, indices, (channels * height * width, channels * plane_out)), aux
+        return tile_channels(be, rowptr, cols, channels, out_h * out_w, index_dtype), aux
 
     def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         key = f"values_{np.dtype(x.dtype).name}"
