@@ -138,6 +138,7 @@ from .layers import (
     Block,
     Conv2d,
     Dropout,
+    DropPath,
     Flatten,
     Hardsigmoid,
     Hardswish,
@@ -157,6 +158,7 @@ from .layers import (
     SiLU,
     Softmax,
     Softplus,
+    StochasticDepth,
     Tanh,
     Upsample,
 )
@@ -172,6 +174,7 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "identity": Identity, "silu": SiLU, "gelu": GELU, "elu": ELU, "hardtanh": Hardtanh, "softplus": Softplus,
     "hardswish": Hardswish, "hardsigmoid": Hardsigmoid, "mish": Mish,
     "layer_norm": LayerNorm, "layer_scale": LayerScale, "upsample": Upsample,
+    "stochastic_depth": StochasticDepth, "drop_path": DropPath,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
     "affine": Affine, "log_softmax": LogSoftmax, "softmax": Softmax, "residual": Residual,
     "block": Block,

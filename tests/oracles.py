@@ -130,6 +130,8 @@ def torch_mirror(layer, dtype=None):
         "LayerScale": lambda: _torch_classes().LayerScale(layer.dim),
         "Upsample": lambda: nn.Upsample(layer.size, layer.scale_factor, layer.mode, layer.align_corners,
                                         layer.recompute_scale_factor),
+        "StochasticDepth": lambda: _torch_classes().StochasticDepth(layer.p, layer.mode, True),
+        "DropPath": lambda: _torch_classes().StochasticDepth(layer.drop_prob, "row", layer.scale_by_keep),
     }
     module = simple[name]() if name in simple else getattr(nn, name)()
     module = module.to(dtype).train(layer.training)
@@ -204,5 +206,25 @@ def _torch_classes() -> types.SimpleNamespace:
         def forward(self, x):
             return self.gamma * x
 
+    class StochasticDepth(torch.nn.Module):
+        """torchvision's ``stochastic_depth`` (timm's ``drop_path``: mode ``row``, ``scale``
+        ``scale_by_keep``), drawing its own masks in training mode (mirror a layer's mask with
+        :func:`masked`)."""
+
+        def __init__(self, p: float, mode: str, scale: bool) -> None:
+            super().__init__()
+            self.p, self.mode, self.scale = p, mode, scale
+
+        def forward(self, x):
+            if not self.training or self.p == 0.0:
+                return x
+            survival = 1.0 - self.p
+            size = [x.shape[0]] + [1] * (x.ndim - 1) if self.mode == "row" else [1] * x.ndim
+            noise = torch.empty(size, dtype=x.dtype).bernoulli_(survival)
+            if survival > 0.0 and self.scale:
+                noise.div_(survival)
+            return x * noise
+
     return types.SimpleNamespace(Affine=Affine, Residual=Residual, Lambda=Lambda,
-                                 ChannelsLayerNorm=ChannelsLayerNorm, LayerScale=LayerScale)
+                                 ChannelsLayerNorm=ChannelsLayerNorm, LayerScale=LayerScale,
+                                 StochasticDepth=StochasticDepth)

@@ -37,6 +37,7 @@ from sparse_scan.layers import (
     BatchNorm2d,
     Conv2d,
     Dropout,
+    DropPath,
     Flatten,
     Hardsigmoid,
     Hardswish,
@@ -55,6 +56,7 @@ from sparse_scan.layers import (
     SiLU,
     Softmax,
     Softplus,
+    StochasticDepth,
     Tanh,
     Upsample,
 )
@@ -141,6 +143,8 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape)
                                   PLANE),
     "upsample-bilinear-copy": (lambda d: Upsample(size=(4, 3), mode="bilinear"), PLANE),
     "dropout-eval": (lambda d: Dropout(0.3).eval(), PLANE),
+    "stochastic-depth-eval": (lambda d: StochasticDepth(0.3, "row").eval(), PLANE),
+    "drop-path-eval": (lambda d: DropPath(0.3).eval(), FLAT),
     "flatten": (lambda d: Flatten(), PLANE),
     "log-softmax": (lambda d: LogSoftmax(dim=1), FLAT),
     "softmax": (lambda d: Softmax(dim=-1), FLAT),
@@ -210,8 +214,9 @@ def assert_ieee_equal(ours, theirs, what: str, signs: bool = False, ignore=None)
 def mirror(layer, x: np.ndarray):
     """The PyTorch module computing what ``layer`` computed at its last forward, whose input had the
     shape and dtype of ``x``: a dropout in training mode multiplies by that forward's mask."""
-    if isinstance(layer, Dropout) and layer.training:
-        return masked(layer.transposed_jacobian(x).data.reshape(x.shape))
+    if isinstance(layer, (Dropout, StochasticDepth, DropPath)) and layer.training:
+        data = layer.transposed_jacobian(x).data  # (n,) for a batch's one mask
+        return masked(np.array(np.broadcast_to(data, (len(x), data.shape[-1]))).reshape(x.shape))
     return torch_mirror(layer, getattr(torch, np.dtype(x.dtype).name))
 
 
@@ -311,6 +316,27 @@ def test_dropout_in_training_mode_multiplies_by_its_mask(dtype, p):
     layer = Dropout(p, rng=0)
     check_layer(layer, special_batch(PLANE, dtype))
     model = Sequential(Identity(), Dropout(p, rng=1), Affine(scale=0.5))
+    x = special_batch(PLANE, dtype, seed=2)
+    y = model.forward(x)
+    grad = finite_gradient(y.shape, dtype)
+    net = torch.nn.Sequential(*[mirror(layer, a) for layer, a in zip(model.layers, (x, x, y), strict=True)])
+    out, dx, _ = autograd(net, x, grad)
+    assert_ieee_equal(y, out, "forward", signs=True)
+    for method in ("linear", "blelloch"):
+        assert_ieee_equal(model.backward(grad, method)[0], dx, method)
+
+
+SAMPLE_DROPS = {"row": lambda: StochasticDepth(0.5, "row", rng=3),
+                "batch": lambda: StochasticDepth(0.5, "batch"),
+                "drop-all": lambda: DropPath(1.0), "unscaled": lambda: DropPath(0.5, False, rng=5)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(SAMPLE_DROPS))
+def test_sample_drops_in_training_mode_multiply_by_their_masks(case, dtype):
+    """StochasticDepth and DropPath multiply by their masks, as PyTorch's: a dropped infinity is NaN."""
+    check_layer(SAMPLE_DROPS[case](), special_batch(PLANE, dtype))
+    model = Sequential(Identity(), SAMPLE_DROPS[case](), Affine(scale=0.5))
     x = special_batch(PLANE, dtype, seed=2)
     y = model.forward(x)
     grad = finite_gradient(y.shape, dtype)

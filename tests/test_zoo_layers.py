@@ -15,18 +15,20 @@ import math
 
 import numpy as np
 import pytest
-from oracles import finite_difference_jt, torch_jt, torch_mirror
+from oracles import finite_difference_jt, masked, torch_jt, torch_mirror
 
 from sparse_scan import Sequential, backend, flops
 from sparse_scan.layers import (
     GELU,
     Conv2d,
+    DropPath,
     Hardsigmoid,
     Hardswish,
     LayerNorm,
     LayerScale,
     Mish,
     Residual,
+    StochasticDepth,
     Upsample,
 )
 from sparse_scan.spec import model_from_spec
@@ -72,7 +74,13 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape, its spec e
     "upsample-bilinear-corners": (lambda d: Upsample(size=[6, 9], mode="bilinear", align_corners=True), PLANE,
                                   {"type": "upsample", "size": [6, 9], "mode": "bilinear",
                                    "align_corners": True}),
+    "stochastic-depth": (lambda d: StochasticDepth(0.3, "row").eval(), PLANE,
+                         {"type": "stochastic_depth", "p": 0.3, "mode": "row"}),
+    "stochastic-depth-batch": (lambda d: StochasticDepth(0.3, "batch").eval(), PLANE,
+                               {"type": "stochastic_depth", "p": 0.3, "mode": "batch"}),
+    "drop-path": (lambda d: DropPath(0.2).eval(), PLANE, {"type": "drop_path", "drop_prob": 0.2}),
 }
+"""Layers with a mode are in eval mode here (a spec's default); their training mode has tests of its own."""
 KINKS = {"hardswish": (-3.0, 3.0), "hardsigmoid": (-3.0, 3.0)}
 """Where a layer's derivative jumps: finite differences stay away from them."""
 
@@ -493,3 +501,140 @@ def test_upsample_one_pattern_serves_both_dtypes():
     assert single.pattern is double.pattern and single.dtype == np.float32 and double.dtype == np.float64
     np.testing.assert_allclose(single.data, double.data, atol=1e-6)  # scales rounded to float32
     assert layer.transposed_jacobian(x).data is double.data  # computed once per dtype
+
+
+# --- stochastic depth and drop path --------------------------------------------------------------
+def sample_drop(kind: str, p: float, rng=0):
+    return (DropPath(p, rng=rng) if kind == "drop-path" else StochasticDepth(p, kind, rng=rng))
+
+
+@pytest.mark.parametrize("kind", ["row", "batch", "drop-path"])
+def test_masks_drop_whole_samples_or_the_batch(kind):
+    layer = sample_drop(kind, 0.3, rng=1)
+    x = np.ones((400, 2, 3))
+    kept = []
+    for _ in range(3):
+        y = layer.forward(x)
+        assert set(np.unique(y).tolist()) <= {0.0, 1 / 0.7}
+        rows = y.reshape(400, -1)
+        assert (rows == rows[:, :1]).all()  # a sample is kept or dropped whole
+        if kind == "batch":
+            assert (rows == rows[0, 0]).all()  # ... and the batch as one
+        kept.append(rows[:, 0] != 0)
+        jt = layer.transposed_jacobian(x)
+        assert jt.shared == (kind == "batch")
+        np.testing.assert_array_equal(np.broadcast_to(jt.data, rows.shape), rows)  # JT: the mask
+    if kind != "batch":
+        share = np.mean(kept)
+        assert abs(share - 0.7) < 4 * math.sqrt(0.21 / (3 * 400))  # 4 sigma
+        assert not np.array_equal(kept[0], kept[1])  # a new mask per forward
+    same = sample_drop(kind, 0.3, rng=1)
+    assert np.array_equal(same.forward(x) != 0, kept[0][:, None, None] * np.ones_like(x, bool))
+
+
+@pytest.mark.parametrize("kind", ["row", "batch", "drop-path"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_scaling_is_pytorchs_and_the_jt_the_forwards(kind, dtype):
+    """Kept samples are multiplied by ``1 / (1 - p)`` as torchvision's ``noise.div_(survival_rate)``
+    makes it in the dtype; JT equals finite differences and autograd of the forward that drew it."""
+    torch = pytest.importorskip("torch")
+    layer = sample_drop(kind, 0.3, rng=2)
+    x = make_input("stochastic-depth", batch=6, dtype=dtype)
+    y = layer.forward(x)
+    scale = torch.ones(1, dtype=getattr(torch, np.dtype(dtype).name)).div_(1.0 - 0.3).numpy()[0]
+    jt = layer.transposed_jacobian(x)
+    factor = np.broadcast_to(jt.data, (6, jt.nnz)).reshape(x.shape)
+    assert set(np.unique(factor).tolist()) <= {0.0, float(scale)} and jt.dtype == dtype
+    np.testing.assert_array_equal(y, x * factor)
+    for b in range(2):
+        dense = jt.todense() if jt.shared else jt.todense()[b]
+        sample = factor[b:b + 1].astype(np.float64)
+        np.testing.assert_allclose(dense, finite_difference_jt(lambda v, m=sample: v * m, x[b]), atol=1e-6)
+        np.testing.assert_array_equal(dense, torch_jt(masked(sample), x[b].astype(np.float64)))
+
+
+@pytest.mark.parametrize("kind", ["row", "batch", "drop-path"])
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_a_training_chain_backpropagates_the_mask(kind, method):
+    """``conv -> drop -> conv`` in training mode against autograd through the same mask; the mask of
+    the last forward, a new one after the next forward."""
+    torch = pytest.importorskip("torch")
+    f64 = {"dtype": np.float64}
+    model = Sequential(Conv2d(3, 3, 3, padding=1, rng=1, **f64), sample_drop(kind, 0.5, rng=3),
+                       Conv2d(3, 2, 3, padding=1, rng=2, **f64), input_shape=PLANE)
+    x = make_input("stochastic-depth", batch=5)
+    y = model.forward(x)
+    grad = np.random.default_rng(4).standard_normal(y.shape)
+    data = model.transposed_jacobians()[1].data
+    factor = np.array(np.broadcast_to(data, (5, data.shape[-1]))).reshape(x.shape)
+    net = torch.nn.Sequential(twin(model.layers[0]), masked(factor), twin(model.layers[2]))
+    out, dx, parameters = autograd(net, x, grad)
+    np.testing.assert_allclose(y, out, rtol=1e-12, atol=1e-12)
+    grads = model.backward(grad, method)
+    np.testing.assert_allclose(grads[0], dx, rtol=1e-10, atol=1e-12)
+    ours = model.parameter_gradients(grads)
+    assert sorted(ours) == sorted(parameters)
+    for name, value in ours.items():
+        np.testing.assert_allclose(value, parameters[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["row", "batch", "drop-path"])
+def test_identity_in_eval_mode_and_at_p_0_masks_at_p_1(kind):
+    x = make_input("stochastic-depth", batch=4)
+    for layer in (sample_drop(kind, 0.4).eval(), sample_drop(kind, 0.0)):
+        np.testing.assert_array_equal(layer.forward(x), x)
+        ones = np.ones(x[0].size) if layer.sample_independent else np.ones((4, x[0].size))
+        np.testing.assert_array_equal(layer.transposed_jacobian(x).data, ones)
+    dropped = sample_drop(kind, 1.0)
+    x[0, 0, 0, 0] = np.inf
+    with np.errstate(invalid="ignore"):
+        y = dropped.forward(x)
+    assert np.isnan(y[0, 0, 0, 0]) and (y.ravel()[1:] == 0).all()  # inf * 0, as PyTorch multiplies
+    assert not dropped.transposed_jacobian(x).data.any()
+
+
+def test_the_same_seed_gives_the_same_masks_on_the_gpu(be):
+    x = make_input("stochastic-depth", batch=64)
+    for kind in ("row", "batch", "drop-path"):
+        host, device = sample_drop(kind, 0.5, rng=7), sample_drop(kind, 0.5, rng=7)
+        for _ in range(2):
+            np.testing.assert_array_equal(be.to_host(device.forward(be.asarray(x))), host.forward(x))
+            want, got = host.transposed_jacobian(x), device.transposed_jacobian(be.asarray(x))
+            assert backend.of(got.data).name == be.name
+            np.testing.assert_array_equal(be.to_host(got.data), want.data)
+
+
+def test_modes_reprs_and_bad_arguments():
+    layer = StochasticDepth(0.2, "row")
+    assert layer.training and repr(layer) == "StochasticDepth(p=0.2, mode=row)"
+    assert repr(DropPath()) == "DropPath(drop_prob=0.000)"
+    assert repr(DropPath(0.1234)) == "DropPath(drop_prob=0.123)"
+    x = make_input("stochastic-depth")
+    with pytest.raises(ValueError, match=r"layer StochasticDepth: input: no mask.*forward\(x\) first"):
+        layer.transposed_jacobian(x)
+    layer.forward(x)
+    with pytest.raises(ValueError, match=r"StochasticDepth: input: batch of 2 samples, the last .* had 3"):
+        layer.transposed_jacobian(x[:2])
+    layer.eval()
+    layer.train()
+    with pytest.raises(ValueError, match="no mask"):  # a mode change forgets the mask
+        layer.transposed_jacobian(x)
+    for build, field in [(lambda: StochasticDepth(-0.1, "row"), "p"),
+                         (lambda: StochasticDepth(1.5, "row"), "p"),
+                         (lambda: StochasticDepth(float("nan"), "row"), "p"),
+                         (lambda: StochasticDepth(0.1, "column"), "mode"),
+                         (lambda: DropPath(2.0), "drop_prob"),
+                         (lambda: DropPath(0.1, scale_by_keep="yes"), "scale_by_keep"),
+                         (lambda: DropPath(0.1, training=1), "training")]:
+        with pytest.raises(ValueError, match=rf"layer \w+: {field}:"):
+            build()
+
+
+def test_a_spec_in_training_mode_draws_seeded_masks():
+    spec = {"input_shape": list(PLANE), "init": {"seed": 3},
+            "layers": [{"name": "drop", "type": "stochastic_depth", "p": 0.5, "mode": "row",
+                        "training": True}]}
+    x = np.ones((16,) + PLANE, np.float32)
+    first, again = (model_from_spec(spec).forward(x) for _ in range(2))
+    np.testing.assert_array_equal(first, again)  # the spec's seed, the same masks
+    assert set(np.unique(first).tolist()) == {0.0, 2.0}

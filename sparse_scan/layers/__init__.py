@@ -34,6 +34,7 @@ from ._normalization import BatchNorm2d
 from ._pooling import AvgPool2d, MaxPool2d
 from ._residual import Residual
 from ._softmax import LogSoftmax, Softmax
+from ._stochastic_depth import DropPath, StochasticDepth
 from ._upsample import Upsample
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "BatchNorm2d",
     "Block",
     "Conv2d",
+    "DropPath",
     "Dropout",
     "ELU",
     "Flatten",
@@ -65,6 +67,7 @@ __all__ = [
     "Sigmoid",
     "Softmax",
     "Softplus",
+    "StochasticDepth",
     "Tanh",
     "Upsample",
 ]
