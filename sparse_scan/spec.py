@@ -136,6 +136,7 @@ from .layers import (
     AvgPool2d,
     BatchNorm2d,
     Block,
+    ChannelShuffle,
     Conv2d,
     Dropout,
     DropPath,
@@ -151,6 +152,7 @@ from .layers import (
     Linear,
     LogSoftmax,
     MaxPool2d,
+    Narrow,
     Mish,
     ReLU,
     Residual,
@@ -177,7 +179,7 @@ LAYER_TYPES: dict[str, type[Layer]] = {
     "stochastic_depth": StochasticDepth, "drop_path": DropPath,
     "batchnorm2d": BatchNorm2d, "dropout": Dropout, "adaptive_avgpool2d": AdaptiveAvgPool2d,
     "affine": Affine, "log_softmax": LogSoftmax, "softmax": Softmax, "residual": Residual,
-    "block": Block,
+    "block": Block, "narrow": Narrow, "channel_shuffle": ChannelShuffle,
 }
 """Spec ``type`` -> layer class (arguments: the class's, PyTorch's names; ``residual``'s:
 :data:`RESIDUAL_FIELDS`; ``block``'s: :data:`BLOCK_FIELDS`)."""

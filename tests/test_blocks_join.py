@@ -27,10 +27,12 @@ from sparse_scan.layers import (
     AdaptiveAvgPool2d,
     BatchNorm2d,
     Block,
+    ChannelShuffle,
     Conv2d,
     Flatten,
     Linear,
     MaxPool2d,
+    Narrow,
     ReLU,
     Residual,
     Sigmoid,
@@ -115,8 +117,18 @@ def outer() -> Sequential:
     return Sequential(product, Flatten(), Linear(3 * 4 * 4, 3, **F64, rng=12))
 
 
+def shuffle_unit() -> Sequential:
+    """ShuffleNetV2's stride-1 unit: the channels' halves, the second through a branch, concatenated and
+    shuffled; then a shuffle of four groups."""
+    unit = Block([Narrow(0, 2)], [Narrow(2, 2), conv(2, 2, 1, 10), batchnorm(2, 11), ReLU(),
+                                  conv(2, 2, 3, 12, padding=1, groups=2)], join="concat")
+    return Sequential(unit, ChannelShuffle(2), ChannelShuffle(4), Flatten(),
+                      Linear(4 * 3 * 3, 3, **F64, rng=13))
+
+
 MODELS = {"inception": (inception, (2, 5, 5)), "densenet": (densenet, (1, 4, 4)),
-          "se_resnet": (se_resnet, (3, 5, 5)), "nested": (nested, (2, 4, 4)), "outer": (outer, (2, 4, 4))}
+          "se_resnet": (se_resnet, (3, 5, 5)), "nested": (nested, (2, 4, 4)), "outer": (outer, (2, 4, 4)),
+          "shuffle_unit": (shuffle_unit, (4, 3, 3))}
 
 
 def schedules(n: int) -> list[tuple[str, int | None]]:
@@ -136,6 +148,14 @@ def torch_module(layer):
     """A PyTorch float64 module computing ``layer``, its children named as :meth:`Block.named_children`
     names them (parameters copied)."""
     torch = pytest.importorskip("torch")
+    if isinstance(layer, ChannelShuffle):
+        return torch.nn.ChannelShuffle(layer.groups)
+    if isinstance(layer, Narrow):
+        class TorchNarrow(torch.nn.Module):
+            def forward(self, x):
+                return torch.narrow(x, 1, layer.start, layer.length)
+
+        return TorchNarrow()
     if not isinstance(layer, Block):
         return torch_mirror(layer)
 
@@ -467,3 +487,26 @@ def test_a_distributed_slice_of_blocks_multiplies_their_jts_like_back_propagatio
         product = SliceProduct(model.layers[a:b], shapes[a]).compute(jacobians[a:b])
         np.testing.assert_allclose(apply(product, grads[b].reshape(3, -1)), grads[a].reshape(3, -1),
                                    rtol=RTOL, atol=ATOL, err_msg=f"{a}:{b}")
+
+
+# --- channels selected and permuted (ShuffleNet) ---------------------------------------------------
+def test_narrow_and_channel_shuffle_equal_finite_differences_pytorch_and_the_gpu(be):
+    torch = pytest.importorskip("torch")
+    x = make_input((6, 2, 3), batch=2)
+    for layer, module in [(Narrow(1, 4), lambda t: torch.narrow(t, 1, 1, 4)),
+                          (ChannelShuffle(3), torch.nn.ChannelShuffle(3))]:
+        jt = layer.transposed_jacobian(x)
+        assert jt.shared and jt.pattern.nnz == int(np.prod(layer.output_shape((6, 2, 3))))
+        np.testing.assert_array_equal(layer(x), module(torch.from_numpy(x)).numpy())
+        np.testing.assert_allclose(jt.todense(), torch_jt(module, x[0]), rtol=0, atol=0)
+        np.testing.assert_allclose(jt.todense(), finite_difference_jt(layer.forward, x[0]), atol=1e-9)
+        on_device = layer.transposed_jacobian(be.asarray(x))
+        assert on_device.pattern.same_as(jt.pattern)
+        np.testing.assert_array_equal(be.to_host(layer(be.asarray(x))), layer(x))
+    with pytest.raises(ValueError, match=r"layer Narrow: length: channels 4 .. 7 of a sample of shape "
+                                         r"\(6, 2, 3\): it has 6"):
+        Narrow(4, 4).forward(x)
+    with pytest.raises(ValueError, match="4 groups do not divide the 6 channels"):
+        ChannelShuffle(4).pattern((6, 2, 3))
+    with pytest.raises(ValueError, match="start: must be an int >= 0"):
+        Narrow(-1, 2)

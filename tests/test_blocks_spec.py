@@ -259,6 +259,12 @@ BAD = [
      ["layer 'b.0.c' (layers[0].branches[0][0])", "field 'kernel_size'"]),
     (BLOCK.format(body=SUM + "    branch_names: [x, x]\n    branches: [[{type: relu}], [{type: relu}]]\n"),
      ["layer 'b.x.0' (layers[0].branches[1][0])", "field 'name'", "used by an earlier layer"]),
+    (BLOCK.format(body=CONCAT + "    branches: [[{type: narrow, start: 1, length: 2}], []]\n"),
+     ["layer 'b.0.0' (layers[0].branches[0][0])", "field 'length'", "channels 1 .. 2 of a sample"]),
+    (BLOCK.format(body=CONCAT + "    branches: [[{type: narrow, length: 1}], []]\n"),
+     ["layer 'b.0.0' (layers[0].branches[0][0])", "field 'start'", "missing (required by narrow)"]),
+    ("input_shape: [2, 4, 4]\nlayers:\n  - {name: s, type: channel_shuffle, groups: 3}\n",
+     ["layer 's' (layers[0])", "field 'groups'", "3 groups do not divide the 2 channels"]),
 ]
 
 

@@ -29,7 +29,7 @@ from sparse_scan.torch import BPPSA, CaptureError, bppsa  # noqa: E402
 
 CASES = {case.name: case for case in CORPUS}
 JOINS = ["squeezenet_fire", "inception_module", "densenet_block", "se_resnet_block", "nested_joins",
-         "concat_branches", "branch_product"]
+         "concat_branches", "branch_product", "shufflenet_units"]
 
 
 def assert_close(got, want, label: str) -> None:
@@ -74,7 +74,8 @@ def on_the_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["linear", "blelloch"])
-@pytest.mark.parametrize("name", ["inception_module", "densenet_block", "se_resnet_block"])
+@pytest.mark.parametrize("name", ["inception_module", "densenet_block", "se_resnet_block",
+                                  "shufflenet_units"])
 def test_on_the_gpu_bppsa_of_joined_branches_equals_autograd(on_the_gpu, name, method):
     bppsa_equals_autograd(name, method, on_the_gpu)
 
@@ -109,6 +110,18 @@ def test_a_squeeze_excitation_product_is_a_block_named_by_its_module(tmp_path):
         ("product", [0, 2])]
 
 
+def test_shufflenets_units_are_narrow_pieces_concatenated_and_channel_shuffles(tmp_path):
+    layers = exported(tmp_path, "shufflenet_units")
+    assert [entry["type"] for entry in layers] == [
+        "conv2d", "batchnorm2d", "relu", "block", "channel_shuffle", "block", "channel_shuffle",
+        "channel_shuffle", "adaptive_avgpool2d", "flatten", "linear"]
+    split = layers[5]  # stride 1: x1, x2 = x.chunk(2, dim=1); torch.cat((x1, branch2(x2)), 1)
+    assert split["join"] == "concat" and [entry["type"] for entry in split["branches"][0]] == ["narrow"]
+    pieces = [split["branches"][0][0], split["branches"][1][0]]
+    assert [(entry["start"], entry["length"]) for entry in pieces] == [(0, 4), (4, 4)]
+    assert [entry["groups"] for entry in layers if entry["type"] == "channel_shuffle"] == [2, 2, 4]
+
+
 class CatRows(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -125,6 +138,12 @@ class Outer(nn.Module):
         return torch.flatten(x, 2) * torch.flatten(x, 1)
 
 
+class ChunkRows(CatRows):
+    def forward(self, x):
+        top, bottom = x.chunk(2, dim=2)
+        return torch.cat([self.conv(top), bottom], 1)
+
+
 class Quotient(CatRows):
     def forward(self, x):
         return self.conv(x) / torch.sigmoid(x)
@@ -135,6 +154,8 @@ class Quotient(CatRows):
                          r"dim -1 of 4-axis tensors; only the concatenation along the channels"),
     (Outer, (1, 1, 4), r"node 'mul' \(\* at .*\): multiplies tensors of shapes \[2, 1, 4\] and \[2, 4\]; "
                        r"a product of two branches needs shapes of one length"),
+    (ChunkRows, (2, 4, 3), r"node 'chunk' \(\.chunk\(\) at .*\): chunk along dim 2 of 4-axis tensors; only "
+                           r"pieces of the channels \(dim 1\) are layers"),
     (Quotient, (2, 3, 3), r"node 'truediv' \(/ at .*\): divides 2 tensors; only a sum \(or difference\) or a "
                           r"product of two branches, or torch.cat of branches, joins branches"),
 ])

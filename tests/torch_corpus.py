@@ -1108,6 +1108,56 @@ class NestedJoins(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+def channel_shuffle(x, groups: int):
+    """torchvision's ShuffleNetV2 channel shuffle, as written there."""
+    batchsize, num_channels, height, width = x.size()
+    channels_per_group = num_channels // groups
+    x = x.view(batchsize, groups, channels_per_group, height, width)
+    x = torch.transpose(x, 1, 2).contiguous()
+    return x.view(batchsize, num_channels, height, width)
+
+
+class ShuffleUnit(nn.Module):
+    """torchvision's ShuffleNetV2 InvertedResidual: stride 1 splits the channels with x.chunk(2, dim=1)
+    and keeps the first half; stride 2 runs two branches; then torch.cat and a channel shuffle."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        half = cout // 2
+        if stride > 1:
+            self.branch1 = nn.Sequential(nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False),
+                                         nn.BatchNorm2d(cin), nn.Conv2d(cin, half, 1, bias=False),
+                                         nn.BatchNorm2d(half), nn.ReLU(inplace=True))
+        inputs = cin if stride > 1 else half
+        self.branch2 = nn.Sequential(nn.Conv2d(inputs, half, 1, bias=False), nn.BatchNorm2d(half),
+                                     nn.ReLU(inplace=True),
+                                     nn.Conv2d(half, half, 3, stride, 1, groups=half, bias=False),
+                                     nn.BatchNorm2d(half), nn.Conv2d(half, half, 1, bias=False),
+                                     nn.BatchNorm2d(half), nn.ReLU(inplace=True))
+
+    def forward(self, x):
+        if self.stride == 1:
+            x1, x2 = x.chunk(2, dim=1)
+            out = torch.cat((x1, self.branch2(x2)), dim=1)
+        else:
+            out = torch.cat((self.branch1(x), self.branch2(x)), dim=1)
+        return channel_shuffle(out, 2)
+
+
+class ShuffleNetLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU())
+        self.stage2 = nn.Sequential(ShuffleUnit(4, 8, 2), ShuffleUnit(8, 8, 1))
+        self.shuffle = nn.ChannelShuffle(4)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.shuffle(self.stage2(self.conv1(x)))
+        return self.fc(x.mean((2, 3)))
+
+
 def recurrent(kind: str, head: str, dropout: bool = False, **arguments) -> Callable[[], nn.Module]:
     return lambda: Recurrent(kind, head, dropout, **arguments)
 
@@ -1194,6 +1244,8 @@ CORPUS: list[Case] = [
          "squeeze-and-excitation (scale * x, a (B, C, 1, 1) gate) in a BasicBlock, a (B, C, H, 1) gate"),
     Case("nested_joins", NestedJoins, (2, 3, 3),
          "a concatenation in a sum in a concatenation; torch.cat([x, x], 1); a product of two cats"),
+    Case("shufflenet_units", ShuffleNetLike, (3, 6, 6),
+         "ShuffleNetV2 units: x.chunk(2, dim=1), torch.cat, view-transpose-view shuffles, nn.ChannelShuffle"),
     # refused --------------------------------------------------------------------------------------
     Case("weight_tying", WeightTying, (3, 2, 2),
          "one nn.Linear with parameters applied twice: a spec cannot share a layer's weights",

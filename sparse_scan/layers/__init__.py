@@ -24,6 +24,7 @@ from ._activation import (
 from ._adaptive_pool import AdaptiveAvgPool2d
 from ._base import Layer
 from ._block import Block
+from ._channels import ChannelShuffle, Narrow
 from ._conv import Conv2d
 from ._dropout import Dropout
 from ._flatten import Flatten
@@ -43,6 +44,7 @@ __all__ = [
     "AvgPool2d",
     "BatchNorm2d",
     "Block",
+    "ChannelShuffle",
     "Conv2d",
     "DropPath",
     "Dropout",
@@ -60,6 +62,7 @@ __all__ = [
     "Linear",
     "LogSoftmax",
     "MaxPool2d",
+    "Narrow",
     "Mish",
     "ReLU",
     "Residual",

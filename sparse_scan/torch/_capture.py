@@ -10,6 +10,9 @@ Then every node the output depends on becomes part of one chain:
   ``flatten`` layer over the axes it merges (read off the probes' shapes), or nothing when it keeps the
   shape; ``x.mean((2, 3))``: a global average pool;
 - a constant scaling or shift (``x * 2.0``, ``1 - x``, ``-x``): an ``affine`` layer;
+- a piece of ``x.chunk(n, dim=1)`` or ``x.split(size, dim=1)``: a ``narrow`` layer (its channels); a
+  channel shuffle (``x.view(B, g, C // g, H, W)``, ``torch.transpose(x, 1, 2)``, ``x.view(B, C, H, W)``,
+  ShuffleNet's) or ``nn.ChannelShuffle``: a ``channel_shuffle`` layer;
 - the sum (or difference) of two branches that leave one node: an inline residual block
   (``scoped: false``: its layers keep the module's names), nested blocks for sums of sums;
 - ``torch.cat`` of branches that leave one node, along the channels (``dim=1``): an inline ``block``
@@ -87,6 +90,7 @@ MODULES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "AdaptiveAvgPool2d": ("adaptive_avgpool2d", {"output_size": WRITTEN}, {}),
     "LogSoftmax": ("log_softmax", {"dim": WRITTEN}, {}),
     "Softmax": ("softmax", {"dim": WRITTEN}, {}),
+    "ChannelShuffle": ("channel_shuffle", {"groups": WRITTEN}, {}),
 }
 """PyTorch module type -> (spec type, what becomes of each argument of its constructor, fields the spec
 entry always has). An argument is written to the spec, ignored (``inplace``: no effect on values or
@@ -291,6 +295,7 @@ class _Builder:
         self.reserved = {path for path, _ in traced.reference.named_modules() if path}
         self.module_layers: set[str] = set()
         self.calls: dict[str, int] = {}
+        self._shuffled: dict[Any, list[dict[str, Any]]] = {}
 
     # --- checks over every node, in forward order ----------------------------------------------
     def _check_nodes(self, nodes: list[Any]) -> None:
@@ -362,7 +367,7 @@ class _Builder:
             if node.op in ("placeholder", "output", "get_attr") or not traced.is_tensor(node):
                 continue
             op = traced.op(node)
-            tensors = traced.tensor_inputs(node)
+            tensors = self._inputs(node)
             if _join(op, tensors) is not None:
                 continue  # a join of branches: its arms are chains of these nodes
             if len(tensors) != 1:
@@ -400,7 +405,7 @@ class _Builder:
         """The item ``node`` computes and the node it reads."""
         traced = self.traced
         op = traced.op(node)
-        tensors = traced.tensor_inputs(node)
+        tensors = self._inputs(node)
         join = _join(op, tensors)
         if join == "sum":
             return self._sum(node, op)
@@ -416,7 +421,7 @@ class _Builder:
         branches the node they split from."""
         if node not in self._predecessors:
             op = self.traced.op(node)
-            tensors = self.traced.tensor_inputs(node)
+            tensors = self._inputs(node)
             if _join(op, tensors) is not None:
                 self._predecessors[node] = self._split(self._operands(node, op))
             elif len(tensors) == 1:
@@ -424,6 +429,34 @@ class _Builder:
             else:
                 raise self._joins(node, op, tensors)
         return self._predecessors[node]
+
+    def _inputs(self, node: Any) -> list[Any]:
+        """The tensors ``node`` reads: its tensor inputs, or for a piece of ``x.chunk(n, 1)`` (of
+        ``x.split(size, 1)``), ``x``."""
+        piece = self._piece(node)
+        return [piece[0]] if piece is not None else self.traced.tensor_inputs(node)
+
+    def _piece(self, node: Any) -> tuple[Any, int, int] | None:
+        """``(x, start, length)`` where ``node`` is a piece ``x.chunk(n, 1)[i]`` (``x.split(size,
+        1)[i]``): its channels ``start .. start + length - 1``; None for any other node."""
+        if node.op != "call_function" or self.traced.op(node).name != "getitem" or not hasattr(
+                node.args[0], "op") or self.traced.op(node.args[0]).name not in ("chunk", "split"):
+            return None
+        pieces, index = node.args[0], node.args[1]
+        op = self.traced.op(pieces)
+        arguments = self.traced.arguments(pieces, op)
+        (source,) = self.traced.tensor_inputs(pieces)
+        rank = len(self.traced.shapes(source)[0])
+        sizes = [[int(piece.shape[1]) for piece in values[pieces]] for values in self.traced.values]
+        dim = arguments["dim"]
+        if dim not in (1, 1 - rank) or isinstance(dim, bool) or sizes[0] != sizes[1]:
+            raise CaptureError(f"{describe(pieces)}: {op.name} along dim {dim!r} of {rank}-axis "
+                               "tensors; only pieces of the channels (dim 1) are layers")
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise CaptureError(f"{describe(node)}: takes {index!r} of {op.name}'s pieces; one piece (an "
+                               "int) is a layer")
+        index %= len(sizes[0])
+        return source, sum(sizes[0][:index]), sizes[0][index]
 
     def _joins(self, node: Any, op: Any, tensors: list[Any]) -> CaptureError:
         """The refusal of a node that reads other than one tensor and is no sum of two branches."""
@@ -557,6 +590,11 @@ class _Builder:
         """The spec entries (no names) of a one-input node."""
         if node.op == "call_module":
             return [self._module_entry(node, self.traced.module(node))]
+        if node in self._shuffled:  # the rest of a channel shuffle its first reshape recognised
+            return self._shuffled[node]
+        piece = self._piece(node)
+        if piece is not None:
+            return [{"type": "narrow", "start": piece[1], "length": piece[2]}]
         handler = getattr(self, f"_op_{op.name}", None)
         if handler is None:
             raise CaptureError(f"{describe(node)}: {op.name} is not supported here")
@@ -694,6 +732,8 @@ class _Builder:
             raise CaptureError(f"{describe(node)}: the per-sample shape it gives depends on the batch size")
         if sample_out == sample_in:
             return []
+        if self._channel_shuffle(node, sample_in, sample_out):
+            return []
         merged = _merged_axes(sample_in, sample_out)
         if merged is None:
             raise CaptureError(f"{describe(node)}: reshapes each sample {list(sample_in)} to "
@@ -701,6 +741,36 @@ class _Builder:
                                "reshape sparse-scan has: flatten)")
         start, end = merged
         return [{"type": "flatten", "start_dim": start + 1, "end_dim": end + 1}]
+
+    def _channel_shuffle(self, node: Any, sample_in: tuple[int, ...], sample_out: tuple[int, ...]) -> bool:
+        """Whether the reshape ``node`` begins a channel shuffle: it splits the channels ``C`` into ``g``
+        groups (``(g, C // g, ...)``), its one reader swaps those two axes (``torch.transpose(x, 1,
+        2)``, maybe then ``.contiguous()``) and that one's reader reshapes the result back to the
+        input's shape: ``node`` and the transpose are then no layer, the last reshape a
+        ``channel_shuffle``."""
+        if len(sample_out) != len(sample_in) + 1 or sample_out[2:] != sample_in[1:] or \
+                sample_out[0] * sample_out[1] != sample_in[0]:
+            return False
+        transpose = _single_reader(node)
+        if transpose is None or self.traced.op(transpose).name != "transpose":
+            return False
+        middle, last = [transpose], _single_reader(transpose)
+        if last is not None and self.traced.op(last).name == "contiguous":
+            middle, last = [transpose, last], _single_reader(last)
+        if last is None or self.traced.op(last).name != "reshape" or \
+                self.traced.shapes(last)[0][1:] != sample_in:
+            return False
+        arguments = self.traced.arguments(transpose, self.traced.op(transpose))
+        if sorted(d % (len(sample_out) + 1) for d in (arguments["dim0"], arguments["dim1"])) != [1, 2]:
+            return False
+        self._shuffled.update({reader: [] for reader in middle})
+        self._shuffled[last] = [{"type": "channel_shuffle", "groups": sample_out[0]}]
+        return True
+
+    def _op_transpose(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        raise CaptureError(f"{describe(node)}: transposes axes {args['dim0']} and {args['dim1']}; only a "
+                           "channel shuffle (x.view(B, g, C // g, H, W), torch.transpose(x, 1, 2), "
+                           "x.view(B, C, H, W)) moves entries between axes")
 
     def _op_mean(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         """``x.mean((2, 3))`` of an image batch: a global average pool (and a flatten unless keepdim)."""
@@ -978,6 +1048,11 @@ def _members(block: _Block) -> list[_Layer]:
     for item in (item for arm in block.arms for item in arm):
         out += _members(item) if isinstance(item, _Block) else [item]
     return out
+
+
+def _single_reader(node: Any) -> Any:
+    """The one node that reads ``node``, or None."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def _join(op: Any, tensors: list[Any]) -> str | None:

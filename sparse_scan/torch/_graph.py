@@ -52,6 +52,9 @@ def _sig_div(input, other, *, rounding_mode=None): ...  # noqa: E704, ANN001, AN
 def _sig_reshape(input, *shape, **options): ...  # noqa: E704, ANN001, ANN002, ANN003, ANN201
 def _sig_getitem(input, index): ...  # noqa: E704, ANN001, ANN201
 def _sig_cat(tensors, dim=0, *, out=None): ...  # noqa: E704, ANN001, ANN201
+def _sig_chunk(input, chunks, dim=0): ...  # noqa: E704, ANN001, ANN201
+def _sig_split(input, split_size_or_sections, dim=0): ...  # noqa: E704, ANN001, ANN201
+def _sig_transpose(input, dim0, dim1): ...  # noqa: E704, ANN001, ANN201
 
 
 _SIGNATURES: dict[str, Callable[..., Any]] = {
@@ -62,6 +65,7 @@ _SIGNATURES: dict[str, Callable[..., Any]] = {
     "dropout": _sig_dropout, "softmax": _sig_softmax, "log_softmax": _sig_softmax, "mean": _sig_mean,
     "add": _sig_binary, "sub": _sig_binary, "mul": _sig_product, "div": _sig_div, "neg": _sig_unary,
     "reshape": _sig_reshape, "getitem": _sig_getitem, "contiguous": _sig_reshape, "cat": _sig_cat,
+    "chunk": _sig_chunk, "split": _sig_split, "transpose": _sig_transpose,
 }
 """Operation -> the stub its arguments bind to. ``reshape`` stands for every reshape (``view``,
 ``flatten``, ``squeeze``, ...): their arguments are not read, the probes' shapes are."""
@@ -71,7 +75,7 @@ _METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "
             "add": "add", "add_": "add", "sub": "sub", "sub_": "sub", "mul": "mul", "mul_": "mul",
             "div": "div", "div_": "div", "neg": "neg", "neg_": "neg", "view": "reshape",
             "reshape": "reshape", "flatten": "reshape", "squeeze": "reshape", "unsqueeze": "reshape",
-            "contiguous": "contiguous"}
+            "contiguous": "contiguous", "chunk": "chunk", "split": "split", "transpose": "transpose"}
 """Tensor method -> operation (a trailing ``_``: in place)."""
 
 _OPERATORS = {operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.isub: "sub",
@@ -104,6 +108,8 @@ def _functions() -> dict[Any, tuple[str, bool]]:
         table.setdefault(getattr(torch, name), ("reshape", False))
     for name in ("cat", "concat"):  # torch.concatenate takes axis=: not bound, refused as unknown
         table.setdefault(getattr(torch, name), ("cat", False))
+    for name in ("chunk", "split", "transpose"):
+        table.setdefault(getattr(torch, name), (name, False))
     return table
 
 
