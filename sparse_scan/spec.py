@@ -59,7 +59,8 @@ the block's own children; default the branch's index) and ``scoped``:
              {type: conv2d, out_channels: 8, kernel_size: 3, padding: 1}]
           - []
 
-``in_channels``/``in_features``/``num_features`` are inferred from the previous layer (given, they must
+``in_channels``/``in_features``/``num_features``/``dim`` (``layer_scale``) are inferred from the previous
+layer (given, they must
 agree), along a block's chains (inner, shortcut, branches) from its input too. Messages name a nested
 layer by its path and place (``layer 'layer2.0.conv1' (layers[5].layers[0])``); ``init`` and ``prune``
 reach every layer of every block. Every problem is a :class:`SpecError` naming the file, the layer and
@@ -73,13 +74,15 @@ parameters (counted from its arguments before it is made) and one sample's activ
 available) as the model is built, the message naming the layer, the field, the size and the budget.
 
 A spec model loads in eval mode, like ``module.eval()`` in PyTorch: layers with a mode (``batchnorm2d``,
-``dropout``) take ``training: false`` unless the spec says otherwise. ``batchnorm2d`` normalises by its
+``dropout``, ``stochastic_depth``, ``drop_path``) take ``training: false`` unless the spec says otherwise.
+``batchnorm2d`` normalises by its
 frozen ``running_mean`` and ``running_var`` (loaded from the weights file; ``init`` gives PyTorch's
 zeros and ones, and ones and zeros for ``weight`` and ``bias``) and refuses ``training: true`` and
 ``track_running_stats: false``: both normalise by each batch's own statistics, coupling the samples of a
 batch, which a scan over per-sample Jacobians cannot hold. ``dropout`` with ``training: true`` draws a
 new mask every forward pass from the spec's generator (seeded by ``init``: the same seed, the same
-masks); in eval mode it is the identity. ``prune`` prunes the ``conv2d`` and ``linear`` weights only.
+masks); in eval mode it is the identity (``stochastic_depth`` and ``drop_path`` alike, with masks of whole
+samples). ``prune`` prunes the ``conv2d`` and ``linear`` weights only.
 
 A recurrent model is a recurrent layer (``rnn``, ``gru`` or ``lstm``, PyTorch's ``nn.RNN``/``nn.GRU``/
 ``nn.LSTM`` arguments) followed by one ``linear`` layer, the classifier head on the last output (or,

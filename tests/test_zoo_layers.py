@@ -154,6 +154,10 @@ def test_pattern_is_canonical_and_counted_without_building_it(case):
     rows = np.repeat(np.arange(pattern.shape[0]), np.diff(indptr))
     assert np.all((np.diff(indices) > 0) | (np.diff(rows) > 0))  # sorted, no duplicate, in each row
     assert indices.min(initial=0) >= 0 and indices.max(initial=0) < pattern.shape[1]
+    wide = layer.pattern(shape, index_dtype=np.int64)  # int64 indices on request, the same entries
+    assert wide.index_dtype == np.int64 and pattern.index_dtype == np.int32
+    np.testing.assert_array_equal(wide.indptr, indptr)
+    np.testing.assert_array_equal(wide.indices, indices)
 
 
 def conv_chain(case: str, dtype=np.float64) -> Sequential:
