@@ -58,7 +58,6 @@ REFUSED_TODAY = {
     "efficientnet": "stochastic_depth is not supported",
     "efficientnet_v2": "stochastic_depth is not supported",
     "mobilenet_v3": "Hardswish is not supported",
-    "shufflenet_v2": "transpose is not supported",  # the channel shuffle
 }
 """Family -> the start of the reason its refusal gives today (the first op the capture meets that no
 layer computes)."""
