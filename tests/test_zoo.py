@@ -174,9 +174,9 @@ def test_family_equals_autograd_through_export_and_bppsa(tmp_path, family):
 
     for method in METHODS:
         leaf = x.clone().requires_grad_(True)
-        out = bppsa(net, method=method)(leaf)
-        assert_close(out.detach().numpy(), y, f"{family.name} bppsa {method}: forward")
-        try:
+        try:  # the scan is planned at the first backward (today), or earlier
+            out = bppsa(net, method=method)(leaf)
+            assert_close(out.detach().numpy(), y, f"{family.name} bppsa {method}: forward")
             out.backward(g)
         except (ScanCostError, ScanMemoryError) as error:
             assert_refused_by_the_bound(error, method)
