@@ -14,7 +14,10 @@ Accepted (``fragment`` None):
     ``export_torch(module, input_shape, path)`` writes a spec whose model, loaded in float64, gives
     PyTorch's forward and, for ``method="linear"`` and ``"blelloch"``, autograd's gradient with respect
     to the input and to every parameter (by PyTorch's names, the set of names equal to
-    ``module.named_parameters()``'s) within ``1e-10`` relative. A recurrent model's spec
+    ``module.named_parameters()``'s but those the case's ``renamed`` lists; in PyTorch's shapes but where
+    the spec's layer holds the weight with other axes of size 1: a Linear between ConvNeXt's permutes as a
+    1x1 convolution's ``(out, in, 1, 1)``, a scale per channel as ``(C, 1, 1)``) within ``1e-10``
+    relative. A recurrent model's spec
     ``input_shape`` is ``(T, input_size)`` and the loaded model takes batch-first ``(B, T,
     input_size)`` whatever the torch module's layout (:func:`torch_input` transposes for a time-major
     one).
@@ -76,6 +79,11 @@ class Case:
         Arguments ``forward`` takes (a refused two-input model has 2).
     vocabulary : int or None
         The input is integer ids in ``[0, vocabulary)`` (an ``nn.Embedding`` first), else floats.
+    renamed : tuple of (str, str)
+        Accepted only: parameters whose spec weight has another name, (PyTorch's name, the spec's): a
+        ``layer_scale``'s weight is ``<layer>.gamma``, so a scale that is no module's ``gamma``
+        (torchvision's ConvNeXt block's own ``layer_scale``) is the layer ``<its name>`` and the weight
+        ``<its name>.gamma``.
     """
 
     name: str
@@ -87,6 +95,7 @@ class Case:
     training: bool = False
     inputs: int = 1
     vocabulary: int | None = None
+    renamed: tuple[tuple[str, str], ...] = ()
 
     @property
     def accepted(self) -> bool:
@@ -1158,6 +1167,448 @@ class ShuffleNetLike(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+# --- issue 46's layers: Hardswish, Mish, LayerNorm, layer scales, upsampling, stochastic depth ------
+def torchvision():
+    """torchvision, imported beside the CPU torch as ``tests/torchvision_models.py`` does; the case is
+    skipped where it is not installed (CI installs it: docs/testing.md)."""
+    import pytest  # noqa: PLC0415 - only a case built without torchvision needs it
+    import torchvision_models  # noqa: PLC0415
+
+    if not torchvision_models.installed():
+        pytest.skip("torchvision is not installed")
+    return torchvision_models.load()
+
+
+def randomized(net: nn.Module) -> nn.Module:
+    """``net`` with random LayerNorm weights and biases and random layer scales (seeded by the caller):
+    their initial ones and zeros would hide a wrong transposed Jacobian."""
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, nn.LayerNorm) and module.weight is not None:
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_()
+        for name, parameter in net.named_parameters():
+            if name.rpartition(".")[2] in ("gamma", "layer_scale"):
+                parameter.uniform_(0.5, 1.5)
+    return net
+
+
+class NewActivations(nn.Module):
+    """nn.Hardswish, nn.Hardsigmoid, nn.Mish and F.hardswish, F.hardsigmoid, F.mish (in place too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 8)
+        self.hardswish = nn.Hardswish()
+        self.fc2 = nn.Linear(8, 8)
+        self.hardsigmoid = nn.Hardsigmoid(inplace=True)
+        self.mish = nn.Mish()
+        self.fc3 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.mish(self.hardsigmoid(self.fc2(self.hardswish(self.fc1(torch.flatten(x, 1) * 4.0)))))
+        x = F.mish(F.hardsigmoid(F.hardswish(x * 6.0 - 3.0), inplace=True))
+        return self.fc3(x)
+
+
+class SqueezeExcitationV3(nn.Module):
+    """torchvision.ops.SqueezeExcitation as MobileNetV3 makes it: ReLU, then Hardsigmoid as the gate."""
+
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeezed, 1)
+        self.fc2 = nn.Conv2d(squeezed, channels, 1)
+        self.activation = nn.ReLU()
+        self.scale_activation = nn.Hardsigmoid()
+
+    def forward(self, x):
+        scale = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+class MobileNetV3Block(nn.Module):
+    """MobileNetV3's inverted residual: a 1x1 expansion, a depthwise 3x3, both with Hardswish, a
+    squeeze-and-excitation gate with Hardsigmoid, a 1x1 projection, ``result += input``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4),
+                                  nn.Hardswish())
+        self.block = nn.Sequential(
+            nn.Sequential(nn.Conv2d(4, 8, 1, bias=False), nn.BatchNorm2d(8), nn.Hardswish()),
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.BatchNorm2d(8),
+                          nn.Hardswish()),
+            SqueezeExcitationV3(8, 4),
+            nn.Sequential(nn.Conv2d(8, 4, 1, bias=False), nn.BatchNorm2d(4)))
+        self.classifier = nn.Sequential(nn.Linear(4, 6), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(6, 3))
+
+    def forward(self, x):
+        x = self.stem(x)
+        result = self.block(x)
+        result += x
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(result, 1), 1))
+
+
+class MBConv(nn.Module):
+    """EfficientNet's MBConv as torchvision writes it: expansion, depthwise conv, squeeze-and-excitation
+    (SiLU, Sigmoid), projection, torchvision.ops.StochasticDepth(p, "row"), ``result += input``."""
+
+    def __init__(self, channels: int, p: float) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Sequential(nn.Conv2d(channels, 2 * channels, 1, bias=False), nn.BatchNorm2d(2 * channels),
+                          nn.SiLU()),
+            nn.Sequential(nn.Conv2d(2 * channels, 2 * channels, 3, padding=1, groups=2 * channels,
+                                    bias=False), nn.BatchNorm2d(2 * channels), nn.SiLU()),
+            SqueezeExcitation(2 * channels, 2),
+            nn.Sequential(nn.Conv2d(2 * channels, channels, 1, bias=False), nn.BatchNorm2d(channels)))
+        self.stochastic_depth = torchvision().ops.StochasticDepth(p, "row")
+
+    def forward(self, x):
+        result = self.stochastic_depth(self.block(x))
+        result += x
+        return result
+
+
+class EfficientNetLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.SiLU())
+        self.blocks = nn.Sequential(MBConv(4, 0.1), MBConv(4, 0.2))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+class ConvNeXtLike(nn.Module):
+    """torchvision's ConvNeXt blocks (``CNBlock``: a depthwise 7x7 conv, permute(0, 2, 3, 1), LayerNorm,
+    Linear, GELU, Linear, permute(0, 3, 1, 2), ``layer_scale * y``, StochasticDepth, ``+= input``),
+    torchvision's ``LayerNorm2d`` after the stem and in the head, its downsampling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        convnext = torchvision().models.convnext
+        norm = convnext.LayerNorm2d
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 2, stride=2), norm(4, eps=1e-6))
+        self.stage1 = nn.Sequential(convnext.CNBlock(4, 0.5, 0.1), convnext.CNBlock(4, 0.5, 0.2))
+        self.downsample = nn.Sequential(norm(4, eps=1e-6), nn.Conv2d(4, 6, 2, stride=2))
+        self.stage2 = convnext.CNBlock(6, 0.5, 0.3)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(norm(6, eps=1e-6), nn.Flatten(1), nn.Linear(6, 3))
+        randomized(self)
+
+    def forward(self, x):
+        x = self.stage2(self.downsample(self.stage1(self.stem(x))))
+        return self.classifier(self.avgpool(x))
+
+
+def drop_path(x, drop_prob: float = 0.0, training: bool = False, scale_by_keep: bool = True):
+    """timm's ``drop_path`` (``timm/layers/drop.py``), as written there."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep_prob = 1 - drop_prob
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and scale_by_keep:
+        random_tensor.div_(keep_prob)
+    return x * random_tensor
+
+
+class DropPath(nn.Module):
+    """timm's ``DropPath``, as written there."""
+
+    def __init__(self, drop_prob: float = 0.0, scale_by_keep: bool = True) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+        self.scale_by_keep = scale_by_keep
+
+    def forward(self, x):
+        return drop_path(x, self.drop_prob, self.training, self.scale_by_keep)
+
+
+class LayerScale(nn.Module):
+    """timm's channels-last ``LayerScale`` (gamma ``(C,)`` over the last axis)."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x):
+        return x.mul_(self.gamma) if self.inplace else x * self.gamma
+
+
+class LayerScale2d(nn.Module):
+    """timm's ``LayerScale2d`` (gamma ``(C,)`` viewed ``(1, C, 1, 1)`` over an NCHW batch)."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x):
+        gamma = self.gamma.view(1, -1, 1, 1)
+        return x.mul_(gamma) if self.inplace else x * gamma
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: F.layer_norm over the channels between two permutes."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class Mlp(nn.Module):
+    def __init__(self, channels: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(channels, hidden)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(0.0)
+        self.fc2 = nn.Linear(hidden, channels)
+
+    def forward(self, x):
+        return self.fc2(self.drop1(self.act(self.fc1(x))))
+
+
+class TimmConvNeXtBlock(nn.Module):
+    """timm's ConvNeXtBlock: channels last (permute, nn.LayerNorm, Mlp, channels-last LayerScale,
+    permute back) or ``conv_mlp`` (LayerNorm2d, 1x1 convolutions, LayerScale2d), then DropPath and the
+    shortcut."""
+
+    def __init__(self, channels: int, conv_mlp: bool, drop_path_rate: float) -> None:
+        super().__init__()
+        self.conv_mlp = conv_mlp
+        self.conv_dw = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        if conv_mlp:
+            self.norm = LayerNorm2d(channels, eps=1e-6)
+            self.mlp = nn.Sequential(nn.Conv2d(channels, 2 * channels, 1), nn.GELU(),
+                                     nn.Conv2d(2 * channels, channels, 1))
+            self.ls = LayerScale2d(channels, 1e-6)
+        else:
+            self.norm = nn.LayerNorm(channels, eps=1e-6)
+            self.mlp = Mlp(channels, 2 * channels)
+            self.ls = LayerScale(channels, 1e-6, inplace=True)
+        self.drop_path = DropPath(drop_path_rate)
+
+    def forward(self, x):
+        shortcut = x
+        x = self.conv_dw(x)
+        if self.conv_mlp:
+            x = self.ls(self.mlp(self.norm(x)))
+        else:
+            x = x.permute(0, 2, 3, 1)
+            x = self.ls(self.mlp(self.norm(x)))
+            x = x.permute(0, 3, 1, 2)
+        return self.drop_path(x) + shortcut
+
+
+class TimmConvNeXtLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 2, stride=2), LayerNorm2d(4, eps=1e-6))
+        self.stages = nn.Sequential(TimmConvNeXtBlock(4, False, 0.1), TimmConvNeXtBlock(4, True, 0.2))
+        self.head = nn.Linear(4, 3)
+        randomized(self)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d``, abridged: F.batch_norm with the module's own statistics and affine
+    parameters, then its activation module."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        bn_training = True if self.training else (self.running_mean is None) and (self.running_var is None)
+        x = F.batch_norm(x, self.running_mean if not self.training or self.track_running_stats else None,
+                         self.running_var if not self.training or self.track_running_stats else None,
+                         self.weight, self.bias, bn_training, 0.0 if self.momentum is None else self.momentum,
+                         self.eps)
+        return self.act(x)
+
+
+class FunctionalConv(nn.Module):
+    """A convolution module written with F.conv2d over its own weight and bias."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cout, cin, 3, 3) / 3)
+        self.bias = nn.Parameter(torch.randn(cout))
+        self.stride, self.padding = stride, 1
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class FunctionalHead(nn.Module):
+    """F.layer_norm and F.linear over the module's own parameters."""
+
+    def __init__(self, features: int, classes: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(features)
+        self.weight = nn.Parameter(torch.randn(classes, features) / 3)
+        self.bias = nn.Parameter(torch.randn(classes))
+
+    def forward(self, x):
+        x = F.layer_norm(x, (x.shape[1],), self.norm.weight, self.norm.bias, 1e-6)
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedNormAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = FunctionalConv(3, 4)
+        self.bn1 = BatchNormAct2d(4)
+        self.conv2 = FunctionalConv(4, 4, stride=2)
+        self.bn2 = BatchNormAct2d(4)
+        self.head = FunctionalHead(16, 3)
+        randomized(self)
+
+    def forward(self, x):
+        x = self.bn2(self.conv2(self.bn1(self.conv1(x))))
+        return self.head(torch.flatten(x, 1))
+
+
+class UNetLike(nn.Module):
+    """A U-Net's levels: a pooled path upsampled back (nn.Upsample bilinear with align_corners, then
+    F.interpolate nearest) and concatenated with its skip connection; UpsamplingNearest2d and
+    UpsamplingBilinear2d before the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU())
+        self.down = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(3, 3, 3, padding=1), nn.ReLU())
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+        self.conv = nn.Sequential(nn.Conv2d(6, 4, 3, padding=1), nn.ReLU())
+        self.up_nearest = nn.UpsamplingNearest2d(scale_factor=2)
+        self.up_bilinear = nn.UpsamplingBilinear2d(size=(6, 7))
+        self.fc = nn.Linear(8 * 6 * 7, 3)
+
+    def forward(self, x):
+        x1 = self.inc(x)
+        x = self.conv(torch.cat([x1, self.up(self.down(x1))], dim=1))
+        x = torch.cat([x, F.interpolate(F.max_pool2d(x, 2), scale_factor=2, mode="nearest")], 1)
+        x = self.up_bilinear(self.up_nearest(F.avg_pool2d(x, 4)))
+        return self.fc(torch.flatten(x, 1))
+
+
+# refused: attention, in-place writes, what no layer computes
+class DotProductAttention(nn.Module):
+    """F.scaled_dot_product_attention of three projections of a (B, T, E) sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+        self.fc = nn.Linear(5 * 4, 3)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.fc(torch.flatten(F.scaled_dot_product_attention(q, k, v), 1))
+
+
+class EinsumAttention(nn.Module):
+    """Attention scores by torch.einsum of queries and keys (MaxViT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Linear(4, 4)
+        self.key = nn.Linear(4, 4)
+        self.fc = nn.Linear(5 * 5, 3)
+
+    def forward(self, x):
+        scores = torch.einsum("bid,bjd->bij", self.query(x), self.key(x))
+        return self.fc(torch.flatten(scores.softmax(-1), 1))
+
+
+class IndexedWrite(nn.Module):
+    """``y[:, 0] = 0``: a write into an activation (torch.fx cannot trace it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 6)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        y = self.fc1(torch.flatten(x, 1))
+        y[:, 0] = 0.0
+        return self.fc2(y)
+
+
+class InPlaceClamp(IndexedWrite):
+    """``y.clamp_(min=0)``: an in-place method whose result nothing reads, changing what fc2 reads."""
+
+    def forward(self, x):
+        y = self.fc1(torch.flatten(x, 1))
+        y.clamp_(min=0.0)
+        return self.fc2(y)
+
+
+class TokenLayerScale(nn.Module):
+    """A transformer's channels-last layer scale: (B, N, C) tokens times gamma (C,)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ls = LayerScale(4, 0.5)
+        self.fc = nn.Linear(5 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.ls(x), 1))
+
+
+class ScaledWeight(FunctionalConv):
+    """F.conv2d given ``self.weight * 2.0``: a parameter in an expression."""
+
+    def forward(self, x):
+        return torch.flatten(F.conv2d(x, self.weight * 2.0, self.bias, 1, 1), 1)
+
+
+class RenamedLinear(nn.Module):
+    """F.linear given parameters named ``w`` and ``b``: a linear layer's weights are named weight, bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 12))
+        self.b = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return F.linear(torch.flatten(x, 1), self.w, self.b)
+
+
+class Bicubic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Upsample(scale_factor=2, mode="bicubic")
+        self.fc = nn.Linear(3 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.up(x), 1))
+
+
+class Antialiased(Bicubic):
+    def forward(self, x):
+        return self.fc(torch.flatten(F.interpolate(x, size=(4, 4), mode="bilinear", antialias=True), 1))
+
+
+class TrainingFusedNorm(nn.Module):
+    """BatchNormAct2d (F.batch_norm) in training mode: the batch's statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = BatchNormAct2d(3)
+        self.fc = nn.Linear(3 * 2 * 2, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.bn(x), 1))
+
+
 def recurrent(kind: str, head: str, dropout: bool = False, **arguments) -> Callable[[], nn.Module]:
     return lambda: Recurrent(kind, head, dropout, **arguments)
 
@@ -1246,12 +1697,30 @@ CORPUS: list[Case] = [
          "a concatenation in a sum in a concatenation; torch.cat([x, x], 1); a product of two cats"),
     Case("shufflenet_units", ShuffleNetLike, (3, 6, 6),
          "ShuffleNetV2 units: x.chunk(2, dim=1), torch.cat, view-transpose-view shuffles, nn.ChannelShuffle"),
+    Case("layer_norm", WithLayerNorm, (3, 2, 2), "nn.LayerNorm over the features of a flat batch"),
+    Case("new_activations", NewActivations, (3, 2, 2),
+         "nn.Hardswish, nn.Hardsigmoid(inplace=True), nn.Mish, F.hardswish, F.hardsigmoid, F.mish"),
+    Case("mobilenet_v3_block", MobileNetV3Block, (3, 6, 6),
+         "MobileNetV3's inverted residual: Hardswish, a squeeze-and-excitation gate with Hardsigmoid"),
+    Case("efficientnet_mbconv", EfficientNetLike, (3, 6, 6),
+         "EfficientNet's MBConv: SiLU, squeeze-and-excitation, torchvision.ops.StochasticDepth, += input"),
+    Case("convnext_blocks", ConvNeXtLike, (3, 8, 8),
+         "torchvision's CNBlock (permute, LayerNorm, Linear, GELU, Linear, permute, layer_scale * y, "
+         "StochasticDepth) and LayerNorm2d", renamed=(("stage1.0.layer_scale", "stage1.0.layer_scale.gamma"),
+                                                      ("stage1.1.layer_scale", "stage1.1.layer_scale.gamma"),
+                                                      ("stage2.layer_scale", "stage2.layer_scale.gamma"))),
+    Case("timm_convnext_blocks", TimmConvNeXtLike, (3, 8, 8),
+         "timm's ConvNeXt blocks: channels-last LayerScale (in place) and Mlp between permutes, LayerNorm2d "
+         "(F.layer_norm), LayerScale2d, DropPath"),
+    Case("fused_norm_act", FusedNormAct, (3, 4, 4),
+         "F.batch_norm, F.conv2d, F.layer_norm and F.linear given their modules' own tensors"),
+    Case("unet_upsample", UNetLike, (2, 8, 8),
+         "a U-Net's upsampled paths concatenated with their skips: nn.Upsample, F.interpolate, "
+         "UpsamplingNearest2d, UpsamplingBilinear2d"),
     # refused --------------------------------------------------------------------------------------
     Case("weight_tying", WeightTying, (3, 2, 2),
          "one nn.Linear with parameters applied twice: a spec cannot share a layer's weights",
          node=r"shared(_1)?", keyword=CALLED_TWICE),
-    Case("layer_norm", WithLayerNorm, (3, 2, 2), "nn.LayerNorm has no spec layer", node="norm",
-         keyword="LayerNorm"),
     Case("embedding_ids", EmbeddingBag, (6,), "nn.Embedding takes integer ids: no spec layer, no gradient",
          node="embed", keyword="Embedding", vocabulary=10),
     Case("multihead_attention", Attention, (5, 4), "nn.MultiheadAttention has no spec layer",
@@ -1295,5 +1764,29 @@ CORPUS: list[Case] = [
          keyword="differ from its traced graph"),
     Case("stateful_forward", Stateful, (3, 2, 2), "a forward that changes with each call",
          keyword="differ from its traced graph"),
+    Case("dot_product_attention", DotProductAttention, (5, 4), "F.scaled_dot_product_attention",
+         node="scaled_dot_product_attention", keyword="attention"),
+    Case("einsum_attention", EinsumAttention, (5, 4), "torch.einsum of queries and keys",
+         node="einsum", keyword="attention"),
+    Case("indexed_write", IndexedWrite, (3, 2, 2), "y[:, 0] = 0 writes into an activation in place",
+         keyword="item assignment"),
+    Case("in_place_method", InPlaceClamp, (3, 2, 2),
+         "y.clamp_(min=0) writes into an activation in place, its result unused", node="clamp_",
+         keyword="in place"),
+    Case("token_layer_scale", TokenLayerScale, (5, 4),
+         "a channels-last layer scale of (B, N, C) tokens: no layer scales the last axis", node="mul",
+         keyword="scale per channel"),
+    Case("scaled_weight", lambda: ScaledWeight(3, 2), (3, 2, 2), "F.conv2d given self.weight * 2.0",
+         node="weight", keyword="in an expression"),
+    Case("renamed_linear", RenamedLinear, (3, 2, 2),
+         "F.linear given parameters named w and b: the spec's weights would not keep their names",
+         node="linear", keyword="state_dict names"),
+    Case("upsample_bicubic", Bicubic, (3, 2, 2), "nn.Upsample(mode='bicubic')", node="up",
+         keyword="bicubic"),
+    Case("interpolate_antialias", Antialiased, (3, 2, 2), "F.interpolate(..., antialias=True)",
+         node="interpolate", keyword="antialias"),
+    Case("fused_norm_training", TrainingFusedNorm, (3, 2, 2),
+         "F.batch_norm in training mode (a fused norm module's batch statistics)", node="batch_norm",
+         keyword="training", training=True),
 ]
 """Every model, accepted first."""

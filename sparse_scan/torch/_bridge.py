@@ -222,8 +222,8 @@ class _Engine:
         self.gradients = [key for key, source in captured.sources.items() if source.parameter is not None]
         self.masks: dict[int, tuple[int, int]] = {}  # layer id -> the (pointer, version) of its mask
         self.forwards = 0
-        self.dropout = any(getattr(layer, "training", False) and type(layer).__name__ == "Dropout"
-                           for layer in layers.values())
+        self.dropout = any(getattr(layer, "training", False) and type(layer).__name__ in (
+            "Dropout", "StochasticDepth", "DropPath") for layer in layers.values())
 
     def takes(self, batch_shape: tuple[int, ...]) -> bool:
         """Whether a batch of ``batch_shape`` (the module's layout) holds samples of this capture's."""
@@ -352,16 +352,18 @@ class _Scan(torch.autograd.Function):
             raise RuntimeError("bppsa: create_graph=True (a graph of the backward, for double backward) is "
                                "not supported: the scan's gradients are not themselves differentiable")
         engine: _Engine = ctx.engine
-        x, *_ = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
         with engine.on_stream(x):
             if ctx.forward_number != engine.forwards:  # another forward since: the engine kept that one's
                 if engine.dropout:
                     raise RuntimeError("bppsa: a backward through an earlier forward of a model with "
-                                       "dropout in training mode: the engine keeps the last forward's "
-                                       "masks; run the backward of each forward before the next forward")
+                                       "dropout (or stochastic depth) in training mode: the engine keeps the "
+                                       "last forward's masks; run the backward of each forward before the "
+                                       "next forward")
                 engine.forward(x)
             dx, parameters = engine.backward(grad, ctx.masks)
-        return (None, None, dx, *parameters)
+        # in the parameters' own shapes (a Linear's weight the engine holds as a 1x1 convolution's)
+        return (None, None, dx, *(g.reshape(p.shape) for g, p in zip(parameters, saved, strict=True)))
 
 
 def _same_memory(held: Any, array: Any) -> bool:

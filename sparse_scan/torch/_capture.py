@@ -41,6 +41,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import operator
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,8 @@ from ..weights import every_layer
 from ._graph import (
     CaptureError,
     Traced,
+    activations,
+    attention,
     describe,
     live_nodes,
     no_dropout,
@@ -91,6 +94,16 @@ MODULES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "LogSoftmax": ("log_softmax", {"dim": WRITTEN}, {}),
     "Softmax": ("softmax", {"dim": WRITTEN}, {}),
     "ChannelShuffle": ("channel_shuffle", {"groups": WRITTEN}, {}),
+    "Hardswish": ("hardswish", {"inplace": IGNORED}, {}),
+    "Hardsigmoid": ("hardsigmoid", {"inplace": IGNORED}, {}),
+    "Mish": ("mish", {"inplace": IGNORED}, {}),
+    "LayerNorm": ("layer_norm", {"normalized_shape": WRITTEN, "eps": WRITTEN, "elementwise_affine": WRITTEN,
+                                 "bias": WRITTEN}, {}),
+    "Upsample": ("upsample", {"size": WRITTEN, "scale_factor": WRITTEN, "mode": WRITTEN,
+                              "align_corners": WRITTEN, "recompute_scale_factor": WRITTEN}, {}),
+    "UpsamplingNearest2d": ("upsample", {"size": WRITTEN, "scale_factor": WRITTEN}, {"mode": "nearest"}),
+    "UpsamplingBilinear2d": ("upsample", {"size": WRITTEN, "scale_factor": WRITTEN},
+                             {"mode": "bilinear", "align_corners": True}),
 }
 """PyTorch module type -> (spec type, what becomes of each argument of its constructor, fields the spec
 entry always has). An argument is written to the spec, ignored (``inplace``: no effect on values or
@@ -107,6 +120,27 @@ REASONS: dict[tuple[str, str], str] = {
 
 MODES = ("BatchNorm2d", "Dropout")
 """Module types whose spec entry has ``training``: the module's mode."""
+
+SAMPLE_DROP_LAYERS = ("Dropout", "StochasticDepth", "DropPath")
+"""Layers that draw random masks in training mode: the float64 check runs them in eval mode (the module's
+side runs with dropout off and its sample drops keeping every sample)."""
+
+UPSAMPLE_MODES = ("nearest", "nearest-exact", "bilinear")
+"""``nn.Upsample``'s and ``F.interpolate``'s modes of a 4-D input that the ``upsample`` layer computes."""
+
+POINTWISE = ("relu", "leaky_relu", "tanh", "sigmoid", "identity", "silu", "gelu", "elu", "hardtanh",
+             "softplus", "hardswish", "hardsigmoid", "mish", "dropout", "affine")
+"""Spec types that map each element on its own: the same layer over a channels-last tensor and over its
+channels-first permutation (ConvNeXt's block, :meth:`_Builder._op_permute`)."""
+
+CHANNELS_LAST, CHANNELS_FIRST = (0, 2, 3, 1), (0, 3, 1, 2)
+"""ConvNeXt's ``permute`` of an NCHW batch to NHWC, and back."""
+
+FUNCTIONAL_PARAMETERS = {"conv2d": ("weight", "bias"), "linear": ("weight", "bias"),
+                         "batch_norm": ("running_mean", "running_var", "weight", "bias"),
+                         "layer_norm": ("weight", "bias")}
+"""Functional layers a forward may call with its module's own parameters and buffers -> the arguments
+that take them (their spec weights have these names)."""
 
 RECURRENT: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     kind: (kind.lower(), {"mode": IGNORED, "input_size": WRITTEN, "hidden_size": WRITTEN,
@@ -143,19 +177,25 @@ class Source:
     mask : str or None
         The pruning mask (a buffer's name, ``"conv.weight_mask"``): the weight is
         ``parameter * mask``, and the parameter's gradient the weight's times the mask.
+    shape : tuple of int or None
+        The layer's shape of the weight where it differs from the module's (a ``Linear`` read as a 1x1
+        convolution: ``(out, in, 1, 1)``; a scale per channel: ``(C, 1, 1)``): the weight is a view of
+        the module's tensor in that shape, and its gradient goes back in the module's.
     """
 
     module: str
     attribute: str
     parameter: str | None
     mask: str | None = None
+    shape: tuple[int, ...] | None = None
 
     def read(self, root: Any) -> Any:
         """The weight's current value in ``root`` (the module itself where it is one; a pruned weight:
-        ``parameter * mask`` of now)."""
+        ``parameter * mask`` of now; a reshaped one: a view of it in :attr:`shape`)."""
         if self.mask is not None:
             return (root.get_parameter(self.parameter) * root.get_buffer(self.mask)).detach()
-        return getattr(root.get_submodule(self.module), self.attribute)
+        value = getattr(root.get_submodule(self.module), self.attribute)
+        return value if self.shape is None else value.detach().reshape(self.shape)
 
 
 @dataclasses.dataclass
@@ -188,8 +228,10 @@ class _Layer:
 
     node: Any
     entries: list[dict[str, Any]]
-    module: str | None = None  # the path of the module it calls
+    module: str | None = None  # the path of the module it calls; where `weights` is given: its name
     synthetic: bool = False  # a sum's scaling of its second operand (the sum's node is the block's)
+    weights: dict[str, Source] | None = None  # a function's weights, a module's own tensors (by spec name)
+    shapes: dict[str, tuple[int, ...]] | None = None  # a module's weights the layer holds reshaped
 
 
 @dataclasses.dataclass
@@ -232,7 +274,7 @@ def capture(module: Any, input_shape: Any = None, *, batch_shape: Any = None) ->
         batch = tuple(batch_shape)
         input_shape = (batch[:1] + batch[2:]) if time_major(reference, graph) else batch[1:]
     shape = _input_shape(input_shape)
-    _check_module_types(reference, live_nodes(graph))
+    _check_first(reference, graph)
     traced = probe(reference, graph, shape)
     live = traced.live()
     recurrent = [node for node in live if node.op == "call_module"
@@ -243,19 +285,46 @@ def capture(module: Any, input_shape: Any = None, *, batch_shape: Any = None) ->
     else:
         layers, mapped = builder.sequential()
     spec = {"input_shape": list(shape), "layers": layers}
-    _check(traced, spec, builder.weights, mapped)
+    _check(traced, spec, builder.weights, mapped, builder.channels_last)
     return Capture(spec, builder.weights, builder.sources, traced.time_major)
 
 
-def _check_module_types(reference: Any, live: list[Any]) -> None:
-    """Refuse the first module call (forward order) of a type no layer represents, before any runs."""
+def _check_first(reference: Any, graph: Any) -> None:
+    """Before anything runs, refuse the first node (forward order) that calls a module of a type no
+    layer represents or computes attention (:func:`~sparse_scan.torch._graph.attention`), and any node
+    the output does not depend on that writes into an activation in place (``x[:, 0] = 0``, a method
+    ``x.add_(1)`` whose result is not used): torch.fx records the values such a write changes as they
+    were before it."""
     supported = ", ".join(sorted(set(MODULES) | set(RECURRENT)))
+    depends = activations(graph)
+    live = live_nodes(graph)
     for node in live:
         if node.op == "call_module":
             kind = type(reference.get_submodule(node.target)).__name__
             if kind not in MODULES and kind not in RECURRENT:
                 raise CaptureError(f"{describe(node)}: {kind} is not supported (supported layers: "
                                    f"{supported})")
+        found = attention(node, depends)
+        if found is not None:
+            raise CaptureError(f"{describe(node)}: {found}: attention (a product of two activations, such as "
+                               "queries by keys) is not supported: its Jacobian couples every position with "
+                               "every other, and no sparse-scan layer computes it")
+    unused = set(graph.nodes) - set(live)
+    for node in graph.nodes:
+        if node in unused and _writes_in_place(node) and node.all_input_nodes \
+                and node.all_input_nodes[0] in depends:
+            raise CaptureError(f"{describe(node)}: writes into {node.all_input_nodes[0].name!r} in place and "
+                               "nothing reads its result: the values it changes are captured as they were "
+                               "before it; write the operation out of place")
+
+
+def _writes_in_place(node: Any) -> bool:
+    """Whether ``node`` changes its first argument in place: a method ``x.add_(...)``, ``x[i] = v``, an
+    augmented assignment."""
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("_")
+    return node.op == "call_function" and node.target in (operator.setitem, operator.iadd, operator.isub,
+                                                          operator.imul, operator.itruediv)
 
 
 def _input_shape(value: Any) -> tuple[int, ...]:
@@ -295,7 +364,50 @@ class _Builder:
         self.reserved = {path for path, _ in traced.reference.named_modules() if path}
         self.module_layers: set[str] = set()
         self.calls: dict[str, int] = {}
-        self._shuffled: dict[Any, list[dict[str, Any]]] = {}
+        self._decided: dict[Any, list[dict[str, Any]]] = {}  # the rest of a channel shuffle, a region's end
+        self.activations = activations(traced.graph)
+        self.parameters = self._parameter_nodes()
+        self.channels_last: set[Any] = set()  # nodes between ConvNeXt's permutes (their values are NHWC)
+        self._given: dict[Any, tuple[str, dict[str, Source]]] = {}  # a node -> its layer's name, weights
+        self._reshaped: dict[Any, dict[str, tuple[int, ...]]] = {}  # a module call -> weights reshaped
+        self._owners: dict[str, Any] = {}  # a module path -> the node whose layer takes its tensors
+        self._live = set(live)
+
+    def _parameter_nodes(self) -> set[Any]:
+        """The nodes that read a tensor attribute of a module (a parameter or a buffer), directly or
+        through reshapes (``self.gamma.view(1, -1, 1, 1)``)."""
+        traced = self.traced
+        found: set[Any] = set()
+        for node in traced.graph.nodes:
+            if node.op == "get_attr" and traced.is_tensor(node):
+                found.add(node)
+            elif node.op in ("call_method", "call_function") and node.all_input_nodes and all(
+                    source in found for source in node.all_input_nodes) and traced.op(node).name in (
+                    "reshape", "contiguous"):
+                found.add(node)
+        return found
+
+    def _root_parameter(self, node: Any) -> Any:
+        """The ``get_attr`` node a parameter node (:meth:`_parameter_nodes`) reshapes."""
+        while node.op != "get_attr":
+            node = node.all_input_nodes[0]
+        return node
+
+    def _parameter_read(self, node: Any) -> bool:
+        """Whether every node reading the parameter node ``node`` is one the capture represents: a reshape
+        of it, a functional layer taking it as a weight (``F.conv2d(x, self.weight)``), or a product with
+        one activation (a scale per channel)."""
+        for user in node.users:
+            if user in self.parameters:
+                continue
+            op = self.traced.op(user)
+            tensors = [n for n in self.traced.tensor_inputs(user) if n in self.activations]
+            if op.name in FUNCTIONAL_PARAMETERS and tensors and user.args and user.args[0] is not node:
+                continue
+            if op.name == "mul" and len(tensors) == 1:
+                continue
+            return False
+        return True
 
     # --- checks over every node, in forward order ----------------------------------------------
     def _check_nodes(self, nodes: list[Any]) -> None:
@@ -307,11 +419,16 @@ class _Builder:
             if node.meta.get("no_grad") and traced.is_tensor(node):
                 raise CaptureError(f"{describe(node)}: runs with gradients off (torch.no_grad()): PyTorch "
                                    "passes no gradient through it, a scan would")
+            if node in self.parameters:
+                if not self._parameter_read(node):
+                    root = self._root_parameter(node)
+                    raise CaptureError(f"{describe(root)}: the forward uses the tensor attribute "
+                                       f"{root.target!r} in an expression; only the parameters of PyTorch's "
+                                       "own layers (modules), of F.conv2d, F.linear, F.batch_norm and "
+                                       "F.layer_norm given a module's own tensors, and a scale per channel "
+                                       "(x * gamma) are captured")
+                continue
             if node.op == "get_attr":
-                if traced.is_tensor(node):
-                    raise CaptureError(f"{describe(node)}: the forward uses the tensor attribute "
-                                       f"{node.target!r} in an expression; only the parameters of PyTorch's "
-                                       "own layers (modules) are captured")
                 continue
             op = traced.op(node)
             if node.op == "call_module":
@@ -334,6 +451,8 @@ class _Builder:
             raise CaptureError(f"{describe(node)}: {kind} is called with {len(node.args) + len(node.kwargs)} "
                                "arguments; a layer takes its input alone")
         count = self.calls[node.target] = self.calls.get(node.target, 0) + 1
+        if any(True for _ in module.parameters()):
+            self._owners.setdefault(node.target, node)
         if count > 1 and any(True for _ in module.parameters()):
             raise CaptureError(f"{describe(node)}: module {node.target!r} is called more than once (call "
                                f"{count}) and has parameters (weight tying): a spec layer cannot share "
@@ -364,7 +483,8 @@ class _Builder:
         self._predecessors: dict[Any, Any] = {}
         self._converted: dict[Any, list[dict[str, Any]]] = {}
         for node in self.live:  # every node's entries in forward order: the first refusal is the first node
-            if node.op in ("placeholder", "output", "get_attr") or not traced.is_tensor(node):
+            if node.op in ("placeholder", "output", "get_attr") or not traced.is_tensor(node) \
+                    or node in self.parameters:
                 continue
             op = traced.op(node)
             tensors = self._inputs(node)
@@ -413,7 +533,8 @@ class _Builder:
             return self._branches(node, join)
         if len(tensors) != 1:
             raise self._joins(node, op, tensors)
-        return _Layer(node, self._converted[node], node.target if node.op == "call_module" else None), \
+        name, weights = self._given.get(node, (node.target if node.op == "call_module" else None, None))
+        return _Layer(node, self._converted[node], name, weights=weights, shapes=self._reshaped.get(node)), \
             tensors[0]
 
     def _predecessor(self, node: Any) -> Any:
@@ -431,10 +552,12 @@ class _Builder:
         return self._predecessors[node]
 
     def _inputs(self, node: Any) -> list[Any]:
-        """The tensors ``node`` reads: its tensor inputs, or for a piece of ``x.chunk(n, 1)`` (of
-        ``x.split(size, 1)``), ``x``."""
+        """The activations ``node`` reads: its tensor inputs but the module's parameters and buffers, or
+        for a piece of ``x.chunk(n, 1)`` (of ``x.split(size, 1)``), ``x``."""
         piece = self._piece(node)
-        return [piece[0]] if piece is not None else self.traced.tensor_inputs(node)
+        if piece is not None:
+            return [piece[0]]
+        return [n for n in self.traced.tensor_inputs(node) if n not in self.parameters]
 
     def _piece(self, node: Any) -> tuple[Any, int, int] | None:
         """``(x, start, length)`` where ``node`` is a piece ``x.chunk(n, 1)[i]`` (``x.split(size,
@@ -580,7 +703,8 @@ class _Builder:
                                    "sum, a product or a concatenation; the chain would compute it twice)")
             seen.add(node)
         for node in self.live:
-            if node.op in ("placeholder", "output", "get_attr") or not self.traced.is_tensor(node):
+            if node.op in ("placeholder", "output", "get_attr") or not self.traced.is_tensor(node) \
+                    or node in self.parameters:
                 continue
             if node not in seen:
                 raise CaptureError(f"{describe(node)}: not part of one chain of layers and joins of branches")
@@ -588,10 +712,12 @@ class _Builder:
     # --- one node's layer entries ----------------------------------------------------------------
     def _entries(self, node: Any, op: Any) -> list[dict[str, Any]]:
         """The spec entries (no names) of a one-input node."""
+        if node in self.channels_last:  # between ConvNeXt's permutes: its channels-first layers
+            return self._channels_first(node, op)
         if node.op == "call_module":
             return [self._module_entry(node, self.traced.module(node))]
-        if node in self._shuffled:  # the rest of a channel shuffle its first reshape recognised
-            return self._shuffled[node]
+        if node in self._decided:  # the rest of a channel shuffle or a region an earlier node recognised
+            return self._decided[node]
         piece = self._piece(node)
         if piece is not None:
             return [{"type": "narrow", "start": piece[1], "length": piece[2]}]
@@ -634,6 +760,8 @@ class _Builder:
                                "by each batch's own mean and variance, coupling the samples of a batch (no "
                                "per-sample Jacobian to scan); call module.eval() first to capture it with "
                                "its frozen running_mean and running_var")
+        if entry["type"] == "upsample":
+            self._check_upsample(node, entry["mode"], False)
         if kind in ("LogSoftmax", "Softmax") and entry.get("dim") is None:
             entry["dim"] = 1  # PyTorch's implicit dim of a (B, n) batch
         if kind in MODES:
@@ -674,6 +802,259 @@ class _Builder:
     def _op_softplus(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         return self._activation("softplus", beta=self._number(node, args, "beta"),
                                 threshold=self._number(node, args, "threshold"))
+
+    def _op_hardswish(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("hardswish")
+
+    def _op_hardsigmoid(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("hardsigmoid")
+
+    def _op_mish(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._activation("mish")
+
+    def _op_interpolate(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``F.interpolate`` (``F.upsample``) of an NCHW batch: an ``upsample`` layer."""
+        self._check_upsample(node, args["mode"], args.get("antialias", False))
+        return [{"type": "upsample", **{key: _plain(args[key]) for key in (
+            "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")}}]
+
+    def _check_upsample(self, node: Any, mode: Any, antialias: Any) -> None:
+        shape = self.traced.shapes(self._inputs(node)[0])[0]
+        if len(shape) != 4 or mode not in UPSAMPLE_MODES or antialias is not False:
+            raise CaptureError(f"{describe(node)}: upsamples a tensor of shape {list(shape)} with mode "
+                               f"{mode!r}, antialias={antialias!r}; the upsample layer computes the modes "
+                               f"{', '.join(UPSAMPLE_MODES)} of an NCHW batch, without antialias")
+
+    def _op_stochastic_depth(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """torchvision's ``stochastic_depth(x, p, mode, training)``: a ``stochastic_depth`` layer."""
+        p, mode, training = args["p"], args["mode"], args["training"]
+        if not _scalar(p) or not 0 <= p <= 1 or mode not in ("row", "batch") or not isinstance(training,
+                                                                                               bool):
+            raise CaptureError(f"{describe(node)}: stochastic_depth with p={p!r}, mode={mode!r}, "
+                               f"training={training!r}: expected a constant probability, mode and training")
+        if training:
+            self._check_sample_drop(node, float(p), mode, True)
+        return [{"type": "stochastic_depth", "p": float(p), "mode": mode, "training": training}]
+
+    def _op_drop_path(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """timm's ``drop_path(x, drop_prob, training, scale_by_keep)``: a ``drop_path`` layer."""
+        p, training, scale = args["drop_prob"], args["training"], args["scale_by_keep"]
+        if not _scalar(p) or not 0 <= p <= 1 or not isinstance(training, bool) or not isinstance(scale, bool):
+            raise CaptureError(f"{describe(node)}: drop_path with drop_prob={p!r}, training={training!r}, "
+                               f"scale_by_keep={scale!r}: expected a constant probability and flags")
+        if training:
+            self._check_sample_drop(node, float(p), "row", scale)
+        return [{"type": "drop_path", "drop_prob": float(p), "scale_by_keep": scale, "training": training}]
+
+    def _check_sample_drop(self, node: Any, p: float, mode: str, scale: bool) -> None:
+        """Refuse a sample drop in training mode whose function, run on a probe batch (seeded), does other
+        than keep or zero whole samples (``mode`` row) or the batch (``batch``), the kept ones scaled by
+        ``1 / (1 - p)`` (``scale``): a function that only bears torchvision's or timm's name."""
+        import torch  # noqa: PLC0415
+        import torch.fx  # noqa: PLC0415
+
+        values = self.traced.values[-1]
+        x = values[self._inputs(node)[0]]
+        factor = 1.0 / (1.0 - p) if scale and p < 1 else 1.0
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            out = node.target(*torch.fx.node.map_arg(node.args, values.get),
+                              **torch.fx.node.map_arg(node.kwargs, values.get))
+        kept = [bool(torch.allclose(out[b], x[b] * factor, rtol=1e-12, atol=0)) for b in range(len(x))]
+        dropped = [bool((out[b] == 0).all()) for b in range(len(x))]
+        whole = all(k or d for k, d in zip(kept, dropped, strict=True))
+        if not whole or (mode == "batch" and len(set(kept)) > 1):
+            raise CaptureError(f"{describe(node)}: in training mode it does not keep or drop whole "
+                               f"samples as the {mode} mode of stochastic depth does (kept ones scaled by "
+                               f"{factor:g}) on a probe batch; no layer computes it")
+
+    def _op_permute(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """ConvNeXt's ``x.permute(0, 2, 3, 1)`` of an NCHW batch, where one chain of layers over the
+        channels leads to ``permute(0, 3, 1, 2)``: no layer; the chain's layers become their channels-first
+        forms (:meth:`_channels_first`). Any other permutation is refused."""
+        dims = self._dims(node)
+        rule = ("only ConvNeXt's channels-last block is captured: permute(0, 2, 3, 1) of an NCHW batch, one "
+                "chain of LayerNorm over the channels, Linear, pointwise layers and scales per channel, then "
+                "permute(0, 3, 1, 2)")
+        if dims != CHANNELS_LAST:
+            raise CaptureError(f"{describe(node)}: permutes axes {list(dims)}; {rule}")
+        middle, current = [], node
+        while True:
+            readers = [user for user in current.users if user in self._live and self.traced.is_tensor(user)]
+            if len(readers) == 1 and readers[0].op == "output":
+                raise CaptureError(f"{describe(node)}: permutes axes {list(dims)}, and the forward returns "
+                                   f"{describe(current)} before permute(0, 3, 1, 2); {rule}")
+            if len(readers) != 1:
+                raise CaptureError(f"{describe(node)}: permutes axes {list(dims)}, and {describe(current)} "
+                                   f"is read by {len(readers)} nodes; {rule}")
+            current = readers[0]
+            if self.traced.op(current).name == "permute" and self._dims(current) == CHANNELS_FIRST:
+                break
+            middle.append(current)
+        self._decided[current] = []
+        self.channels_last.update(middle)
+        return []
+
+    def _dims(self, node: Any) -> tuple[int, ...]:
+        """The permutation a ``permute`` node applies, non-negative (``x.permute(0, 2, 3, 1)``,
+        ``torch.permute(x, [0, 2, 3, 1])``)."""
+        dims = self.traced.arguments(node, self.traced.op(node))["dims"]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        rank = len(self.traced.shapes(node)[0])
+        return tuple(d % rank if isinstance(d, int) else d for d in dims)
+
+    def _channels_first(self, node: Any, op: Any) -> list[dict[str, Any]]:
+        """The layers of ``node`` between ConvNeXt's permutes, over the NCHW batch: a ``Linear`` a 1x1
+        convolution (its weight viewed ``(out, in, 1, 1)``), a ``LayerNorm`` over the channels
+        (``data_format: channels_first``), pointwise layers as they are; the functional forms and a scale
+        per channel by their handlers."""
+        traced = self.traced
+        kind = type(traced.module(node)).__name__ if node.op == "call_module" else None
+        if kind == "Linear":
+            module = traced.module(node)
+            if hasattr(module, "weight_orig"):
+                raise CaptureError(f"{describe(node)}: a pruned Linear between ConvNeXt's permutes (a 1x1 "
+                                   "convolution of the NCHW batch) is not supported")
+            self._reshaped[node] = {"weight": (module.out_features, module.in_features, 1, 1)}
+            return [{"type": "conv2d", "in_channels": module.in_features, "out_channels": module.out_features,
+                     "kernel_size": 1, "bias": module.bias is not None}]
+        if kind == "LayerNorm":
+            module = traced.module(node)
+            return self._layer_norm(node, module.normalized_shape, module.eps, module.weight is not None,
+                                    module.bias is not None)
+        if kind is None and op.name in ("linear", "layer_norm", "mul"):  # their handlers know the region
+            return getattr(self, f"_op_{op.name}")(node, traced.arguments(node, op))
+        entries = [self._module_entry(node, traced.module(node))] if kind is not None else getattr(
+            self, f"_op_{op.name}", self._unsupported)(node, traced.arguments(node, op))
+        if all(entry["type"] in POINTWISE for entry in entries):
+            return entries
+        what = entries[0]["type"] if entries else op.name
+        raise CaptureError(f"{describe(node)}: between ConvNeXt's permute(0, 2, 3, 1) and permute(0, 3, 1, "
+                           f"2) (channels last), {what} is not supported: only LayerNorm over the channels, "
+                           "Linear, pointwise layers and scales per channel")
+
+    def _unsupported(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        raise CaptureError(f"{describe(node)}: {self.traced.op(node).name} is not supported here")
+
+    def _layer_norm(self, node: Any, normalized_shape: Any, eps: Any, weight: bool,
+                    bias: bool) -> list[dict[str, Any]]:
+        """A ``layer_norm`` entry: over the last dims, or between ConvNeXt's permutes over the channels
+        (``normalized_shape`` must then be the channels alone)."""
+        if not _scalar(eps):
+            raise CaptureError(f"{describe(node)}: eps must be a constant number, got {eps!r}")
+        if not weight and bias:
+            raise CaptureError(f"{describe(node)}: a bias without a weight cannot be represented (a "
+                               "layer_norm's bias comes with elementwise_affine)")
+        entry = {"type": "layer_norm", "normalized_shape": _plain(normalized_shape), "eps": float(eps),
+                 "elementwise_affine": weight, "bias": bias}
+        if node not in self.channels_last:
+            return [entry]
+        channels = self.traced.shapes(self._inputs(node)[0])[0][-1]
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if shape != (channels,):
+            raise CaptureError(f"{describe(node)}: a LayerNorm over {list(shape)} between ConvNeXt's "
+                               f"permutes; only one over the {channels} channels is a layer (channels_first)")
+        return [{**entry, "normalized_shape": channels, "data_format": "channels_first"}]
+
+    # --- functional layers given a module's own tensors --------------------------------------------
+    def _op_conv2d(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``F.conv2d(x, self.weight, self.bias, stride, padding, dilation, groups)``: a ``conv2d`` layer
+        with the module's weights, as if the module were an ``nn.Conv2d``."""
+        shape = self._batch_of(node, 4, "F.conv2d")
+        self._given_weights(node, args, "conv2d")
+        out_channels, _, *kernel = self.traced.values[0][args["weight"]].shape
+        return [{"type": "conv2d", "in_channels": shape[1], "out_channels": int(out_channels),
+                 "kernel_size": [int(k) for k in kernel], **{key: _plain(args[key]) for key in (
+                     "stride", "padding", "dilation", "groups")}, "bias": args["bias"] is not None}]
+
+    def _op_linear(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``F.linear(x, self.weight, self.bias)``: a ``linear`` layer with the module's weights (between
+        ConvNeXt's permutes: a 1x1 convolution)."""
+        weights = self._given_weights(node, args, "linear")
+        out_features, in_features = (int(n) for n in self.traced.values[0][args["weight"]].shape)
+        bias = args["bias"] is not None
+        if node in self.channels_last:
+            weights["weight"] = dataclasses.replace(weights["weight"],
+                                                    shape=(out_features, in_features, 1, 1))
+            return [{"type": "conv2d", "in_channels": in_features, "out_channels": out_features,
+                     "kernel_size": 1, "bias": bias}]
+        return [{"type": "linear", "in_features": in_features, "out_features": out_features, "bias": bias}]
+
+    def _op_batch_norm(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, momentum,
+        eps)``: a frozen ``batchnorm2d`` layer with the module's tensors."""
+        shape = self._batch_of(node, 4, "F.batch_norm")
+        if args["running_mean"] is None or args["running_var"] is None:
+            raise CaptureError(f"{describe(node)}: F.batch_norm without running statistics: "
+                               f"{REASONS[('BatchNorm2d', 'track_running_stats')]}")
+        if args["training"] is not False:
+            raise CaptureError(f"{describe(node)}: F.batch_norm with training={args['training']!r} "
+                               "normalises by each batch's own mean and variance, coupling the samples of a "
+                               "batch (no per-sample Jacobian to scan); call module.eval() first to capture "
+                               "it with its frozen running_mean and running_var")
+        momentum = args["momentum"]
+        if momentum is not None and not _scalar(momentum):
+            raise CaptureError(f"{describe(node)}: momentum must be a constant number or None, got "
+                               f"{momentum!r}")
+        if args["weight"] is None and args["bias"] is not None:
+            raise CaptureError(f"{describe(node)}: a bias without a weight cannot be represented (a "
+                               "batchnorm2d's bias comes with affine)")
+        self._given_weights(node, args, "batch_norm")
+        return [{"type": "batchnorm2d", "num_features": shape[1], "eps": self._number(node, args, "eps"),
+                 "momentum": momentum, "affine": args["weight"] is not None, "bias": args["bias"] is not None,
+                 "training": False}]
+
+    def _op_layer_norm(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``F.layer_norm(x, shape, self.weight, self.bias, eps)`` (torchvision's ``LayerNorm2d`` between
+        its permutes): a ``layer_norm`` layer with the module's weights."""
+        self._given_weights(node, args, "layer_norm")
+        return self._layer_norm(node, args["normalized_shape"], args["eps"], args["weight"] is not None,
+                                args["bias"] is not None)
+
+    def _batch_of(self, node: Any, rank: int, what: str) -> tuple[int, ...]:
+        shape = self.traced.shapes(self._inputs(node)[0])[0]
+        if len(shape) != rank:
+            raise CaptureError(f"{describe(node)}: {what} of a tensor of shape {list(shape)}; the layer "
+                               f"takes batches of {rank} axes")
+        return shape
+
+    def _given_weights(self, node: Any, args: dict[str, Any], op: str) -> dict[str, Source]:
+        """The weights a functional layer ``node`` is given: each a tensor of one module, passed as it is
+        (``self.weight``) and named as the layer names it, that feeds no other layer; the layer takes the
+        module's path as its name. Empty where it is given none (``F.layer_norm(x, shape)``)."""
+        given = {name: args[name] for name in FUNCTIONAL_PARAMETERS[op] if args[name] is not None}
+        for name, value in given.items():
+            if not hasattr(value, "op") or value.op != "get_attr":
+                raise CaptureError(f"{describe(node)}: its {name} is computed in the forward "
+                                   f"({getattr(value, 'name', value)!r}); a functional layer is captured "
+                                   "where it is given its module's own tensors as they are (self.weight)")
+        if not given:
+            return {}
+        targets = {name: value.target.rpartition(".") for name, value in given.items()}
+        paths = {path for path, _, _ in targets.values()}
+        renamed = any(attribute != name for name, (_, _, attribute) in targets.items())
+        if len(paths) != 1 or "" in paths or renamed:
+            found = ", ".join(f"{name}={value.target!r}" for name, value in given.items())
+            raise CaptureError(f"{describe(node)}: it is given {found}; a functional layer is captured where "
+                               "its tensors are one submodule's own, named as the layer names them "
+                               f"({', '.join(FUNCTIONAL_PARAMETERS[op])}), so that the spec's weights keep "
+                               "their state_dict names")
+        (path,) = paths
+        self._claim(path, node)
+        parameters = {name for name, _ in self.traced.reference.named_parameters()}
+        sources = {name: Source(path, name, value.target if value.target in parameters else None)
+                   for name, value in given.items()}
+        self._given[node] = (path, sources)
+        return sources
+
+    def _claim(self, name: str, node: Any) -> None:
+        """``node``'s layer takes the weights of ``name`` (a module's path, a parameter's name): refused
+        where another layer has them."""
+        owner = self._owners.setdefault(name, node)
+        if owner is not node:
+            raise CaptureError(f"{describe(node)}: the tensors of {name!r} feed {describe(owner)} too "
+                               "(weight tying): a spec layer cannot share its weights with another")
 
     def _op_max_pool2d(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         if args["return_indices"]:
@@ -763,8 +1144,8 @@ class _Builder:
         arguments = self.traced.arguments(transpose, self.traced.op(transpose))
         if sorted(d % (len(sample_out) + 1) for d in (arguments["dim0"], arguments["dim1"])) != [1, 2]:
             return False
-        self._shuffled.update({reader: [] for reader in middle})
-        self._shuffled[last] = [{"type": "channel_shuffle", "groups": sample_out[0]}]
+        self._decided.update({reader: [] for reader in middle})
+        self._decided[last] = [{"type": "channel_shuffle", "groups": sample_out[0]}]
         return True
 
     def _op_transpose(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -786,8 +1167,51 @@ class _Builder:
         return [pool] if args["keepdim"] else [pool, {"type": "flatten"}]
 
     def _op_mul(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        scale = next((a for a in (args["input"], args["other"]) if hasattr(a, "op") and a in self.parameters),
+                     None)
+        if scale is not None:
+            return self._layer_scale(node, scale)
         constant = self._constant(node, args)
         return [{"type": "affine", "scale": float(constant)}]
+
+    def _layer_scale(self, node: Any, scale: Any) -> list[dict[str, Any]]:
+        """``gamma * x`` (either order) of an NCHW batch, ``gamma`` a module's tensor of one value per
+        channel broadcast over them (ConvNeXt's ``layer_scale`` of shape ``(C, 1, 1)``, timm's
+        ``LayerScale2d``'s ``(C,)`` viewed ``(1, C, 1, 1)``; between ConvNeXt's permutes ``(C,)`` over the
+        last axis): a ``layer_scale`` layer, its ``gamma`` a view of the tensor as ``(C, 1, 1)``, named by
+        the module (a tensor named ``gamma``) or the tensor's own name."""
+        shape = self.traced.shapes(self._inputs(node)[0])[0]
+        broadcast = self.traced.shapes(scale)[0]
+        root = self._root_parameter(scale)
+        size = int(np.prod(self.traced.values[0][root].shape))
+        region = node in self.channels_last
+        channels = shape[-1] if region else shape[1]
+        padded = (1,) * (4 - len(broadcast)) + tuple(broadcast)
+        if len(shape) != 4 or len(broadcast) > 4 or size != channels or padded != (
+                (1, 1, 1, channels) if region else (1, channels, 1, 1)):
+            raise CaptureError(f"{describe(node)}: multiplies a tensor of shape {list(shape)} by the tensor "
+                               f"attribute {root.target!r} broadcast as {list(broadcast)}; only a scale per "
+                               "channel of an NCHW batch ((C, 1, 1), or (C,) viewed (1, C, 1, 1): ConvNeXt's "
+                               "layer_scale, timm's LayerScale2d) is a layer (layer_scale)")
+        path, _, attribute = root.target.rpartition(".")
+        name = path if attribute == "gamma" and path else root.target
+        self._claim(name, node)
+        parameters = {key for key, _ in self.traced.reference.named_parameters()}
+        self._given[node] = (name, {"gamma": Source(path, attribute, root.target if root.target in parameters
+                                                    else None, shape=(channels, 1, 1))})
+        return [{"type": "layer_scale", "dim": int(channels)}]
+
+    def _op_narrow(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """``torch.narrow(x, 1, start, length)``: a ``narrow`` layer (channels ``start .. start + length -
+        1``)."""
+        shape = self.traced.shapes(self._inputs(node)[0])[0]
+        dim, start, length = args["dim"], args["start"], args["length"]
+        if isinstance(dim, bool) or dim not in (1, 1 - len(shape)) or not isinstance(start, int) \
+                or not isinstance(length, int):
+            raise CaptureError(f"{describe(node)}: narrow along dim {dim!r} of a tensor of shape "
+                               f"{list(shape)} (start {start!r}, length {length!r}); only a constant range "
+                               "of the channels (dim 1) is a layer")
+        return [{"type": "narrow", "start": start % shape[1], "length": length}]
 
     def _op_div(self, node: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
         if not hasattr(args["input"], "op") or args["rounding_mode"] is not None:
@@ -862,13 +1286,17 @@ class _Builder:
         for index, entry in enumerate(item.entries):
             if item.module is None:  # a function's layers: its node's name (then "<name>_<type>")
                 name = self._allocate(item.node.name if index == 0 else f"{item.node.name}_{entry['type']}")
-            elif item.module not in self.used:  # a module's first call: its path
+            elif item.module not in self.used:  # a module's first call, a function's module: its path
                 name = item.module
                 self.used.add(name)
             else:  # a parameter-free module's later call
                 name = self._allocate(item.module)
-            if item.module is not None:
-                self._take_weights(name, item.module)
+            if item.weights is not None:  # a function given a module's tensors
+                for attribute, source in item.weights.items():
+                    self.weights[f"{name}.{attribute}"] = source.read(self.original)
+                    self.sources[f"{name}.{attribute}"] = source
+            elif item.module is not None:
+                self._take_weights(name, item.module, item.shapes)
             out.append({"name": name, **entry})
         return out
 
@@ -883,7 +1311,7 @@ class _Builder:
                     break
                 prefix.append(parts[0])
         candidate = ".".join(prefix)
-        if candidate and candidate not in self.used and all(
+        if candidate and candidate not in self.used and candidate not in self._owners and all(
                 len(parts) > len(prefix) for parts in paths) and candidate not in self._module_paths():
             self.used.add(candidate)
             return candidate
@@ -892,9 +1320,11 @@ class _Builder:
     def _module_paths(self) -> set[str]:
         return {node.target for node in self.live if node.op == "call_module"}
 
-    def _take_weights(self, name: str, path: str) -> None:
+    def _take_weights(self, name: str, path: str, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         """Layer ``name``'s weights: module ``path``'s parameters and buffers (a pruned layer's effective
-        ``weight`` for its ``weight_orig`` and ``weight_mask``), the module's own tensors."""
+        ``weight`` for its ``weight_orig`` and ``weight_mask``), the module's own tensors (views of them in
+        ``shapes`` where given: a ``Linear``'s weight as a 1x1 convolution's)."""
+        shapes = shapes or {}
         module = self.original.get_submodule(path)
         parameters = {key for key, _ in module.named_parameters()}
         for key, tensor in (*module.named_parameters(), *module.named_buffers()):
@@ -907,8 +1337,10 @@ class _Builder:
                 source = Source(path, attribute, f"{path}.{key}", f"{path}.{attribute}_mask")
             else:
                 attribute = key
-                source = Source(path, key, f"{path}.{key}" if key in parameters else None)
-            self.weights[f"{name}.{attribute}"] = source.read(self.original) if source.mask else tensor
+                source = Source(path, key, f"{path}.{key}" if key in parameters else None,
+                                shape=shapes.get(key))
+            self.weights[f"{name}.{attribute}"] = source.read(self.original) if source.mask or source.shape \
+                else tensor
             self.sources[f"{name}.{attribute}"] = source
 
     # --- a recurrent classifier ------------------------------------------------------------------
@@ -1091,10 +1523,13 @@ def _constructor(cls: type) -> Any:
 
 # --- the check -------------------------------------------------------------------------------------
 def _check(traced: Traced, spec: dict[str, Any], weights: dict[str, Any],
-           mapped: list[tuple[int, Any]]) -> None:
-    """The spec's model, float64, against the module's forward on a probe batch (dropout off in both):
-    refused where they differ, naming the first layer that does."""
+           mapped: list[tuple[int, Any]], channels_last: set[Any]) -> None:
+    """The spec's model, float64, against the module's traced graph on a probe batch (dropout off in
+    both, every sample kept by sample drops), layer by layer (``channels_last``: nodes whose values are
+    NHWC, the layers' NCHW), refused naming the first layer that differs; then the module's own forward
+    against its graph run, with the same random draws: refused where they differ."""
     import torch  # noqa: PLC0415
+    import torch.fx  # noqa: PLC0415
 
     arrays = {key: tensor.detach().to("cpu", torch.float64).numpy() for key, tensor in weights.items()}
     try:
@@ -1102,11 +1537,15 @@ def _check(traced: Traced, spec: dict[str, Any], weights: dict[str, Any],
     except SpecError as error:
         raise CaptureError(f"the captured model does not build: {error}") from None
     for layer in every_layer(model):
-        if type(layer).__name__ == "Dropout":
+        if type(layer).__name__ in SAMPLE_DROP_LAYERS:
             layer.training = False
     x_module = traced.inputs[-1]
-    with torch.no_grad(), no_dropout():
-        expected = traced.reference(x_module).numpy()
+    runs = []
+    for forward in (traced.reference, torch.fx.GraphModule(traced.reference, traced.graph)):
+        with torch.no_grad(), no_dropout(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            runs.append(forward(x_module).numpy())
+    expected, graphed = runs
     x = x_module.numpy()
     if traced.time_major:
         x = np.ascontiguousarray(x.transpose(1, 0, 2))
@@ -1116,16 +1555,22 @@ def _check(traced: Traced, spec: dict[str, Any], weights: dict[str, Any],
     except ValueError as error:
         raise CaptureError(f"the captured model fails on the probe batch: {error}") from None
     for index, node in mapped:
-        reference = values[node].numpy()
+        reference = values[node].permute(*CHANNELS_FIRST).numpy() if node in channels_last else \
+            values[node].numpy()
         if reference.shape != outputs[index].shape or not _close(outputs[index], reference):
             name = spec["layers"][index]["name"]
             raise CaptureError(f"{describe(node)}: the captured layer {name!r} gives outputs that differ "
                                f"from the module's ({_difference(outputs[index], reference)}); nothing "
                                "exported")
-    if not _close(outputs[-1], expected):
+    result = values[traced.output().args[0]].numpy()
+    if not _close(outputs[-1], result):
+        raise CaptureError(f"the captured model's output differs from the module's traced graph's "
+                           f"({_difference(outputs[-1], result)}); nothing exported")
+    if not _close(graphed, expected):
         raise CaptureError(f"the module's forward gives outputs that differ from its traced graph's "
-                           f"({_difference(outputs[-1], expected)}): its forward changes with each call "
-                           "(state, randomness other than dropout, in-place changes torch.fx does not see)")
+                           f"({_difference(graphed, expected)}): its forward changes with each call "
+                           "(state, randomness other than dropout and sample drops, in-place changes "
+                           "torch.fx does not see)")
 
 
 def _layer_outputs(model: Any, x: np.ndarray) -> list[np.ndarray]:

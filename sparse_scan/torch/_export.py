@@ -23,9 +23,13 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     the output depends on becomes a layer, in graph order, whatever the order its children were
     registered in. Supported are PyTorch's layers (Conv2d with zeros padding, Linear, MaxPool2d,
     AvgPool2d, AdaptiveAvgPool2d, Flatten, ReLU, ReLU6, LeakyReLU, Tanh, Sigmoid, Identity, SiLU,
-    GELU, ELU, Hardtanh, Softplus, BatchNorm2d in eval mode, Dropout with its mode, LogSoftmax and
-    Softmax over a flat batch) as modules and in their functional and method forms (``F.relu``,
-    ``torch.relu``, ``x.relu()``, ``F.max_pool2d``, ``F.dropout(x, p, training=self.training)``, ...);
+    GELU, ELU, Hardtanh, Softplus, Hardswish, Hardsigmoid, Mish, BatchNorm2d in eval mode, LayerNorm,
+    Upsample, Dropout with its mode, LogSoftmax and Softmax over a flat batch, ChannelShuffle) as modules
+    and in their functional and method forms (``F.relu``, ``torch.relu``, ``x.relu()``, ``F.max_pool2d``,
+    ``F.dropout(x, p, training=self.training)``, ``F.interpolate``, ...); ``F.conv2d``, ``F.linear``,
+    ``F.batch_norm`` and ``F.layer_norm`` given a module's own tensors; ConvNeXt's blocks (the layers
+    between ``permute(0, 2, 3, 1)`` and ``permute(0, 3, 1, 2)`` over the channels, ``layer_scale * y``),
+    torchvision's ``StochasticDepth`` and timm's ``DropPath`` (docs/torch.md);
     reshapes that keep the batch axis (``x.view(x.size(0), -1)``, ``torch.flatten(x, 1)``) and the
     global mean ``x.mean((2, 3))``; constant scalings and shifts (``x * 2.0``, ``1 - x``); residual
     sums written inline (``f(x) + x``, ``out += identity``, a torchvision ``BasicBlock``), concatenations

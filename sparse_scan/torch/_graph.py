@@ -15,8 +15,9 @@ import pathlib
 import traceback
 from typing import Any, Callable
 
-__all__ = ["CaptureError", "Op", "Traced", "describe", "live_nodes", "no_dropout", "probe", "run_graph",
-           "swaps_time_and_batch", "time_major", "trace"]
+__all__ = ["ATTENTION", "CaptureError", "Op", "SAMPLE_DROPS", "Traced", "activations", "attention",
+           "describe", "live_nodes", "no_dropout", "probe", "run_graph", "swaps_time_and_batch", "time_major",
+           "trace"]
 
 PROBE_BATCHES = (2, 3)
 """The batch sizes of the two probe runs: a value that differs between them depends on the batch size
@@ -55,6 +56,17 @@ def _sig_cat(tensors, dim=0, *, out=None): ...  # noqa: E704, ANN001, ANN201
 def _sig_chunk(input, chunks, dim=0): ...  # noqa: E704, ANN001, ANN201
 def _sig_split(input, split_size_or_sections, dim=0): ...  # noqa: E704, ANN001, ANN201
 def _sig_transpose(input, dim0, dim1): ...  # noqa: E704, ANN001, ANN201
+def _sig_permute(input, *dims): ...  # noqa: E704, ANN001, ANN002, ANN201
+def _sig_narrow(input, dim, start, length): ...  # noqa: E704, ANN001, ANN201
+def _sig_conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1): ...  # noqa: E704, ANN001, ANN201
+def _sig_linear(input, weight, bias=None): ...  # noqa: E704, ANN001, ANN201
+def _sig_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,  # noqa: E704
+                    momentum=0.1, eps=1e-5): ...  # noqa: ANN001, ANN201
+def _sig_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5): ...  # noqa: E704, ANN001, ANN201
+def _sig_interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,  # noqa: E704
+                     recompute_scale_factor=None, antialias=False): ...  # noqa: ANN001, ANN201
+def _sig_stochastic_depth(input, p, mode, training=True): ...  # noqa: E704, ANN001, ANN201
+def _sig_drop_path(input, drop_prob=0.0, training=False, scale_by_keep=True): ...  # noqa: E704, ANN001, ANN201
 
 
 _SIGNATURES: dict[str, Callable[..., Any]] = {
@@ -65,17 +77,37 @@ _SIGNATURES: dict[str, Callable[..., Any]] = {
     "dropout": _sig_dropout, "softmax": _sig_softmax, "log_softmax": _sig_softmax, "mean": _sig_mean,
     "add": _sig_binary, "sub": _sig_binary, "mul": _sig_product, "div": _sig_div, "neg": _sig_unary,
     "reshape": _sig_reshape, "getitem": _sig_getitem, "contiguous": _sig_reshape, "cat": _sig_cat,
-    "chunk": _sig_chunk, "split": _sig_split, "transpose": _sig_transpose,
+    "chunk": _sig_chunk, "split": _sig_split, "transpose": _sig_transpose, "permute": _sig_permute,
+    "narrow": _sig_narrow, "hardswish": _sig_inplace, "hardsigmoid": _sig_inplace, "mish": _sig_inplace,
+    "conv2d": _sig_conv2d, "linear": _sig_linear, "batch_norm": _sig_batch_norm,
+    "layer_norm": _sig_layer_norm, "interpolate": _sig_interpolate,
+    "stochastic_depth": _sig_stochastic_depth, "drop_path": _sig_drop_path,
 }
 """Operation -> the stub its arguments bind to. ``reshape`` stands for every reshape (``view``,
-``flatten``, ``squeeze``, ...): their arguments are not read, the probes' shapes are."""
+``flatten``, ``squeeze``, ...): their arguments are not read, the probes' shapes are. ``drop_path`` binds
+its tensor as ``input`` (timm names it ``x``)."""
+
+SAMPLE_DROPS = {"stochastic_depth": ("input", "p", "mode", "training"),
+                "drop_path": ("x", "drop_prob", "training")}
+"""Functions that drop whole samples, by name -> the leading parameters a function of that name must
+have to be taken for one: torchvision's ``stochastic_depth(input, p, mode, training)`` and timm's
+``drop_path(x, drop_prob, training, scale_by_keep)`` (older copies without ``scale_by_keep``). Found in a
+traced forward's globals, they are kept as one graph node each (torch.fx's autowrap), not traced into
+their random masks."""
+
+ATTENTION = ("scaled_dot_product_attention", "multi_head_attention_forward", "matmul", "bmm", "einsum",
+             "baddbmm", "__matmul__")
+"""Operations of attention: PyTorch's fused ones, and the products that multiply two activations
+(queries by keys, weights by values); a function whose name holds ``attention`` too
+(torchvision's Swin ``shifted_window_attention``)."""
 
 _METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh",
             "tanh_": "tanh", "softmax": "softmax", "log_softmax": "log_softmax", "mean": "mean",
             "add": "add", "add_": "add", "sub": "sub", "sub_": "sub", "mul": "mul", "mul_": "mul",
             "div": "div", "div_": "div", "neg": "neg", "neg_": "neg", "view": "reshape",
             "reshape": "reshape", "flatten": "reshape", "squeeze": "reshape", "unsqueeze": "reshape",
-            "contiguous": "contiguous", "chunk": "chunk", "split": "split", "transpose": "transpose"}
+            "contiguous": "contiguous", "chunk": "chunk", "split": "split", "transpose": "transpose",
+            "permute": "permute", "narrow": "narrow"}
 """Tensor method -> operation (a trailing ``_``: in place)."""
 
 _OPERATORS = {operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.isub: "sub",
@@ -84,16 +116,21 @@ _OPERATORS = {operator.add: "add", operator.iadd: "add", operator.sub: "sub", op
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 
 
-def _functions() -> dict[Any, tuple[str, bool]]:
-    """PyTorch's functions (the objects ``call_function`` nodes hold) -> (operation, in place)."""
+def _functions(reference: Any) -> dict[Any, tuple[str, bool]]:
+    """PyTorch's functions (the objects ``call_function`` nodes hold) -> (operation, in place), and the
+    sample drops ``reference``'s forwards call (:func:`_sample_drop_functions`)."""
     import torch  # noqa: PLC0415 - the caller's torch, imported with the capture
     import torch.nn.functional as F  # noqa: PLC0415, N812
 
     table: dict[Any, tuple[str, bool]] = {function: (name, function in _IN_PLACE_OPERATORS)
                                           for function, name in _OPERATORS.items()}
+    table.update({function: (name, False) for function, name in _sample_drop_functions(reference).items()})
+    for name in ("conv2d", "linear", "batch_norm", "layer_norm", "interpolate"):
+        table.setdefault(getattr(F, name), (name, False))  # torch.batch_norm takes other arguments
+    table.setdefault(F.upsample, ("interpolate", False))  # deprecated; interpolate's first arguments
     for name in ("relu", "relu6", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "gelu", "hardtanh",
                  "softplus", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "dropout", "softmax",
-                 "log_softmax"):
+                 "log_softmax", "hardswish", "hardsigmoid", "mish"):
         for owner in (F, torch):
             function = getattr(owner, name, None)
             if function is not None:
@@ -108,9 +145,49 @@ def _functions() -> dict[Any, tuple[str, bool]]:
         table.setdefault(getattr(torch, name), ("reshape", False))
     for name in ("cat", "concat"):  # torch.concatenate takes axis=: not bound, refused as unknown
         table.setdefault(getattr(torch, name), ("cat", False))
-    for name in ("chunk", "split", "transpose"):
+    for name in ("chunk", "split", "transpose", "permute", "narrow"):
         table.setdefault(getattr(torch, name), (name, False))
     return table
+
+
+def _sample_drop_functions(reference: Any) -> dict[Any, str]:
+    """The functions of :data:`SAMPLE_DROPS` that the forwards of ``reference``'s modules can call (by
+    name in their modules' globals, with the parameters that name promises) -> their operation."""
+    found: dict[Any, str] = {}
+    for module in reference.modules():
+        scope = getattr(type(module).forward, "__globals__", {})
+        for name, leading in SAMPLE_DROPS.items():
+            function = scope.get(name)
+            if inspect.isfunction(function) and tuple(
+                    inspect.signature(function).parameters)[:len(leading)] == leading:
+                found[function] = name
+    return found
+
+
+def activations(graph: Any) -> set[Any]:
+    """The nodes of ``graph`` whose value depends on the forward's input (the activations, and values
+    such as ``x.size(0)``); a parameter, a buffer and what is computed from them alone are not."""
+    found: set[Any] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(source in found for source in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def attention(node: Any, depends: set[Any]) -> str | None:
+    """The attention operation ``node`` computes (:data:`ATTENTION`), or None: a fused attention, a
+    function named for attention, or a product of two activations (``depends``: :func:`activations`)."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.target is operator.matmul:
+        name = "__matmul__"
+    if "attention" in name:
+        return name
+    if name not in ATTENTION:
+        return None
+    operands = [source for source in node.all_input_nodes if source in depends]
+    return name if len(operands) >= 2 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +441,7 @@ def trace(module: Any) -> tuple[Any, Any]:
             function is traced instead (what the module computes)."""
             return super().is_leaf_module(m, qualname) and "forward" not in vars(m)
 
-    tracer = Tracer()
+    tracer = Tracer(autowrap_functions=tuple(_sample_drop_functions(reference)))
     tracer.record_stack_traces = True
     try:
         with torch.enable_grad():  # whatever the caller's mode: the forward's own no_grad shows
@@ -400,7 +477,7 @@ def probe(reference: Any, graph: Any, input_shape: tuple[int, ...]) -> Traced:
             x = x.transpose(0, 1).contiguous()
         inputs.append(x)
         values.append(run_graph(reference, graph, x, tuple(input_shape)))
-    return Traced(reference, graph, values, inputs, layout, _functions())
+    return Traced(reference, graph, values, inputs, layout, _functions(reference))
 
 
 def swaps_time_and_batch(node: Any) -> bool:
@@ -448,8 +525,9 @@ def live_nodes(graph: Any) -> list[Any]:
 
 
 def run_graph(reference: Any, graph: Any, x: Any, sample_shape: tuple[int, ...]) -> dict[Any, Any]:
-    """Every node's value when ``graph`` runs on ``x`` (dropout off: :class:`NoDropout`), tensors
-    cloned as they are computed (a later in-place operation changes none).
+    """Every node's value when ``graph`` runs on ``x`` (dropout off: :class:`NoDropout`; a sample drop
+    of :data:`SAMPLE_DROPS` in training mode gives its input: no sample dropped), tensors cloned as they
+    are computed (a later in-place operation changes none).
 
     Raises
     ------
@@ -461,8 +539,17 @@ def run_graph(reference: Any, graph: Any, x: Any, sample_shape: tuple[int, ...])
 
     values: dict[Any, Any] = {}
     failures: list[tuple[Any, BaseException]] = []
+    drops = _sample_drop_functions(reference)
 
     class Recorder(torch.fx.Interpreter):
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if target in drops:
+                bound = inspect.signature(_SIGNATURES[drops[target]]).bind(*args, **kwargs)
+                bound.apply_defaults()
+                if bound.arguments["training"] is True:
+                    return bound.arguments["input"]
+            return super().call_function(target, args, kwargs)
+
         def run_node(self, node: Any) -> Any:
             try:
                 result = super().run_node(node)
