@@ -35,6 +35,7 @@ from sparse_scan.layers import (
     Affine,
     AvgPool2d,
     BatchNorm2d,
+    ChannelShuffle,
     Conv2d,
     Dropout,
     DropPath,
@@ -50,6 +51,7 @@ from sparse_scan.layers import (
     LogSoftmax,
     MaxPool2d,
     Mish,
+    Narrow,
     ReLU,
     Residual,
     Sigmoid,
@@ -146,6 +148,9 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape)
     "stochastic-depth-eval": (lambda d: StochasticDepth(0.3, "row").eval(), PLANE),
     "drop-path-eval": (lambda d: DropPath(0.3).eval(), FLAT),
     "flatten": (lambda d: Flatten(), PLANE),
+    "narrow": (lambda d: Narrow(1, 1), PLANE),
+    "narrow-plane": (lambda d: Narrow(2, 2), (4, 4, 6)),
+    "channel-shuffle": (lambda d: ChannelShuffle(2), (4, 4, 6)),
     "log-softmax": (lambda d: LogSoftmax(dim=1), FLAT),
     "softmax": (lambda d: Softmax(dim=-1), FLAT),
     "residual": (lambda d: Residual(Conv2d(2, 2, 3, padding=1, dtype=d, rng=4), ReLU(),
@@ -217,7 +222,22 @@ def mirror(layer, x: np.ndarray):
     if isinstance(layer, (Dropout, StochasticDepth, DropPath)) and layer.training:
         data = layer.transposed_jacobian(x).data  # (n,) for a batch's one mask
         return masked(np.array(np.broadcast_to(data, (len(x), data.shape[-1]))).reshape(x.shape))
+    if isinstance(layer, Narrow):  # torch.narrow of the channels
+        return Narrowed(layer.start, layer.length)
+    if isinstance(layer, ChannelShuffle):
+        return torch.nn.ChannelShuffle(layer.groups)
     return torch_mirror(layer, getattr(torch, np.dtype(x.dtype).name))
+
+
+class Narrowed(torch.nn.Module):
+    """``torch.narrow(x, 1, start, length)``: a Narrow layer's channels."""
+
+    def __init__(self, start: int, length: int) -> None:
+        super().__init__()
+        self.start, self.length = start, length
+
+    def forward(self, x):
+        return torch.narrow(x, 1, self.start, self.length)
 
 
 def autograd(module, x: np.ndarray, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
@@ -391,7 +411,7 @@ def test_every_layer_is_covered():
 GPU_CASES = ["relu", "elu", "max-pool-2", "max-pool-2-odd", "max-pool-3-2-1", "max-pool-dilated-ceil",
              "avg-pool-2", "avg-pool-3-2-1", "adaptive-avg-pool", "adaptive-avg-pool-1",
              "hardswish", "mish", "layer-norm", "layer-norm-channels", "layer-scale", "upsample-nearest",
-             "upsample-bilinear", "upsample-bilinear-corners"]
+             "upsample-bilinear", "upsample-bilinear-corners", "narrow-plane", "channel-shuffle"]
 
 
 @pytest.mark.gpu
