@@ -856,8 +856,8 @@ class _Builder:
         values = self.traced.values[-1]
         x = values[self._inputs(node)[0]]
         factor = 1.0 / (1.0 - p) if scale and p < 1 else 1.0
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(0)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():  # the CPU's generator, restored after
+            torch.default_generator.manual_seed(0)
             out = node.target(*torch.fx.node.map_arg(node.args, values.get),
                               **torch.fx.node.map_arg(node.kwargs, values.get))
         kept = [bool(torch.allclose(out[b], x[b] * factor, rtol=1e-12, atol=0)) for b in range(len(x))]
@@ -1542,8 +1542,8 @@ def _check(traced: Traced, spec: dict[str, Any], weights: dict[str, Any],
     x_module = traced.inputs[-1]
     runs = []
     for forward in (traced.reference, torch.fx.GraphModule(traced.reference, traced.graph)):
-        with torch.no_grad(), no_dropout(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with torch.no_grad(), no_dropout(), torch.random.fork_rng(devices=[]):  # the reference is on the CPU
+            torch.default_generator.manual_seed(0)
             runs.append(forward(x_module).numpy())
     expected, graphed = runs
     x = x_module.numpy()
