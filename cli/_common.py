@@ -192,7 +192,7 @@ def check_batch(network: Any, samples: int, dtype: Any, what: str) -> None:
     ``SPARSE_SCAN_MEMORY_BUDGET``."""
     import numpy as np  # noqa: PLC0415 - imports NumPy
 
-    from sparse_scan._sequential import default_memory_budget  # noqa: PLC0415
+    from sparse_scan import default_memory_budget  # noqa: PLC0415
     from sparse_scan.spec import sample_bytes  # noqa: PLC0415
     from sparse_scan.weights import budget_problem  # noqa: PLC0415
 
@@ -236,7 +236,7 @@ def model_inputs(network: Any, input_path: pathlib.Path | None, random: int | No
 def load_weights(network: Any, path: pathlib.Path) -> None:
     """``--weights``: copy a ``.npz`` of parameters (state_dict names, e.g. ``train --out``) into
     ``network``; every problem is one line naming the option and the file."""
-    from sparse_scan._sequential import default_memory_budget  # noqa: PLC0415 - imports NumPy
+    from sparse_scan import default_memory_budget  # noqa: PLC0415 - imports NumPy
     from sparse_scan.weights import read_npz  # noqa: PLC0415
 
     try:

@@ -2,7 +2,8 @@
 
 Public modules: :mod:`sparse_scan.layers` (layers with analytic CSR transposed Jacobians),
 :mod:`sparse_scan.csr` (the batched CSR type), :mod:`sparse_scan.backend` (CPU/GPU selection),
-:class:`Sequential` (a chain whose backward pass is a planned scan) and :func:`load_model` (a
+:class:`Sequential` (a chain whose backward pass is a planned scan; :func:`default_memory_budget`, the
+memory budget where a model sets none) and :func:`load_model` (a
 model from a YAML model spec, :mod:`sparse_scan.spec`), :mod:`sparse_scan.model` (:class:`Model`, the
 protocol both model kinds implement and the command line, flops and training take),
 :mod:`sparse_scan.recurrent` (RNN, GRU and LSTM whose backward is a scan over dense blocks, and their
@@ -28,12 +29,14 @@ from ._version import __version__
 
 __all__ = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
            "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend", "calibration",
-           "check_environment", "cpu_threads", "csr", "distributed", "engine", "export_torch", "flops",
-           "layers", "load_model", "loss", "model", "optim", "recurrent", "torch", "train", "weights"]
+           "check_environment", "cpu_threads", "csr", "default_memory_budget", "distributed", "engine",
+           "export_torch", "flops", "layers", "load_model", "loss", "model", "optim", "recurrent", "torch",
+           "train", "weights"]
 
 _MODULES = ("backend", "calibration", "csr", "distributed", "engine", "flops", "layers", "loss", "model",
             "optim", "recurrent", "torch", "train", "weights")
 _NAMES = {"BatchedCSR": "csr", "Pattern": "csr", "export_torch": "torch._export", "Sequential": "_sequential",
+          "default_memory_budget": "_sequential",
           "Model": "model",
           "ScanPlan": "engine.plan", "ScanCostError": "engine.plan", "ScanMemoryError": "engine.plan",
           "SCHEDULES": "engine.schedule", "GPUUnavailableError": "backend", "SpecError": "spec",

@@ -91,7 +91,9 @@ def torch_mirror(layer, dtype=None):
     Every layer class of ``sparse_scan.layers`` is mirrored: ``Affine`` by a module computing ``x *
     scale + shift`` as a module's forward writes it, ``Residual`` by a module summing its inner chain
     (children ``0``, ``1``, …) and its shortcut (child ``shortcut``: the layer, or a chain), so that
-    parameter names match :meth:`~sparse_scan.layers.Residual.parameter_gradients`'. ``BatchNorm2d``
+    parameter names match :meth:`~sparse_scan.layers.Residual.parameter_gradients`', and ``Block`` by a
+    module joining its branches (``torch.cat`` along the channels, ``+`` or ``*``) whose children are
+    placed at the paths :meth:`~sparse_scan.layers.Block.named_children` names. ``BatchNorm2d``
     and ``Dropout`` take the layer's mode; a ``Dropout`` in training mode draws its own masks (mirror
     the layer's mask with :func:`masked`)."""
     import torch  # noqa: PLC0415 - the callers importorskip it
@@ -103,6 +105,10 @@ def torch_mirror(layer, dtype=None):
         module = _torch_classes().Residual([torch_mirror(inner, dtype) for inner in layer.layers],
                            [torch_mirror(short, dtype) for short in layer.shortcut], layer._single_shortcut)
         return module.to(dtype)
+    if name == "Block":
+        children = [[(path, torch_mirror(inner, dtype)) for path, inner in branch]
+                    for branch in layer._branch_children()]
+        return _torch_classes().Block(children, layer.join).to(dtype)
     if name == "Affine":
         return _torch_classes().Affine(layer.scale, layer.shift)
     simple = {
@@ -181,6 +187,35 @@ def _torch_classes() -> types.SimpleNamespace:
                 y = getattr(self, str(index))(y)
             return y + (x if self.shortcut is None else self.shortcut(x))
 
+    class Block(torch.nn.Module):
+        def __init__(self, branches: list, join: str) -> None:
+            super().__init__()
+            self.paths = [[path for path, _ in branch] for branch in branches]
+            self.join = join
+            for branch in branches:
+                for path, module in branch:
+                    *scopes, leaf = path.split(".")
+                    owner = self
+                    for scope in scopes:
+                        if not hasattr(owner, scope):
+                            owner.add_module(scope, torch.nn.Module())
+                        owner = getattr(owner, scope)
+                    owner.add_module(leaf, module)
+
+        def forward(self, x):
+            outputs = []
+            for paths in self.paths:
+                y = x
+                for path in paths:
+                    y = self.get_submodule(path)(y)
+                outputs.append(y)
+            if self.join == "concat":
+                return torch.cat(outputs, 1)
+            total = outputs[0]
+            for y in outputs[1:]:
+                total = total * y if self.join == "product" else total + y
+            return total
+
     class Lambda(torch.nn.Module):
         def __init__(self, function) -> None:
             super().__init__()
@@ -225,6 +260,6 @@ def _torch_classes() -> types.SimpleNamespace:
                 noise.div_(survival)
             return x * noise
 
-    return types.SimpleNamespace(Affine=Affine, Residual=Residual, Lambda=Lambda,
+    return types.SimpleNamespace(Affine=Affine, Residual=Residual, Block=Block, Lambda=Lambda,
                                  ChannelsLayerNorm=ChannelsLayerNorm, LayerScale=LayerScale,
                                  StochasticDepth=StochasticDepth)

@@ -97,7 +97,7 @@ def test_every_argument_is_written():
     (lambda: nn.AvgPool2d(2, divisor_override=3), "'0'): divisor_override: 3 cannot be represented"),
     (lambda: nn.MaxPool2d(2, return_indices=True), "'0'): return_indices: True cannot be represented"),
     (lambda: nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect"), "padding_mode: 'reflect' cannot be"),
-    (lambda: nn.Hardswish(), "node '_0' (module '0'): Hardswish is not supported"),
+    (lambda: nn.GroupNorm(1, 1), "node '_0' (module '0'): GroupNorm is not supported"),
     (lambda: nn.BatchNorm2d(1, track_running_stats=False).eval(),
      "'0'): track_running_stats: False cannot be represented (only True): without running statistics"),
     (lambda: nn.BatchNorm2d(1), "(module '0'): the BatchNorm2d is in training mode"),

@@ -35,6 +35,7 @@ from sparse_scan.layers import (
     Affine,
     AvgPool2d,
     BatchNorm2d,
+    Block,
     ChannelShuffle,
     Conv2d,
     Dropout,
@@ -159,6 +160,15 @@ CASES = {  # id: (layer factory of the dtype, per-sample input shape)
                                              batch_norm(3, d), ReLU(),
                                              shortcut=[Conv2d(2, 3, 1, stride=2, bias=False, dtype=d, rng=7),
                                                        batch_norm(3, d)]), PLANE),
+    "block-concat": (lambda d: Block([Conv2d(2, 3, 1, dtype=d, rng=11)],
+                                     [Conv2d(2, 2, 3, padding=1, dtype=d, rng=12), ReLU()], [],
+                                     join="concat"),
+                     PLANE),
+    "block-product": (lambda d: Block([], [AdaptiveAvgPool2d(1), Conv2d(2, 1, 1, dtype=d, rng=13), ReLU(),
+                                           Conv2d(1, 2, 1, dtype=d, rng=14), Sigmoid()],
+                                      join="product", names=[None, None]), PLANE),
+    "block-sum": (lambda d: Block([Conv2d(2, 2, 3, padding=1, dtype=d, rng=15), Hardswish()], [],
+                                  join="sum"), PLANE),
 }
 WITH_PARAMETERS = [name for name, (factory, _) in CASES.items()
                    if hasattr(factory(np.float64), "parameter_gradients")]

@@ -28,9 +28,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TOP_LEVEL = ["SCHEDULES", "BatchedCSR", "GPUUnavailableError", "Model", "Pattern", "ScanCostError",
              "ScanMemoryError", "ScanPlan", "Sequential", "SpecError", "__version__", "backend",
-             "calibration", "check_environment", "cpu_threads", "csr", "distributed", "engine",
-             "export_torch", "flops", "layers", "load_model", "loss", "model", "optim", "recurrent", "torch",
-             "train", "weights"]
+             "calibration", "check_environment", "cpu_threads", "csr", "default_memory_budget",
+             "distributed", "engine", "export_torch", "flops", "layers", "load_model", "loss", "model",
+             "optim", "recurrent", "torch", "train", "weights"]
 
 PUBLIC = {
     "sparse_scan.backend": ["Backend", "Device", "GPUUnavailableError", "get", "gpu_usable", "of", "twin"],
@@ -67,8 +67,8 @@ PUBLIC = {
                                     "live_schedule", "live_segments", "scan_outputs", "schedule",
                                     "schedule_at_depth"],
     "sparse_scan.flops": ["CONVENTIONS", "analyse", "layer_stats", "live"],
-    "sparse_scan.layers": ["AdaptiveAvgPool2d", "Affine", "AvgPool2d", "BatchNorm2d", "Block", "ChannelShuffle",
-                           "Conv2d", "Narrow",
+    "sparse_scan.layers": ["AdaptiveAvgPool2d", "Affine", "AvgPool2d", "BatchNorm2d", "Block",
+                           "ChannelShuffle", "Conv2d", "Narrow",
                            "Dropout", "ELU", "Flatten", "GELU", "Hardtanh", "Identity", "Layer", "LeakyReLU",
                            "Linear", "LogSoftmax", "MaxPool2d", "ReLU", "Residual", "SiLU", "Sigmoid",
                            "Softmax", "Softplus", "Tanh",
