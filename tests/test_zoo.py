@@ -68,10 +68,12 @@ TRANSFORMER_REFUSAL = r".*(MultiheadAttention|scaled_dot_product_attention|atten
 BATCH = {"alexnet": 1, "inception_v3": 1, "regnet_y": 1, "resnext": 1, "vgg": 1, "wide_resnet": 1}
 """The batch size of the largest models (2 for the others)."""
 
-SLOW = ("alexnet", "googlenet", "inception_v3", "regnet_y", "resnext", "vgg", "wide_resnet")
+SLOW = ("alexnet", "efficientnet", "efficientnet_v2", "googlenet", "inception_v3", "resnext", "vgg",
+        "wide_resnet")
 """Families whose test takes more than a few seconds: VGG-11's 132 M float64 parameters, captured three
-times; Inception-v3's and RegNet-Y's first backward of each capture, which plans their blocks' JTs (10-25 s
-each on 2 cores in issue 46's first version of the blocks)."""
+times; EfficientNet's squeeze-and-excitation blocks, whose JTs are dense (7-22 s on 2 cores). Inception-v3
+and RegNet-Y took 40-45 s while a block's first backward planned its products to count them; counted
+from the layers' structure (``sparse_scan/layers/_block_counts.py``) they take 2-5 s."""
 
 REFUSAL = re.compile(r"node '(?P<node>[^']+)' \([^`]*?(`.*?`)?\): (?P<reason>.*)")
 """A capture's refusal (``sparse_scan.torch._graph.describe``): ``node 'name' (what at file.py:12:

@@ -43,8 +43,8 @@ from ..engine.products import ProductPlan, plan_product
 from ..engine.run import multiply
 from ..weights import scoped_name
 from ._base import Layer, Shape, diagonal_pattern
-from ._joins import JOINS, ColumnMap, fill_flops, join_maps, join_outputs, scales
-from ._residual_counts import BlockCounts, block_counts, terms_union_nnz
+from ._block_counts import BlockCounts, Structure, block_counts
+from ._joins import JOINS, ColumnMap, join_maps, join_outputs, scales
 
 __all__ = ["Block", "ChainProduct", "plan_sum"]
 
@@ -457,35 +457,23 @@ class Block(Layer):
         return entry
 
     def _block_counts(self, in_shape: Shape) -> BlockCounts:
-        """The block's figures for ``in_shape``: from its symbolic plan when built, else counted from
-        its layers' structure (:func:`~sparse_scan.layers._residual_counts.block_counts`, exact, no
-        product planned), else from its branches' products, planned now, and their terms counted
-        without their union (:func:`~sparse_scan.layers._residual_counts.terms_union_nnz`)."""
+        """The block's figures for ``in_shape``, counted once per shape and structure from its layers'
+        structure (:func:`~sparse_scan.layers._block_counts.block_counts`: exact, no product planned, no
+        union formed)."""
         shape, key = self._key(in_shape)
-        layout = self._layout(shape)
-        if key in self._symbolic:
-            symbolic = self._symbolic[key]
-            entries = [int(position.shape[0]) for position in symbolic.positions]
-            return BlockCounts(int(symbolic.union.nnz), self._products_flops(symbolic.chains)
-                               + fill_flops(self.join, entries))
-        if key not in self._counts:
-            counted = block_counts(self.join, self.branches, layout.branches)
-            if counted is None:
-                patterns = self._branch_patterns(shape)
-                entries = [column_map.columns_nnz(pattern)
-                           for column_map, pattern in zip(layout.maps, patterns, strict=True)]
-                nnz = sum(entries) if self.join == "concat" else terms_union_nnz(patterns, layout.maps)
-                counted = BlockCounts(nnz, self._products_flops(self._chain_products(shape))
-                                      + fill_flops(self.join, entries))
-            self._counts[key] = counted
-        return self._counts[key]
+        counted = self._counts.get(key)
+        if counted is None:
+            layout = self._layout(shape)
+            counted = self._counts[key] = block_counts(self.join, self.branches, layout.branches, layout.maps)
+        return counted
 
-    @staticmethod
-    def _products_flops(chains: Sequence[ChainProduct | None]) -> int:
-        return sum(step.flops for chain in chains if chain is not None for step in chain.steps)
+    def jt_structure(self, in_shape: Shape) -> Structure:
+        """The structure of the block's JT pattern for ``in_shape``
+        (:class:`~sparse_scan.layers._block_counts.Structure`), for a block holding this one."""
+        return self._block_counts(in_shape).structure
 
     def pattern_nnz(self, in_shape: Shape) -> int:
-        """Stored entries of the block's JT, counted without planning its union where its layers allow
+        """Stored entries of the block's JT, counted without planning a product or forming the union
         (:meth:`_block_counts`; issue 38: a plan's mv steps need only the count)."""
         return self._block_counts(in_shape).nnz
 

@@ -98,10 +98,6 @@ class ColumnMap:
         """A broadcast's: per branch column, how many of the block's columns repeat it."""
         return np.full(self.size, self.out_size // self.size, dtype=np.int64)
 
-    def columns_nnz(self, pattern: Pattern) -> int:
-        """Entries of ``pattern`` (the branch's JT's, host) once mapped: ``nnz(JT_i M_i)``."""
-        return pattern.nnz * (self.out_size // self.size if self.kind == "broadcast" else 1)
-
     def columns(self, pattern: Pattern) -> tuple[Pattern, np.ndarray | None]:
         """The pattern of ``JT_i M_i`` (host, columns sorted within each row) and per entry the entry of
         ``pattern`` it copies (None: entry ``e`` copies entry ``e``)."""
