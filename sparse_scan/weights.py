@@ -41,7 +41,8 @@ import stat
 import tempfile
 import threading
 import zipfile
-from typing import IO, Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ from .engine.figures import size_text
 
 __all__ = ["MAX_FILE_LINKS", "as_float_array", "budget_problem", "check_writable", "every_layer",
            "load_state_dict", "named_layers", "open_regular_file", "read_npz", "scoped_name", "state_dict",
-           "write_npz_atomically", "write_target"]
+           "write_atomically", "write_npz_atomically", "write_target"]
 
 
 def scoped_name(name: str, layer: Any, key: str) -> str:
@@ -345,9 +346,9 @@ def write_target(path: str | pathlib.Path) -> pathlib.Path:
 
 
 def _remove_stale_temporaries(target: pathlib.Path) -> None:
-    """Remove the temporaries of writes to ``target`` (:func:`write_npz_atomically`) that a process
-    killed while writing left (their names hold the writer's process id: one that no longer runs)."""
-    pattern = re.compile(re.escape(f".{target.name}.") + r"(\d+)\.\w+\.npz")
+    """Remove the temporaries of writes to ``target`` (:func:`write_atomically`) that a process killed
+    while writing left (their names hold the writer's process id: one that no longer runs)."""
+    pattern = re.compile(re.escape(f".{target.name}.") + r"(\d+)\.\w+\.(?:npz|tmp)")
     try:
         entries = os.listdir(target.parent)
     except OSError:
@@ -371,13 +372,13 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _new_temporary(path: str | pathlib.Path) -> tuple[pathlib.Path, int, str]:
+def _new_temporary(path: str | pathlib.Path, suffix: str = ".npz") -> tuple[pathlib.Path, int, str]:
     """The file a write to ``path`` replaces (:func:`write_target`), and a new temporary file beside it
-    named ``.<name>.<pid>.<random>.npz`` (its descriptor and path), once the temporaries of killed
-    writers are removed."""
+    named ``.<name>.<pid>.<random><suffix>`` (its descriptor and path; ``suffix`` ``.npz`` or
+    ``.tmp``), once the temporaries of killed writers are removed."""
     target = write_target(path)
     _remove_stale_temporaries(target)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".npz",
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=suffix,
                                          dir=target.parent)
     return target, handle, temporary
 
@@ -417,22 +418,31 @@ def _interrupts_held() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Array]) -> None:
-    """Write ``arrays`` to ``path`` through a temporary file in the same folder and a rename, so that
-    an interruption leaves either the old file or the new one, never a partial one.
+def write_atomically(path: str | pathlib.Path, write: Callable[[IO[bytes]], Any],
+                     suffix: str = ".tmp") -> None:
+    """Write a file to ``path`` by ``write(stream)`` (a binary stream) through a temporary file in the
+    same folder and a rename, so that an interruption leaves either the old file or the new one, never a
+    partial one.
 
-    A symlink is written through (:func:`write_target`: the file it leads to is replaced, the link
-    kept). Ctrl-C during the write takes effect once the file is complete. The temporary's name holds
-    the writer's process id (``.<name>.<pid>.<random>.npz``): a process killed while writing (SIGKILL)
-    leaves it behind, and the next write to ``path`` removes it.
+    The file gets a plain file's permissions (``0o666`` less the umask). A symlink is written through
+    (:func:`write_target`: the file it leads to is replaced, the link kept). Ctrl-C during the write
+    takes effect once the file is complete. The temporary's name holds the writer's process id
+    (``.<name>.<pid>.<random><suffix>``, ``suffix`` ``.tmp`` or ``.npz``): a process killed while
+    writing (SIGKILL) leaves it behind, and the next write to ``path`` removes it.
     """
     with _interrupts_held():
-        target, handle, temporary = _new_temporary(path)
+        target, handle, temporary = _new_temporary(path, suffix)
         try:
             os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; a plain file would not be
             with os.fdopen(handle, "wb") as stream:
-                np.savez(stream, **{key: np.asarray(value) for key, value in arrays.items()})
+                write(stream)
             os.replace(temporary, target)
         except BaseException:
             os.unlink(temporary)
             raise
+
+
+def write_npz_atomically(path: str | pathlib.Path, arrays: dict[str, Array]) -> None:
+    """Write ``arrays`` to ``path`` as ``np.savez`` does, atomically (:func:`write_atomically`)."""
+    write_atomically(path, lambda stream: np.savez(stream, **{key: np.asarray(value)
+                                                             for key, value in arrays.items()}), ".npz")

@@ -3,8 +3,10 @@ captured by torch.fx; the corpus of models as people write them: test_export_cor
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import stat
 import tempfile
 
 import numpy as np
@@ -79,6 +81,19 @@ def test_never_overwrites_and_rejects_unsupported_layers(tmp_path):
     assert not (tmp_path / "wrong.yaml").exists() and not (tmp_path / "wrong.npz").exists()
     with pytest.raises(FileNotFoundError, match="no such directory"):
         export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "no" / "m.yaml")
+
+
+def test_the_spec_and_weights_are_plain_files_under_the_umask(tmp_path):
+    """Both files get ``0o666`` less the umask (a temporary file's private mode would keep a shared spec
+    from other users), and leave no temporary behind."""
+    previous = os.umask(0o027)
+    try:
+        export_torch(nn.Sequential(nn.Conv2d(1, 2, 3)), (1, 5, 5), tmp_path / "m.yaml")
+    finally:
+        os.umask(previous)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["m.npz", "m.yaml"]
+    for name in ("m.yaml", "m.npz"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640, name
 
 
 def test_every_argument_is_written():

@@ -87,7 +87,8 @@ PUBLIC = {
                           "evaluate", "load_dataset", "train", "train_iterations"],
     "sparse_scan.weights": ["MAX_FILE_LINKS", "as_float_array", "budget_problem", "check_writable",
                             "every_layer", "load_state_dict", "named_layers", "open_regular_file", "read_npz",
-                            "scoped_name", "state_dict", "write_npz_atomically", "write_target"],
+                            "scoped_name", "state_dict", "write_atomically", "write_npz_atomically",
+                            "write_target"],
 }
 """The documented public modules -> their ``__all__`` (``sparse_scan.spec``: the home of
 :func:`~sparse_scan.load_model`, named by the package docstring)."""

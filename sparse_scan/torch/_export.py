@@ -3,14 +3,13 @@ plus its weights (``.npz``), or refused before anything is written."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import tempfile
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
-from ..weights import write_npz_atomically
+from ..weights import write_atomically, write_npz_atomically
 from ._capture import capture
 
 __all__ = ["export_torch"]
@@ -88,20 +87,10 @@ def export_torch(module: Any, input_shape: Sequence[int], path: str | pathlib.Pa
     text = yaml.safe_dump(spec, sort_keys=False, default_flow_style=None)
     write_npz_atomically(weights_path, arrays)
     try:
-        _write_text_atomically(path, text)
+        write_atomically(path, lambda stream: stream.write(text.encode()))
     except BaseException:
         weights_path.unlink()
         raise
     return path
 
 
-def _write_text_atomically(path: pathlib.Path, text: str) -> None:
-    """``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
