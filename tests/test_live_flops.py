@@ -17,9 +17,21 @@ import pytest
 import scipy.sparse as sp
 
 from sparse_scan import Sequential
+from sparse_scan.engine.plan import ScanMemoryError
 from sparse_scan.engine.schedule import Element, depth
 from sparse_scan.flops import CONVENTIONS, analyse, live
-from sparse_scan.layers import Conv2d, Flatten, LeakyReLU, Linear, MaxPool2d, ReLU, Tanh
+from sparse_scan.layers import (
+    AdaptiveAvgPool2d,
+    Block,
+    Conv2d,
+    Flatten,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Sigmoid,
+    Tanh,
+)
 
 
 def chain(kind: str) -> tuple[Sequential, tuple[int, ...]]:
@@ -245,3 +257,24 @@ def test_conventions_and_bad_input():
         live(model, np.zeros((2, 3)), "linear")
     with pytest.raises(ValueError, match="x: expected a NumPy array"):
         live(model, np.zeros((0,) + shape), "linear")
+
+
+def test_jts_over_the_memory_budget_are_refused_before_any_is_built(monkeypatch):
+    """A squeeze-and-excitation block's JT is dense: (C·H·W)² entries. Counted from the layers'
+    structure, the JTs' values and indices for the batch are held to the model's memory budget before
+    the forward runs or any JT is built; within it, the report is made."""
+    gate = [AdaptiveAvgPool2d(1), Conv2d(4, 2, 1, rng=0), ReLU(), Conv2d(2, 4, 1, rng=1), Sigmoid()]
+    model = Sequential(Conv2d(1, 4, 3, padding=1, rng=2), Block([], gate, join="product", names=[None, None]),
+                       input_shape=(1, 8, 8))
+    x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
+    needed = sum(size.nnz for size in model.jacobian_sizes()) * (3 * 4 + 8)
+    built = []
+    monkeypatch.setattr(Sequential, "forward", lambda self, batch: built.append(batch))
+    model.memory_budget = needed - 1
+    with pytest.raises(ScanMemoryError, match=r"the JTs of every layer for a batch of 3 \(the largest, layer "
+                                              r"'1' \(Block\), 65,536 entries\) would take ~1\.\d+ MiB"):
+        live(model, x, "linear")
+    assert not built
+    monkeypatch.undo()
+    model.memory_budget = needed
+    assert live(model, x, "linear")["samples"] == 3
