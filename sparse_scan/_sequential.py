@@ -282,8 +282,29 @@ class Sequential:
     __call__ = forward
 
     def transposed_jacobians(self) -> list[BatchedCSR]:
-        """The batched JT of every layer at the last :meth:`forward` (layer order)."""
+        """The batched JT of every layer at the last :meth:`forward` (layer order).
+
+        Raises
+        ------
+        ScanMemoryError
+            Their values and column indices for the batch would not fit the memory budget
+            (:attr:`memory_budget`, else :func:`default_memory_budget`), counted from the layers'
+            structure before any is built; the message names the largest (a squeeze-and-excitation
+            block's JT is dense: 1.6e11 entries for EfficientNet-B0's first at 224x224).
+        """
         activations = self._require_forward()
+        x = activations[0]
+        shapes = [tuple(a.shape[1:]) for a in activations]
+        entries = [layer.pattern_nnz(shape) for layer, shape in zip(self.layers, shapes, strict=False)]
+        largest = max(range(len(entries)), key=entries.__getitem__)
+        budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
+        problem = _weights.budget_problem(
+            sum(entries) * (x.shape[0] * x.dtype.itemsize + 8),
+            f"the JTs of every layer for a batch of {x.shape[0]} (the largest, layer "
+            f"'{self.layers[largest].name}' ({type(self.layers[largest]).__name__}), {entries[largest]:,} "
+            "entries)", budget)
+        if problem is not None:
+            raise ScanMemoryError(problem)
         return [layer.transposed_jacobian(x) for layer, x in zip(self.layers, activations, strict=False)]
 
     def non_finite_output(self) -> str | None:

@@ -262,18 +262,22 @@ def test_conventions_and_bad_input():
 def test_jts_over_the_memory_budget_are_refused_before_any_is_built(monkeypatch):
     """A squeeze-and-excitation block's JT is dense: (C·H·W)² entries. Counted from the layers'
     structure, the JTs' values and indices for the batch are held to the model's memory budget before
-    the forward runs or any JT is built; within it, the report is made."""
+    any JT is built (the live count and run --check's layer-by-layer reference build them all); within
+    it, the report is made."""
     gate = [AdaptiveAvgPool2d(1), Conv2d(4, 2, 1, rng=0), ReLU(), Conv2d(2, 4, 1, rng=1), Sigmoid()]
     model = Sequential(Conv2d(1, 4, 3, padding=1, rng=2), Block([], gate, join="product", names=[None, None]),
                        input_shape=(1, 8, 8))
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
     needed = sum(size.nnz for size in model.jacobian_sizes()) * (3 * 4 + 8)
     built = []
-    monkeypatch.setattr(Sequential, "forward", lambda self, batch: built.append(batch))
+    monkeypatch.setattr(Block, "transposed_jacobian", lambda self, batch: built.append(batch))
+    monkeypatch.setattr(Conv2d, "transposed_jacobian", lambda self, batch: built.append(batch))
     model.memory_budget = needed - 1
     with pytest.raises(ScanMemoryError, match=r"the JTs of every layer for a batch of 3 \(the largest, layer "
                                               r"'1' \(Block\), 65,536 entries\) would take ~1\.\d+ MiB"):
         live(model, x, "linear")
+    with pytest.raises(ScanMemoryError, match="the JTs of every layer for a batch of 3"):
+        model.reference_backward(np.ones((3, 4, 8, 8), np.float32))
     assert not built
     monkeypatch.undo()
     model.memory_budget = needed

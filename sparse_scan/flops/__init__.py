@@ -43,13 +43,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .._sequential import default_memory_budget
 from ..csr import choose_index_dtype
 from ..engine.figures import ScanPlanLike, critical_path
-from ..engine.plan import ScanMemoryError
 from ..layers import Layer
 from ..model import JacobianSize, Model
-from ..weights import budget_problem
 from ._live import CONVENTIONS, LiveCounts, live_counts
 
 __all__ = ["CONVENTIONS", "analyse", "layer_stats", "live"]
@@ -205,23 +202,6 @@ def _live_report(counts: LiveCounts, model: Model, in_shape: tuple[int, ...],
     return {"convention": counts.convention, "steps": steps, "bp": bp, "totals": totals}
 
 
-def _check_jacobians_fit(model: Model, in_shape: tuple[int, ...], x: np.ndarray) -> None:
-    """Refuse (:class:`~sparse_scan.engine.plan.ScanMemoryError`), before any is built, the JTs of every
-    layer for the batch ``x`` where their values and column indices would not fit the model's memory
-    budget (a squeeze-and-excitation block's JT is dense: 1.2 TiB for EfficientNet-B0's first at
-    224x224), naming the largest."""
-    sizes = model.jacobian_sizes(in_shape)
-    entry_bytes = len(x) * x.dtype.itemsize + np.dtype(np.int64).itemsize
-    nbytes = sum(size.nnz * size.blocks for size in sizes) * entry_bytes
-    budget = getattr(model, "memory_budget", None)
-    largest = max(sizes, key=lambda size: size.nnz * size.blocks)
-    problem = budget_problem(nbytes, f"the JTs of every layer for a batch of {len(x)} (the largest, layer "
-                             f"'{largest.name}' ({largest.type}), {largest.nnz:,} entries)",
-                             default_memory_budget() if budget is None else budget)
-    if problem is not None:
-        raise ScanMemoryError(problem)
-
-
 def live(model: Model, x: np.ndarray, method: str = "auto", levels: int | str | None = None,
          convention: str = "ours", max_step_flops: int | None = None,
          progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -259,9 +239,8 @@ def live(model: Model, x: np.ndarray, method: str = "auto", levels: int | str | 
     Raises
     ------
     ScanMemoryError
-        The JTs' values and indices for the batch would not fit the model's memory budget (its
-        ``memory_budget``, else ``SPARSE_SCAN_MEMORY_BUDGET`` or half the memory): refused before the
-        forward runs or any JT is built.
+        The JTs' values and indices for the batch would not fit the model's memory budget: refused
+        before any is built (:meth:`~sparse_scan.Sequential.transposed_jacobians`).
 
     Returns
     -------
@@ -285,7 +264,6 @@ def live(model: Model, x: np.ndarray, method: str = "auto", levels: int | str | 
         raise ValueError(f"x: samples of shape {list(in_shape)}, the model takes {list(model.input_shape)}")
     plan = model.plan(in_shape, method, levels, batch=len(x), max_step_flops=max_step_flops,
                       progress=progress)
-    _check_jacobians_fit(model, in_shape, x)
     model.forward(x)
     jacobians = model.transposed_jacobians()[::-1]  # scan element j is the JT of layer n - j
     kinds = [layer.jacobian_kind for layer in reversed(model.layers)]
