@@ -210,6 +210,56 @@ def test_gradients_equal_one_process(tmp_path, ranks, model, combine, method):
         assert (middle == -1).all()
 
 
+ZOO_SPEC = """\
+# issue 46's blocks and layers: a concatenation with the identity, a squeeze-and-excitation product,
+# Hardswish, Mish, Hardsigmoid, a channels-first LayerNorm, a layer scale, bilinear upsampling
+input_shape: [2, 8, 8]
+init: {seed: 0}
+layers:
+  - {name: stem, type: conv2d, out_channels: 4, kernel_size: 3, padding: 1}
+  - {name: act, type: hardswish}
+  - name: mixed
+    type: block
+    join: concat
+    branches:
+      - [{type: conv2d, out_channels: 2, kernel_size: 1}]
+      - [{type: conv2d, out_channels: 2, kernel_size: 3, padding: 1}, {type: mish}]
+      - []
+  - {name: norm, type: layer_norm, normalized_shape: 8, data_format: channels_first}
+  - name: se
+    type: block
+    join: product
+    branch_names: [null, null]
+    branches:
+      - - {name: avgpool, type: adaptive_avgpool2d, output_size: 1}
+        - {name: fc1, type: conv2d, out_channels: 2, kernel_size: 1}
+        - {name: activation, type: relu}
+        - {name: fc2, type: conv2d, out_channels: 8, kernel_size: 1}
+        - {name: scale_activation, type: hardsigmoid}
+      - []
+  - {name: scale, type: layer_scale, init_values: 0.5}
+  - {name: up, type: upsample, scale_factor: 2, mode: bilinear}
+  - {name: pool, type: avgpool2d, kernel_size: 4}
+  - {name: flat, type: flatten}
+  - {name: fc, type: linear, out_features: 5}
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks, combine, method", [(2, "chain", "blelloch"), (3, "exscan", "linear"),
+                                                     (3, "relay", "blelloch")])
+def test_blocks_and_the_new_layers_equal_one_process(tmp_path, ranks, combine, method):
+    spec = tmp_path / "zoo.yaml"
+    spec.write_text(ZOO_SPEC)
+    out = tmp_path / "grads.npz"
+    result = mpirun(ranks, sys.executable, str(WORKER), str(spec), str(out), "--combine", combine,
+                    "--method", method)
+    assert result.returncode == 0, result.stderr
+    got = _compare(out, load(str(spec)))
+    assert {"param.mixed.1.0.weight", "param.se.fc2.weight", "param.norm.weight",
+            "param.scale.gamma"} <= set(got)
+
+
 @needs_mpi
 def test_explicit_split_one_layer_per_rank(tmp_path):
     out = tmp_path / "grads.npz"
