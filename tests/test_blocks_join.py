@@ -353,7 +353,9 @@ def test_the_plan_is_built_once_and_back_propagation_never_forms_a_blocks_jt(mon
         for _ in range(2):
             model.backward(np.ones_like(y), method="blelloch")
     assert model.plan_builds == 1
-    assert [block.plan_builds for _, block in blocks_of(model)] == [1, 1, 1]
+    # the residual block (and the gate nested in it) is read by mv steps alone: its figures are counted
+    # from its layers' structure and its products never planned; block '2' is a product's operand
+    assert [(name, block.plan_builds) for name, block in blocks_of(model)] == [("0", 0), ("0.4", 0), ("2", 1)]
     x = make_input((3, 5, 5))
     y = model.forward(x)
     g = np.random.default_rng(2).standard_normal(y.shape)
