@@ -312,9 +312,9 @@ def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: 
     planes_of_grad, grad_nonfinite = _planes(grad, grad_geometry, length, 0)
     if nonfinite or grad_nonfinite:
         return None
-    out = np.zeros(math.prod(pruned.shape), dtype=dtype)
+    out = np.empty(math.prod(pruned.shape), dtype=dtype)  # every channel zeroed by its thread
     launch(sampled_conv_weights, (pruned.indptr, planes, shifts, pruned.positions, planes_of_grad,
-                                  source.astype(dtype, copy=False), length, out),
+                                  source.astype(dtype, copy=False), length, math.prod(pruned.shape[1:]), out),
            _channel_pieces(pruned.indptr, pruned.nnz * length))
     return out.reshape(pruned.shape)
 

@@ -361,9 +361,11 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
 
 
 @compiled(fastmath={"reassoc"})
-def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length, out, c0, c1):
+def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length, width, out, c0, c1):
     """The weight gradient of a convolution at its kept weights only (a sampled dense-dense product):
-    for every entry ``e`` of the output channels ``c0:c1``, ``out[positions[e]]`` is the dot product of
+    the output channels ``c0:c1``'s weights (``width`` each, ``out[co * width:(co + 1) * width]``) are
+    zeroed, here, by the thread that writes them (no separate pass over the whole weight), then for every
+    entry ``e`` of those channels ``out[positions[e]]`` is the dot product of
     the output gradient's plane ``grad[co, :length]`` (:func:`to_planes` of the gradient: zero where
     no output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over the batch
     and the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM computes
@@ -373,6 +375,8 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length
     n = u(length)
     zero = out.dtype.type(0)
     for co in range(c0, c1):
+        for position in range(u(co) * u(width), u(co + 1) * u(width)):
+            out[position] = zero
         base = u(co) * n
         e, end = indptr[co], indptr[co + 1]
         while e + 4 <= end:
