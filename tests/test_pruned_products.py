@@ -266,6 +266,31 @@ def test_kept_weights_are_derived_once_per_zero_set_and_read_once_per_version():
     assert layer.pruned_weights() is not pruned and layer.pruned_weights().nnz == pruned.nnz - 1
 
 
+def test_the_weight_gradient_reads_the_forwards_planes_of_the_same_batch_only(monkeypatch):
+    """The forward's input planes serve the weight gradient of that very array (no second copy); a
+    forward always copies its input (a buffer refilled in place between forwards is read anew), and a
+    gradient of another array copies that one."""
+    from sparse_scan.layers import _conv_pruned
+
+    layer = pruned_layer("conv", GEOMETRIES[0], np.float64, 0.03, seed=0)
+    copies = []
+    planes = _conv_pruned._planes
+    monkeypatch.setattr(_conv_pruned, "_planes", lambda x, *rest: copies.append(x.shape) or planes(x, *rest))
+    x = batch_for("conv", GEOMETRIES[0], 2, np.float64, seed=0)
+    grad = np.random.default_rng(1).standard_normal(layer.forward(x).shape)
+    np.testing.assert_allclose(layer.parameter_gradients(x, grad)["weight"], oracles(layer, x, grad)[1],
+                               rtol=1e-12, atol=1e-12)
+    assert len(copies) == 2  # the forward's input, the gradient's output gradient: the input not again
+    x[:] = batch_for("conv", GEOMETRIES[0], 2, np.float64, seed=5)  # the buffer refilled in place
+    np.testing.assert_allclose(layer.forward(x), conv_oracle(layer, layer.weight, x), rtol=1e-12)
+    np.testing.assert_allclose(layer.parameter_gradients(x, grad)["weight"], oracles(layer, x, grad)[1],
+                               rtol=1e-12, atol=1e-12)
+    other = batch_for("conv", GEOMETRIES[0], 2, np.float64, seed=6)
+    np.testing.assert_allclose(layer.parameter_gradients(other, grad)["weight"],
+                               oracles(layer, other, grad)[1], rtol=1e-12, atol=1e-12)
+    assert len(copies) == 2 + 2 + 2  # the second forward and gradient as the first; the other array: both
+
+
 def test_assign_masked_multiplies_only_where_the_dense_weights_are_read():
     """The bridge's ``weight_orig * weight_mask`` of every forward: nothing multiplied or copied per
     assignment; the sparse products read the kept values, a dense read multiplies once."""

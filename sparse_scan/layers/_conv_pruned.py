@@ -38,6 +38,7 @@ synchronisation per call).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -154,6 +155,7 @@ class PrunedWeights:
         self._tables: dict[ConvGeometry, tuple[np.ndarray, np.ndarray, int, int, int]] = {}
         self._device: dict[int, tuple[Array, Array]] = {}  # GPU id -> (indptr, positions) there
         self._transposed: tuple[scipy.sparse.csr_matrix, np.ndarray, list[Any]] | None = None
+        self._forward_planes: tuple[weakref.ref, ConvGeometry, tuple[np.ndarray, int, bool]] | None = None
 
     @property
     def nnz(self) -> int:
@@ -252,13 +254,24 @@ def _channel_pieces(indptr: np.ndarray, work: int) -> list[tuple[int, int]]:
     return [(first, last) for first, last in zip(bounds[:-1], bounds[1:], strict=True) if last > first]
 
 
-def _input_planes(g: ConvGeometry, x: np.ndarray, hq: int, wq: int,
-                  tail: int) -> tuple[np.ndarray, int, bool]:
-    """The input's phase planes, their run length (every sample's plane) and whether one is not finite."""
+def _input_planes(g: ConvGeometry, pruned: PrunedWeights, x: np.ndarray,
+                  forward: bool) -> tuple[np.ndarray, int, bool]:
+    """The input's phase planes, their run length (every sample's plane) and whether one is not finite.
+
+    The forward's are kept (one batch per layer, until its next forward), and the weight gradient of
+    the same batch (``x`` the very array the forward took) reads them instead of copying the input
+    again: the gradient at the forward's input, which is the gradient's definition (an array written
+    in place after the forward is not read again, as a JT's values are not)."""
+    _, _, hq, wq, tail = pruned.tables(g)
+    known = pruned._forward_planes
+    if not forward and known is not None and known[0]() is x and known[1] == g:
+        return known[2]
     length = x.shape[0] * hq * wq
     geometry = (g.in_channels, g.height, g.width, *g.stride, g.pad_top, g.pad_left, hq, wq)
     source, nonfinite = _planes(x.reshape(x.shape[0], g.in_channels, g.height, g.width), geometry,
                                 length, tail)
+    if forward:
+        pruned._forward_planes = (weakref.ref(x), g, (source, length, nonfinite))
     return source, length, nonfinite
 
 
@@ -267,7 +280,7 @@ def _direct_forward_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWei
                         x: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
     planes, shifts, hq, wq, tail = pruned.tables(g)
     batch = x.shape[0]
-    source, length, nonfinite = _input_planes(g, x, hq, wq, tail)
+    source, length, nonfinite = _input_planes(g, pruned, x, forward=True)
     if nonfinite:
         return None
     out = np.empty((batch, g.out_channels, g.out_height, g.out_width), dtype=x.dtype)
@@ -305,7 +318,7 @@ def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: 
                                  x: np.ndarray, grad_out: np.ndarray) -> np.ndarray | None:
     planes, shifts, hq, wq, tail = pruned.tables(g)
     batch = x.shape[0]
-    source, length, nonfinite = _input_planes(g, x, hq, wq, tail)
+    source, length, nonfinite = _input_planes(g, pruned, x, forward=False)
     grad_geometry = (g.out_channels, g.out_height, g.out_width, 1, 1, 0, 0, hq, wq)
     dtype = np.result_type(x.dtype, grad_out.dtype)
     grad = np.asarray(grad_out, dtype=dtype).reshape(batch, g.out_channels, g.out_height, g.out_width)
@@ -314,7 +327,7 @@ def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: 
         return None
     out = np.empty(math.prod(pruned.shape), dtype=dtype)  # every channel zeroed by its thread
     launch(sampled_conv_weights, (pruned.indptr, planes, shifts, pruned.positions, planes_of_grad,
-                                  source.astype(dtype, copy=False), length, math.prod(pruned.shape[1:]), out),
+                                  source.astype(dtype, copy=False), length, pruned.per_output, out),
            _channel_pieces(pruned.indptr, pruned.nnz * length))
     return out.reshape(pruned.shape)
 
