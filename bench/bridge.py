@@ -15,7 +15,9 @@ it):
   ``fc(out[:, -1])``), cross-entropy loss.
 
 Per workload, batch size (``--batches``) and pruning amount, medians over ``--repeats`` rounds, the
-contenders timed in turn within each round after a warm-up round:
+contenders timed in turn within each round after a warm-up round, each ``--burst`` (3) times in a row
+with the first of each burst not counted (``--burst 1``: every call right after the other contenders',
+its caches as they left them, not as a training loop's previous iteration leaves them):
 
 - ``bridge_backward_s``: ``loss.backward()`` through ``bppsa(net)`` after ``zero_grad()`` and its
   forward (autograd's call of the scan, the conversions, the gradients handed to ``.grad``; a pruned
@@ -98,20 +100,23 @@ def workload(name: str, batch: int, device: torch.device,
     return LSTMClassifier().to(device), x, lambda out: F.cross_entropy(out, labels)
 
 
-def interleaved(contenders: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+def interleaved(contenders: dict[str, Callable[[], float]], repeats: int, burst: int = 1) -> dict[str, float]:
     """Median seconds of each contender (each returns the seconds of the part it times), taken in turn
-    within each round, after a warm-up round."""
+    within each round, after a warm-up round. With ``burst`` > 1 each contender runs ``burst`` times in a
+    row per round and the first of each burst is not counted: the later calls find their caches as a
+    training loop's next iteration does, not as the other contenders left them."""
     for timed in contenders.values():
         timed()
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, timed in contenders.items():
-            times[name].append(timed())
+            burst_times = [timed() for _ in range(burst)]
+            times[name] += burst_times[1:] if burst > 1 else burst_times
     return {name: statistics.median(values) for name, values in times.items()}
 
 
 def measure(name: str, batch: int, method: str, repeats: int, device: torch.device, amount: float,
-            optimizer: str) -> dict[str, Any]:
+            optimizer: str, burst: int = 1) -> dict[str, Any]:
     net, x, loss_of = workload(name, batch, device, amount)
     bnet = bppsa(net, method)
     reference = (type(net)() if name == "lstm" else vgg11_pruned(amount)).to(device)
@@ -163,8 +168,8 @@ def measure(name: str, batch: int, method: str, repeats: int, device: torch.devi
     timings = interleaved({"bridge_backward_s": bridge_backward, "engine_backward_s": engine_backward,
                            "bridge_iteration_s": iteration(bnet, optimizers["bridge"]),
                            "torch_iteration_s": iteration(reference, optimizers["torch"]),
-                           "step_s": step}, repeats)
-    return {"workload": name, "batch": batch, "method": method, "optimizer": optimizer,
+                           "step_s": step}, repeats, burst)
+    return {"workload": name, "batch": batch, "method": method, "optimizer": optimizer, "burst": burst,
             "pruned": amount if name == "vgg11-pruned" else None, **timings,
             "bridge_over_engine_backward": timings["bridge_backward_s"] / timings["engine_backward_s"],
             "torch_over_bridge_iteration": timings["torch_iteration_s"] / timings["bridge_iteration_s"]}
@@ -185,6 +190,9 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("adam", "adam-fused"), default="adam")
     parser.add_argument("--method", default="auto")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--burst", type=int, default=3,
+                        help="calls of each contender in a row per round, the first not counted (1: each "
+                             "call right after the other contenders')")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--rows", type=pathlib.Path, help="also append each row to this JSON-lines file")
     args = parser.parse_args()
@@ -201,7 +209,7 @@ def main() -> None:
         for amount in amounts:
             for batch in (int(b) for b in args.batches.split(",")):
                 rows.append(measure(workload_name, batch, args.method, args.repeats, device, amount,
-                                    args.optimizer))
+                                    args.optimizer, args.burst))
                 rows_file.add(rows[-1])
     rows_file.finish()
     print(json.dumps({"benchmark": name, "machine": info, "cpu_pressure": cpu_pressure(),
