@@ -25,8 +25,8 @@ and hands both to the executor, which applies a bound operator wherever an mv st
 Examples
 --------
 >>> path = WeightsPath(multiply_adds=1000, csr=False)
->>> gemm_pays(150, path), gemm_pays(50, path), gemm_pays(150, None)
-(True, False, False)
+>>> gemm_pays(150, path), gemm_pays(50, path), gemm_pays(150, None), gemm_pays(50, path, fill_flops=800)
+(True, False, False, True)
 >>> plan = weights_plan(gemm=[1], mv=[3, 4], products=[4], paths=[path, None, WeightsPath(80, True), path])
 >>> sorted(plan.through(batch=4)), sorted(plan.through(batch=16))
 ([1, 3], [1, 3])
@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["DENSE_MATVEC_MIN_DENSITY", "WeightsPath", "WeightsPlan", "gemm_pays",
+__all__ = ["DENSE_MATVEC_MIN_DENSITY", "FILL_FLOPS_PER_ENTRY", "WeightsPath", "WeightsPlan", "gemm_pays",
            "weights_plan"]
 
 DENSE_MATVEC_MIN_DENSITY = 0.1
@@ -79,10 +79,21 @@ class WeightsPath:
     taps: int = 0
 
 
-def gemm_pays(nnz: int, path: WeightsPath | None) -> bool:
-    """Whether an mv by a JT of ``nnz`` stored entries runs faster as the GEMM over its layer's weights
-    (``path``; None: the layer has none) than as an SpMV: :data:`DENSE_MATVEC_MIN_DENSITY`."""
-    return path is not None and nnz >= DENSE_MATVEC_MIN_DENSITY * path.multiply_adds
+FILL_FLOPS_PER_ENTRY = 8
+"""FLOPs of a JT's fill (the products that make a block's JT, ``Layer.jacobian_fill_flops``) that cost
+about what one stored entry's SpMV does: the CPU cost model's ``fill_flops`` (1.2e-10 s) against
+``mv_spmv``'s 1.1e-9 s per entry."""
+
+
+def gemm_pays(nnz: int, path: WeightsPath | None, fill_flops: int = 0) -> bool:
+    """Whether an mv by a JT of ``nnz`` stored entries runs faster through its layer's weights
+    (``path``; None: the layer has none) than by its values: :data:`DENSE_MATVEC_MIN_DENSITY`, the
+    values' cost being their SpMV and, for a JT whose values are products (a block's: ``fill_flops``
+    per sample), those products (:data:`FILL_FLOPS_PER_ENTRY`). A squeeze-and-excitation block's dense
+    JT, or a residual block's whose values cost 1e8 FLOPs per sample, goes through its branches."""
+    if path is None:
+        return False
+    return nnz + fill_flops / FILL_FLOPS_PER_ENTRY >= DENSE_MATVEC_MIN_DENSITY * path.multiply_adds
 
 
 @dataclass(frozen=True)

@@ -440,7 +440,7 @@ def build_plan(
         if left.is_vector:
             step.scaling = right_kind == "diagonal"
             step.dense = (not step.scaling and right.lo == right.hi
-                          and gemm_pays(right_info.nnz, chain.weights[right.lo - 1]))
+                          and gemm_pays(right_info.nnz, chain.weights[right.lo - 1], right_info.fill_flops))
             step.shape = (m, k, 1)
             step.flops = 2 * right_info.nnz
             step.flops_live = right_info.nnz if right_kind == "diagonal" else (
@@ -545,7 +545,7 @@ def estimate_plan(chain: ChainInfo, method: str, levels: int | None) -> ScanPlan
         if left.is_vector:
             step.scaling = right_info.kind == "diagonal"
             step.dense = (not step.scaling and right.lo == right.hi
-                          and gemm_pays(right_info.nnz, chain.weights[right.lo - 1]))
+                          and gemm_pays(right_info.nnz, chain.weights[right.lo - 1], right_info.fill_flops))
             step.shape = (m, k, 1)
             step.flops = step.flops_live = 2 * right_info.nnz
             step.out_nnz = m
