@@ -1,8 +1,10 @@
-"""Matrix-free JT operators from the layer's input (``Layer.input_matvec``): ReLU and 2x2 max-pool.
+"""Matrix-free JT operators from the layer's input (``Layer.input_matvec``): ReLU, 2x2 max-pool and
+LayerNorm.
 
-Each operator must give, bit for bit, what JT's values give (the scaling by the diagonal, SciPy's
-SpMV by the selection), NaN inputs included, and a host backward must use it for every JT that only
-matrix-vector steps read, with gradients equal to PyTorch autograd's.
+ReLU's and the max-pool's must give, bit for bit, what JT's values give (the scaling by the diagonal,
+SciPy's SpMV by the selection), NaN inputs included; LayerNorm's applies its dense ``n × n`` blocks in
+``O(n)`` per group, equal to their SpMV within rounding. A host backward must use them for every JT
+that only matrix-vector steps read, with gradients equal to PyTorch autograd's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from oracles import torch_modules
 
 import sparse_scan._sequential as model_module
 from sparse_scan import Sequential
-from sparse_scan.layers import AvgPool2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Tanh
+from sparse_scan.layers import AvgPool2d, Conv2d, Flatten, LayerNorm, Linear, MaxPool2d, ReLU, Tanh
 from sparse_scan.layers import _pooling_jt as pooling
 
 
@@ -108,6 +110,37 @@ def test_operators_refuse_gradients_of_another_shape():
         ReLU().input_matvec(x)(np.ones((1, 16)))
 
 
+@pytest.mark.parametrize("data_format, shape", [("channels_first", (6, 3, 5)), ("channels_last", (3, 5, 6)),
+                                                ("channels_last", (6,))])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_operator_equals_its_blocks_spmv(data_format, shape, affine):
+    layer = LayerNorm(6, data_format=data_format, elementwise_affine=affine, dtype=np.float64)
+    if affine:
+        layer.weight = np.random.default_rng(20).standard_normal(6)
+        layer.bias = np.random.default_rng(21).standard_normal(6)
+    x = inputs((4,) + shape, np.float64, 22)
+    grad = np.random.default_rng(23).standard_normal((4, int(np.prod(shape))))
+    want = jt_matvec(layer, x, grad)
+    np.testing.assert_allclose(layer.input_matvec(x)(grad), want, rtol=1e-13,
+                               atol=1e-13 * np.abs(want).max())
+    with pytest.raises(ValueError, match="LayerNorm's JT @ g: expected gradients of shape"):
+        layer.input_matvec(x)(grad[:, 1:])
+
+
+def test_a_host_backward_applies_layer_norms_without_their_blocks(monkeypatch):
+    f64 = dict(dtype=np.float64)
+    model = Sequential(Conv2d(2, 4, 3, padding=1, rng=0, **f64),
+                       LayerNorm(4, data_format="channels_first", **f64), ReLU(), Flatten(),
+                       Linear(4 * 5 * 5, 3, rng=1, **f64))
+    model.forward(inputs((2, 2, 5, 5), np.float64, 24))
+    grad = np.random.default_rng(25).standard_normal((2, 3))
+    want = model.backward(grad, "blelloch")  # its products read the blocks' values
+    monkeypatch.setattr(LayerNorm, "transposed_jacobian",
+                        lambda *args: pytest.fail("a LayerNorm's JT was filled"))
+    for got, expected in zip(model.backward(grad, "linear"), want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("layer", [MaxPool2d(3, 2, 1), MaxPool2d(2, 1), MaxPool2d(2, padding=1), AvgPool2d(2),
                                    Tanh(), Conv2d(1, 2, 3)])
 def test_other_layers_offer_no_operator(layer):
@@ -163,5 +196,6 @@ def test_operators_only_on_the_host(be):
     twins), so the GPU scan fills every JT ``through_inputs`` names, and a residual block's inner
     chain keeps its JT values on the GPU."""
     x = be.asarray(inputs((1, 2, 4, 4), np.float64, 17))
-    offered = [layer.input_matvec(x) is not None for layer in (ReLU(), MaxPool2d(2))]
-    assert offered == [be.name == "cpu"] * 2
+    norm = LayerNorm(2, data_format="channels_first", dtype=np.float64)
+    offered = [layer.input_matvec(x) is not None for layer in (ReLU(), MaxPool2d(2), norm)]
+    assert offered == [be.name == "cpu"] * 3

@@ -219,12 +219,12 @@ class Layer:
     # --- JT @ g from the input (layers whose JT is cheaper to apply than to fill override) ------
     def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
         """``g -> JT(x) @ g`` for batches of flattened output gradients ``(B, out_size) -> (B,
-        in_size)``, computed on the host from the layer's input ``x`` without JT's values, bit for bit
-        what JT's values would give; None where the layer offers none (the default, and every layer on
-        the GPU). A host backward uses it for the JTs that only matrix-vector steps read
-        (:func:`sparse_scan.engine.run.through_inputs`), a residual block for its inner layers:
-        :class:`ReLU` and 2x2 :class:`MaxPool2d` offer one, in one compiled pass
-        (:mod:`sparse_scan.layers._kernels`)."""
+        in_size)``, computed on the host from the layer's input ``x`` without JT's values; None where
+        the layer offers none (the default, and every layer on the GPU). A host backward uses it for
+        the JTs that only matrix-vector steps read (:func:`sparse_scan.engine.run.through_inputs`), a
+        block for its inner layers: :class:`ReLU` and 2x2 :class:`MaxPool2d` offer one, in one compiled
+        pass (:mod:`sparse_scan.layers._kernels`), bit for bit what JT's values give; :class:`LayerNorm`
+        one that applies its dense blocks in ``O(n)`` per group, equal within rounding."""
         return None
 
 

@@ -33,8 +33,9 @@ assigned and are uploaded by each call that needs them.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -224,6 +225,13 @@ class LayerNorm(ParameterLayer):
         block = (eye - (1 + outer) / x.dtype.type(n)) * rstd.transpose(0, 1, 3, 2)[..., None] * weight[:, 0]
         return block.transpose(0, 1, 3, 2, 4).reshape(x.shape[0], -1)  # rows (a, j, p), columns i
 
+    def input_matvec(self, x: Array) -> Callable[[Array], Array] | None:
+        """``g -> JT @ g`` on the host without the ``n × n`` blocks (:func:`_layer_norm_matvec`: per
+        group ``rstd · (w g - mean(w g) - x̂ · mean(w g x̂))``, ``O(n)`` instead of ``O(n²)``; rounded
+        as those sums round, not as the block's SpMV); None on the GPU."""
+        x = self._checked(x)
+        return _layer_norm_operator(_backend.of(x), self, x)
+
     def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch and the groups like
         PyTorch (none without affine parameters); on ``x``'s device."""
@@ -241,3 +249,25 @@ class LayerNorm(ParameterLayer):
         layout = "" if self.data_format == "channels_last" else f", data_format={self.data_format!r}"
         return (f"LayerNorm({self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}, bias={self._bias is not None}{layout})")
+
+
+def _layer_norm_matvec(xhat: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
+                       grad: np.ndarray) -> np.ndarray:
+    """``JT @ g`` of a LayerNorm for flat ``(B, size)`` gradients, from its input's ``(x̂, rstd)`` laid out
+    as ``(B, A, n, P)``: ``rstd · (w g - mean_n(w g) - x̂ · mean_n(w g x̂))``, each group's mean over its
+    ``n`` normalised elements."""
+    if grad.shape != (xhat.shape[0], xhat[0].size):
+        raise ValueError(f"LayerNorm's JT @ g: expected gradients of shape "
+                         f"{(xhat.shape[0], xhat[0].size)}, got {grad.shape}")
+    scaled = grad.reshape(xhat.shape) * weight
+    out = scaled - scaled.mean(axis=2, keepdims=True) - xhat * (scaled * xhat).mean(axis=2, keepdims=True)
+    return (out * rstd).reshape(grad.shape)
+
+
+def _layer_norm_host(be: _backend.Backend, layer: LayerNorm, x: np.ndarray) -> Callable[[Array], Array]:
+    xhat, rstd = layer._normalised(x)
+    weight, _ = layer._affine(be)
+    return functools.partial(_layer_norm_matvec, xhat, rstd, weight)
+
+
+_layer_norm_operator = _backend.twin(cpu=_layer_norm_host, gpu=lambda be, layer, x: None)
