@@ -44,7 +44,7 @@ from .._checks import MAX_SIZE, flag, is_int, number
 from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ._base import Shape
-from ._normalization import ParameterLayer
+from ._normalization import AffineLayer
 
 __all__ = ["DATA_FORMATS", "LayerNorm"]
 
@@ -63,7 +63,7 @@ def _normalized_shape(value: Any, label: str) -> tuple[int, ...]:
     return tuple(int(v) for v in entries)
 
 
-class LayerNorm(ParameterLayer):
+class LayerNorm(AffineLayer):
     """PyTorch's ``nn.LayerNorm``, over the last dimensions or (``data_format="channels_first"``) over
     the channels of an NCHW sample.
 
@@ -108,6 +108,7 @@ class LayerNorm(ParameterLayer):
     jacobian_kind = "general"
     sample_independent = False
     parameter_names = ("weight", "bias")
+    affine_flag = "elementwise_affine"
 
     def __init__(self, normalized_shape: Any, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, *, data_format: str = "channels_last", dtype: Any = None) -> None:
@@ -126,27 +127,8 @@ class LayerNorm(ParameterLayer):
         self._bias = np.zeros(self.normalized_shape, self._dtype) if has_bias else None
 
     # --- parameters ------------------------------------------------------------------------------
-    @property
-    def weight(self) -> np.ndarray | None:
-        """The scale, shape ``normalized_shape``; None when ``elementwise_affine=False``."""
-        return self._weight
-
-    @weight.setter
-    def weight(self, value: Any) -> None:
-        if self._weight is None:
-            raise self._error("weight", "the layer has none (elementwise_affine=False)")
-        self._weight = self._checked_parameter("weight", value, self.normalized_shape)
-
-    @property
-    def bias(self) -> np.ndarray | None:
-        """The shift, shape ``normalized_shape``; None without affine parameters or with ``bias=False``."""
-        return self._bias
-
-    @bias.setter
-    def bias(self, value: Any) -> None:
-        if self._bias is None:
-            raise self._error("bias", "the layer has none (elementwise_affine=False or bias=False)")
-        self._bias = self._checked_parameter("bias", value, self.normalized_shape)
+    def _affine_shape(self) -> Shape:
+        return self.normalized_shape
 
     # --- shapes ----------------------------------------------------------------------------------
     def check_in_shape(self, in_shape: Shape) -> Shape:

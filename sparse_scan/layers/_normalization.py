@@ -36,7 +36,7 @@ from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape, diagonal_pattern
 from ._weighted import device_or_host
 
-__all__ = ["BatchNorm2d", "ParameterLayer"]
+__all__ = ["AffineLayer", "BatchNorm2d", "ParameterLayer"]
 
 
 class ParameterLayer(Layer):
@@ -85,7 +85,43 @@ class ParameterLayer(Layer):
                               "convert one of them (layer.astype(...))")
 
 
-class BatchNorm2d(ParameterLayer):
+class AffineLayer(ParameterLayer):
+    """A :class:`ParameterLayer` with PyTorch's optional affine parameters: ``weight`` (the scale) and
+    ``bias`` (the shift), both of :meth:`_affine_shape`, None where the module has none (its
+    :attr:`affine_flag` false, or ``bias=False``): :class:`BatchNorm2d`,
+    :class:`~sparse_scan.layers.LayerNorm`."""
+
+    affine_flag = "affine"
+    """The constructor argument that turns both parameters off (``affine``, ``elementwise_affine``)."""
+
+    def _affine_shape(self) -> Shape:
+        """The parameters' shape."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> np.ndarray | None:
+        """The scale, or None without affine parameters."""
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: Any) -> None:
+        if self._weight is None:
+            raise self._error("weight", f"the layer has none ({self.affine_flag}=False)")
+        self._weight = self._checked_parameter("weight", value, self._affine_shape())
+
+    @property
+    def bias(self) -> np.ndarray | None:
+        """The shift, or None without affine parameters or with ``bias=False``."""
+        return self._bias
+
+    @bias.setter
+    def bias(self, value: Any) -> None:
+        if self._bias is None:
+            raise self._error("bias", f"the layer has none ({self.affine_flag}=False or bias=False)")
+        self._bias = self._checked_parameter("bias", value, self._affine_shape())
+
+
+class BatchNorm2d(AffineLayer):
     """PyTorch's ``nn.BatchNorm2d`` on a batch ``(B, C, H, W)``, with frozen statistics.
 
     Parameters
@@ -186,27 +222,8 @@ class BatchNorm2d(ParameterLayer):
                 "to normalise by running_mean and running_var")
 
     # --- parameters ----------------------------------------------------------------------------
-    @property
-    def weight(self) -> np.ndarray | None:
-        """The scale ``(num_features,)``, or None when ``affine=False``."""
-        return self._weight
-
-    @weight.setter
-    def weight(self, value: Any) -> None:
-        if self._weight is None:
-            raise self._error("weight", "the layer has none (affine=False)")
-        self._weight = self._checked_parameter("weight", value, (self.num_features,))
-
-    @property
-    def bias(self) -> np.ndarray | None:
-        """The shift ``(num_features,)``, or None when ``affine=False`` or ``bias=False``."""
-        return self._bias
-
-    @bias.setter
-    def bias(self, value: Any) -> None:
-        if self._bias is None:
-            raise self._error("bias", "the layer has none (affine=False or bias=False)")
-        self._bias = self._checked_parameter("bias", value, (self.num_features,))
+    def _affine_shape(self) -> Shape:
+        return (self.num_features,)
 
     @property
     def running_mean(self) -> np.ndarray:
