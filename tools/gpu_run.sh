@@ -48,8 +48,8 @@
 #              97%-pruned VGG-11 backward vs PyTorch autograd on CUDA; the LSTM backward vs cuDNN; a
 #              training iteration (Adam) of the 97%-pruned VGG-11 (torch.nn.utils.prune masks: the
 #              sparse forward, scan and sampled weight gradient) and of the paper's LSTM classifier
-#              through sparse_scan.torch.bppsa vs PyTorch autograd on CUDA (cuDNN) (bench/bridge.py;
-#              its rows go to the LSTM's file).
+#              through sparse_scan.torch.bppsa vs PyTorch autograd on CUDA (cuDNN) (bench/bridge.py
+#              --burst 1, within its 25 s; its rows go to the LSTM's file).
 #              Files (8): env.txt parts.txt gpu-tests.log rnn-<gpu>.jsonl spgemm-<gpu>.jsonl
 #              scan-<gpu>.jsonl lstm-<gpu>.jsonl bench.log
 #              Limits (s): env 20, probe 15, install 25, tests 150, distributed 35, rnn-1000 20,
@@ -148,7 +148,7 @@ $bench --ranks 2 --transports staging,cuda-aware --model lenet5.yaml --batch 16 
         step lstm 20 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/lstm.py --device gpu --steps 1000 \
 --batches --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         step bridge 25 - "\$OUT/bench.log" "lstm-\$GPU.jsonl bench.log" "$PYTHON bench/bridge.py --device gpu \
---repeats 5 --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
+--repeats 5 --burst 1 --rows \$OUT/lstm-\$GPU.jsonl > /dev/null 2>> \$OUT/bench.log"
         ;;
     sanitizer)
         TOTAL_S=${TOTAL_S:-240}
