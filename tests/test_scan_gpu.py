@@ -499,14 +499,14 @@ def test_gpu_lean_products_and_fallbacks(monkeypatch):
     x = rng.standard_normal((3,) + in_shape)
     grad_out = rng.standard_normal(model.forward(x).shape)
     jts = model.transposed_jacobians()[::-1]
+    model.forward(gpu.asarray(x))
+    gpu_jts = model.transposed_jacobians()[::-1]  # before the budget below, which they would not fit
     flat = grad_out.reshape(3, -1)
     general = [s for s in model.plan(in_shape, "blelloch").steps if s.method == "general"]
     model.memory_budget = max(s.product.multiply_adds for s in general) * 12 - 1
     plan = model.plan(in_shape, "blelloch")
     assert "rowwise" in {step.method for step in plan.steps}
     want = host.run_plan(plan, flat, jts)
-    model.forward(gpu.asarray(x))
-    gpu_jts = model.transposed_jacobians()[::-1]
     assert_close([gpu.to_host(g) for g in _gpu.run_plan(plan, gpu.asarray(flat), gpu_jts)], want, 1e-10)
 
     def fallback(product, a_data, b_data):
