@@ -288,24 +288,37 @@ class Sequential:
         ------
         ScanMemoryError
             Their values and column indices for the batch would not fit the memory budget
-            (:attr:`memory_budget`, else :func:`default_memory_budget`), counted from the layers'
-            structure before any is built; the message names the largest (a squeeze-and-excitation
-            block's JT is dense: 1.6e11 entries for EfficientNet-B0's first at 224x224).
+            (:meth:`_check_jacobians_fit`).
         """
         activations = self._require_forward()
-        x = activations[0]
-        shapes = [tuple(a.shape[1:]) for a in activations]
-        entries = [layer.pattern_nnz(shape) for layer, shape in zip(self.layers, shapes, strict=False)]
-        largest = max(range(len(entries)), key=entries.__getitem__)
+        entries = {}
+        for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False)):
+            nnz = layer.pattern_nnz(tuple(x.shape[1:]))
+            entries[index] = (nnz, 0) if layer.sample_independent else (0, nnz)
+        self._check_jacobians_fit(entries, activations[0].shape[0], activations[0].dtype.itemsize,
+                                  "the JTs of every layer")
+        return [layer.transposed_jacobian(x) for layer, x in zip(self.layers, activations, strict=False)]
+
+    def _check_jacobians_fit(self, entries: dict[int, tuple[int, int]], batch: int, itemsize: int,
+                             what: str) -> None:
+        """Refuse (:class:`~sparse_scan.engine.plan.ScanMemoryError`), before any is built, the JTs of
+        the layers of ``entries`` (layer index -> ``(shared, per sample)`` entries, as
+        :attr:`ScanPlan.element_bytes <sparse_scan.engine.plan.ScanPlan.element_bytes>` counts them)
+        for ``batch`` samples where their values and column indices would not fit the memory budget
+        (:attr:`memory_budget`, else :func:`default_memory_budget`); the message names ``what`` and the
+        largest (a squeeze-and-excitation block's JT is dense: 1.6e11 entries for EfficientNet-B0's
+        first at 224x224)."""
+        if not entries:
+            return
+        nbytes = sum(shared * (itemsize + 8) + each * (batch * itemsize + 8)
+                     for shared, each in entries.values())
+        largest = max(entries, key=lambda i: sum(entries[i]))
         budget = self.memory_budget if self.memory_budget is not None else default_memory_budget()
         problem = _weights.budget_problem(
-            sum(entries) * (x.shape[0] * x.dtype.itemsize + 8),
-            f"the JTs of every layer for a batch of {x.shape[0]} (the largest, layer "
-            f"'{self.layers[largest].name}' ({type(self.layers[largest]).__name__}), {entries[largest]:,} "
-            "entries)", budget)
+            nbytes, f"{what} for a batch of {batch} (the largest, layer '{self.layers[largest].name}' "
+            f"({type(self.layers[largest]).__name__}), {sum(entries[largest]):,} entries)", budget)
         if problem is not None:
             raise ScanMemoryError(problem)
-        return [layer.transposed_jacobian(x) for layer, x in zip(self.layers, activations, strict=False)]
 
     def non_finite_output(self) -> str | None:
         """The name of the first layer whose output at the last :meth:`forward` holds NaN or Inf (a
@@ -621,6 +634,13 @@ class Sequential:
         -------
         list of ndarray
             ``[grad wrt x_0, ..., grad wrt x_n]``, each shaped like that activation, batch first.
+
+        Raises
+        ------
+        ScanMemoryError
+            The JT values the run fills (those not applied through their layers' weights or inputs:
+            on the GPU every one its steps read) would not fit the memory budget, refused before any
+            is filled (:meth:`_check_jacobians_fit`).
         """
         activations = self._require_forward()
         be = _backend.of(activations[0]) if device is None else _backend.get(device)
@@ -654,6 +674,9 @@ class Sequential:
         operators = {j: operator for j, operator in operators.items() if operator is not None}
         matvecs.update(operators)
         valueless = plan.weights.valueless(through) | operators.keys()
+        self._check_jacobians_fit({index: plan.element_bytes[Element(n - index, n - index)]
+                                   for index in range(n) if n - index not in valueless},
+                                  batch, activations[0].dtype.itemsize, "the JT values this backward fills")
         jacobians = [None if n - index in valueless else layer.transposed_jacobian(be.asarray(x))
                      for index, (layer, x) in enumerate(zip(self.layers, activations, strict=False))]
         if timings is not None:

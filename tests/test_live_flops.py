@@ -268,7 +268,8 @@ def test_jts_over_the_memory_budget_are_refused_before_any_is_built(monkeypatch)
     model = Sequential(Conv2d(1, 4, 3, padding=1, rng=2), Block([], gate, join="product", names=[None, None]),
                        input_shape=(1, 8, 8))
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
-    needed = sum(size.nnz for size in model.jacobian_sizes()) * (3 * 4 + 8)
+    conv, block = (size.nnz for size in model.jacobian_sizes())
+    needed = conv * (4 + 8) + block * (3 * 4 + 8)  # the convolution's values are shared by the batch
     built = []
     monkeypatch.setattr(Block, "transposed_jacobian", lambda self, batch: built.append(batch))
     monkeypatch.setattr(Conv2d, "transposed_jacobian", lambda self, batch: built.append(batch))
@@ -282,3 +283,26 @@ def test_jts_over_the_memory_budget_are_refused_before_any_is_built(monkeypatch)
     monkeypatch.undo()
     model.memory_budget = needed
     assert live(model, x, "linear")["samples"] == 3
+
+
+@pytest.mark.gpu
+def test_a_backward_holds_the_values_it_fills_to_the_budget():
+    """The GPU scan fills every JT its mv steps read, a squeeze-and-excitation block's dense one too:
+    held to the budget before any is filled, naming the block. The host's backward applies the block
+    through its branches (no values) and runs under the same budget."""
+    from sparse_scan import backend
+
+    gate = [AdaptiveAvgPool2d(1), Conv2d(4, 2, 1, rng=0), ReLU(), Conv2d(2, 4, 1, rng=1), Sigmoid()]
+    model = Sequential(Conv2d(1, 4, 3, padding=1, rng=2), Block([], gate, join="product", names=[None, None]),
+                       input_shape=(1, 8, 8))
+    x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
+    grad = np.ones((3, 4, 8, 8), np.float32)
+    conv, block = (size.nnz for size in model.jacobian_sizes())
+    model.memory_budget = conv * (4 + 8) + block * (3 * 4 + 8) - 1
+    gpu = backend.get("gpu")
+    model.forward(gpu.asarray(x))
+    with pytest.raises(ScanMemoryError, match=r"the JT values this backward fills for a batch of 3 \(the "
+                                              r"largest, layer '1' \(Block\), 65,536 entries\)"):
+        model.backward(gpu.asarray(grad), "linear")
+    model.forward(x)
+    assert model.backward(grad, "linear")[0].shape == (3, 1, 8, 8)
