@@ -1,6 +1,6 @@
 """Where pruning pays (issue 45): the pruned products against the dense ones, per layer and density, to
 measure the crossovers of :mod:`sparse_scan.layers._conv_pruned` (``DIRECT_MAX_DENSITY``,
-``SAMPLED_MAX_DENSITY``, ``TRANSPOSED_MAX_DENSITY``).
+``LINEAR_DIRECT_MAX_DENSITY``, ``SAMPLED_MAX_DENSITY``, ``TRANSPOSED_MAX_DENSITY``).
 
 For each of VGG-11's eight convolutions on 3x32x32 (3x3, padding 1) and a 512x512 Linear layer, each
 share of kept weights (random masks) and batch size, the same layer is timed on its sparse and its
@@ -44,7 +44,7 @@ OPERATIONS = ("forward", "weight_gradient", "input_gradient")
 class Paths:
     """Switches every pruned product to its sparse or its dense path (the crossover constants)."""
 
-    NAMES = ((conv_module, "DIRECT_MAX_DENSITY"), (linear_module, "DIRECT_MAX_DENSITY"),
+    NAMES = ((conv_module, "DIRECT_MAX_DENSITY"), (linear_module, "LINEAR_DIRECT_MAX_DENSITY"),
              (weighted_module, "SAMPLED_MAX_DENSITY"), (conv_module, "TRANSPOSED_MAX_DENSITY"))
 
     def __init__(self) -> None:
@@ -60,13 +60,14 @@ class Paths:
 
 
 def layer_for(spec: tuple[int, ...] | int, density: float, seed: int) -> tuple[Any, tuple[int, ...]]:
-    """A pruned layer keeping ``density`` of its weights and its per-sample input shape."""
+    """A pruned float32 layer keeping ``density`` of its weights (the inputs and gradients are float32
+    too: a float64 layer would time a mixed-precision product) and its per-sample input shape."""
     if isinstance(spec, int):
-        layer: Any = Linear(spec, spec, rng=seed, prune_pattern=True)
+        layer: Any = Linear(spec, spec, rng=seed, prune_pattern=True, dtype=np.float32)
         shape: tuple[int, ...] = (spec,)
     else:
         cin, cout, side = spec
-        layer = Conv2d(cin, cout, 3, padding=1, rng=seed, prune_pattern=True)
+        layer = Conv2d(cin, cout, 3, padding=1, rng=seed, prune_pattern=True, dtype=np.float32)
         shape = (cin, side, side)
     weight = layer.weight.copy()
     weight.ravel()[np.random.default_rng(seed).random(weight.size) >= density] = 0
@@ -148,7 +149,8 @@ def main() -> None:
     print(json.dumps({"benchmark": "pruned products: sparse against dense per layer and density",
                       "machine": machine(be, with_torch=False), "cpu_pressure": cpu_pressure(),
                       "constants": {name: getattr(pruned_module, name) for name in (
-                          "DIRECT_MAX_DENSITY", "SAMPLED_MAX_DENSITY", "TRANSPOSED_MAX_DENSITY")},
+                          "DIRECT_MAX_DENSITY", "LINEAR_DIRECT_MAX_DENSITY", "SAMPLED_MAX_DENSITY",
+                          "TRANSPOSED_MAX_DENSITY")},
                       "crossovers": crossovers(rows), "rows": rows}, indent=1))
 
 

@@ -133,8 +133,8 @@ def path(request, monkeypatch):
     """Both sides of the crossovers at every density: the sparse products for every mask, or the dense
     GEMMs (masked) for every mask."""
     limit = 1.0 if request.param == "sparse" else -1.0
-    for module in (conv_module, linear_module):
-        monkeypatch.setattr(module, "DIRECT_MAX_DENSITY", limit)
+    monkeypatch.setattr(conv_module, "DIRECT_MAX_DENSITY", limit)
+    monkeypatch.setattr(linear_module, "LINEAR_DIRECT_MAX_DENSITY", limit)
     monkeypatch.setattr(weighted_module, "SAMPLED_MAX_DENSITY", limit)
     return request.param
 

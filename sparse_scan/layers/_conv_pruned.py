@@ -13,8 +13,8 @@ crossover share of their entries, the dense path (one GEMM) is faster and stays:
 * **forward** (:func:`direct_forward`, at most :data:`DIRECT_MAX_DENSITY` kept): a direct sparse
   convolution over the kept taps, no im2col. On the host the input is laid out once as zero-padded
   phase planes (:func:`~sparse_scan.layers._kernels.to_planes`, one per input channel and stride
-  phase, every sample's plane after the other), so that a kept weight's multiply-adds over the whole
-  batch are one contiguous run at a constant shift
+  phase, the batch innermost), so that a kept weight's multiply-adds over the whole batch are one
+  contiguous run at a constant shift
   (:func:`~sparse_scan.layers._kernels.direct_conv`); on the GPU one thread per output sums its
   channel's kept taps (``rawkernels/conv.cu``).
 * **input gradient** ``JT @ g`` (the scan's): the pattern leaves the pruned weights out; through the
@@ -62,34 +62,47 @@ from ._kernels import (
 if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs none
     import scipy.sparse
 
-__all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "SAMPLED_MAX_DENSITY",
+__all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "LINEAR_DIRECT_MAX_DENSITY",
+           "SAMPLED_MAX_DENSITY",
            "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward", "linear_geometry",
            "pruned_transposed_convolution", "sampled_weight_gradient", "transposed_weights_csr"]
 
 KERNEL_FILE = "conv.cu"
 
-DIRECT_MAX_DENSITY = 0.08
+DIRECT_MAX_DENSITY = 0.12
 """Pruned weights keeping at most this share of their entries run the forward as a direct sparse
 convolution (:func:`direct_forward`), denser ones the dense GEMM. ``bench/pruned.py`` on VGG-11's eight
-convolutions and a 512x512 Linear layer (``bench/results/pruned-2core-cpu.json``: 2-core AMD EPYC,
-float32, a shared machine), the median over the nine layers of dense over sparse at batch 1 / 4 / 16:
-1.41 / 1.71 / 2.32 at 3 % kept, 0.99 / 1.35 / 1.52 at 5 %, 0.77 / 0.86 / 1.06 at 10 %, 0.69-0.83 at
-15 %."""
+convolutions (``bench/results/pruned-2core-cpu.json``: 2-core AMD EPYC, float32, each product timed
+alone), the median over the eight of dense over sparse at batch 1 / 4 / 16: 1.37 / 2.15 / 3.11 at 3 %
+kept, 1.17 / 1.62 / 2.20 at 5 %, 0.76 / 1.02 / 1.56 at 10 %, 0.57 / 1.01 / 1.07 at 15 %. Timed
+alone the dense GEMM wins at batch 1 from 10 %; in a training iteration it does not: the dense path
+also reads every weight (a layer pruned through masks multiplies them into its dense weights once per
+version), and the direct forward's planes serve the weight gradient. The bridge's Adam iteration on the
+90 %-pruned VGG-11 (10 % kept), forward plus backward, with the dense forward (0.08 here) against the
+direct one: 31.9 against 23.7 ms at batch 1, 113.3 against 61.0 ms at batch 16."""
+
+LINEAR_DIRECT_MAX_DENSITY = 0.03
+"""A pruned :class:`~sparse_scan.layers.Linear` layer's :data:`DIRECT_MAX_DENSITY`: its direct forward
+is the 1x1 convolution of 1x1 planes, a run of one value per sample, so the dense product (a GEMV at
+batch 1) wins from lower densities. The 512x512 Linear layer of ``bench/pruned.py``, dense over
+sparse at batch 1 / 4 / 16: 0.43 / 1.60 / 1.38 at 1 %, 0.42 / 1.30 / 1.18 at 3 %, 0.35 / 1.03 / 0.95
+at 5 %, 0.25 / 0.73 / 0.58 at 10 % (at batch 1 the dense GEMV takes 25 us: the sparse one's cost is
+its launch)."""
 
 SAMPLED_MAX_DENSITY = 0.15
 """Pruned weights keeping at most this share of their entries compute their weight gradient as a
 sampled product (:func:`sampled_weight_gradient`), denser ones the dense GEMM, masked. Measured as
-:data:`DIRECT_MAX_DENSITY`: 2.10 / 2.11 / 2.40 at 3 %, 1.9-2.3 at 10 %, 1.50-2.15 at 15 %, 0.55-0.78 at
-30 % (an earlier run of the same script: 0.94-1.17 at 15 %, 0.77-0.96 at 20 %)."""
+:data:`DIRECT_MAX_DENSITY`: 2.18 / 2.59 / 2.81 at 5 %, 1.51 / 1.80 / 1.85 at 10 %, 1.12 / 1.42 / 1.36 at
+15 %, 0.91 / 1.18 / 1.05 at 20 %, 0.73 / 0.88 / 0.85 at 30 %."""
 
 TRANSPOSED_MAX_DENSITY = 0.15
 """Pruned convolution weights keeping at most this share of their entries run ``JT @ g`` through the
 weights as the compiled transposed convolution over their CSR ``W^T``
 (:func:`pruned_transposed_convolution`), denser ones the dense GEMM (or JT's SpMV, as the planner
-decides). Measured as :data:`DIRECT_MAX_DENSITY` against the dense GEMM: 1.92 / 2.73 / 3.73 at 3 %,
-1.19 / 1.82 / 1.99 at 10 %, 1.20 / 1.38 / 1.64 at 15 %, 0.52-0.76 at 30 %; JT's SpMV, the planner's
-other choice below ``DENSE_MATVEC_MIN_DENSITY``, is slower still (the 90 %-pruned VGG-11's backward at
-batch 16 spent 120 ms in SpMVs)."""
+decides). Measured as :data:`DIRECT_MAX_DENSITY` against the dense GEMM: 1.58 / 2.20 / 2.53 at 5 %,
+1.17 / 1.42 / 1.60 at 10 %, 0.84 / 1.17 / 1.16 at 15 %, 0.47 / 0.55 / 0.67 at 30 %; JT's SpMV, the
+planner's other choice below ``DENSE_MATVEC_MIN_DENSITY``, is slower still (the 90 %-pruned VGG-11's
+backward at batch 16 spent 120 ms in SpMVs)."""
 
 CSR_PATH_MAX_PADDED_SHARE = 2.0
 """The compiled sparse transposed convolution runs every tap of every non-zero weight over whole output
@@ -152,10 +165,10 @@ class PrunedWeights:
         self.density = self.positions.size / max(1, support.size)
         self.per_tap = (np.count_nonzero(support, axis=(0, 1)) if support.ndim == 4 else None)
         self._values: dict[Any, tuple[int, Array]] = {}  # device -> (weights version, kept values)
-        self._tables: dict[ConvGeometry, tuple[np.ndarray, np.ndarray, int, int, int]] = {}
+        self._tables: dict[ConvGeometry, tuple[np.ndarray, np.ndarray, int, int]] = {}
         self._device: dict[int, tuple[Array, Array]] = {}  # GPU id -> (indptr, positions) there
         self._transposed: tuple[scipy.sparse.csr_matrix, np.ndarray, list[Any]] | None = None
-        self._forward_planes: tuple[weakref.ref, ConvGeometry, tuple[np.ndarray, int, bool]] | None = None
+        self._forward_planes: tuple[weakref.ref, ConvGeometry, tuple[np.ndarray, bool]] | None = None
 
     @property
     def nnz(self) -> int:
@@ -186,11 +199,10 @@ class PrunedWeights:
             known = self._device[device] = (xp.asarray(self.indptr), xp.asarray(self.positions))
         return known
 
-    def tables(self, g: ConvGeometry) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    def tables(self, g: ConvGeometry) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The host's direct convolution of geometry ``g``, once per geometry: per entry its input
-        plane (``ci`` and the tap's stride phase) and the tap's shift in that plane; the planes' height
-        and width ``(Hq, Wq)`` (the output's, plus the taps' reach); the zero tail the last plane's
-        shifted runs read."""
+        plane (``ci`` and the tap's stride phase) and the tap's shift in that plane (``row Wq +
+        column``); the planes' height and width ``(Hq, Wq)`` (the output's, plus the taps' reach)."""
         known = self._tables.get(g)
         if known is None:
             kh, kw = g.kernel
@@ -203,8 +215,7 @@ class PrunedWeights:
             channel = (co // g.cout_per_group) * g.cin_per_group + ci
             planes = (channel * sh + (a * dh) % sh) * sw + (b * dw) % sw
             shifts = (a * dh // sh) * wq + b * dw // sw
-            tail = int((dh * (kh - 1)) // sh * wq + (dw * (kw - 1)) // sw)
-            known = self._tables[g] = (planes.astype(np.int64), shifts.astype(np.int64), hq, wq, tail)
+            known = self._tables[g] = (planes.astype(np.int64), shifts.astype(np.int64), hq, wq)
         return known
 
     def transposed(self, source: np.ndarray, version: int) -> scipy.sparse.csr_matrix:
@@ -229,13 +240,11 @@ class PrunedWeights:
 
 
 # --- the phase planes and the pieces of work (host) -------------------------------------------------
-def _planes(x: np.ndarray, geometry: tuple[int, ...], length: int, tail: int) -> tuple[np.ndarray, bool]:
+def _planes(x: np.ndarray, geometry: tuple[int, ...]) -> tuple[np.ndarray, bool]:
     """:func:`~sparse_scan.layers._kernels.to_planes` of the batch ``x`` (``(B, C, H, W)``) into one
-    array with a zero ``tail``, its channels cut over the kernel pool's threads; and whether a value
-    copied is not finite."""
-    channels, sh, sw = geometry[0], geometry[3], geometry[4]
-    out = np.empty(channels * sh * sw * length + tail, dtype=x.dtype)
-    out[out.size - tail:] = 0
+    array, its channels cut over the kernel pool's threads; and whether a value copied is not finite."""
+    channels, sh, sw, hq, wq = geometry[0], geometry[3], geometry[4], geometry[7], geometry[8]
+    out = np.empty(channels * sh * sw * hq * wq * x.shape[0], dtype=x.dtype)
     nonfinite = np.zeros(channels, dtype=np.bool_)
     launch(to_planes, (np.ascontiguousarray(x), geometry, out, nonfinite),
            even_parts(channels, workers_for(out.size)))
@@ -255,39 +264,38 @@ def _channel_pieces(indptr: np.ndarray, work: int) -> list[tuple[int, int]]:
 
 
 def _input_planes(g: ConvGeometry, pruned: PrunedWeights, x: np.ndarray,
-                  forward: bool) -> tuple[np.ndarray, int, bool]:
-    """The input's phase planes, their run length (every sample's plane) and whether one is not finite.
+                  forward: bool) -> tuple[np.ndarray, bool]:
+    """The input's phase planes and whether a value is not finite.
 
     The forward's are kept (one batch per layer, until its next forward), and the weight gradient of
     the same batch (``x`` the very array the forward took) reads them instead of copying the input
     again: the gradient at the forward's input, which is the gradient's definition (an array written
     in place after the forward is not read again, as a JT's values are not)."""
-    _, _, hq, wq, tail = pruned.tables(g)
+    _, _, hq, wq = pruned.tables(g)
     known = pruned._forward_planes
     if not forward and known is not None and known[0]() is x and known[1] == g:
         return known[2]
-    length = x.shape[0] * hq * wq
     geometry = (g.in_channels, g.height, g.width, *g.stride, g.pad_top, g.pad_left, hq, wq)
-    source, nonfinite = _planes(x.reshape(x.shape[0], g.in_channels, g.height, g.width), geometry,
-                                length, tail)
+    planes = _planes(x.reshape(x.shape[0], g.in_channels, g.height, g.width), geometry)
     if forward:
-        pruned._forward_planes = (weakref.ref(x), g, (source, length, nonfinite))
-    return source, length, nonfinite
+        pruned._forward_planes = (weakref.ref(x), g, planes)
+    return planes
 
 
 # --- forward --------------------------------------------------------------------------------------
 def _direct_forward_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights, values: np.ndarray,
                         x: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
-    planes, shifts, hq, wq, tail = pruned.tables(g)
+    planes, shifts, hq, wq = pruned.tables(g)
     batch = x.shape[0]
-    source, length, nonfinite = _input_planes(g, pruned, x, forward=True)
+    source, nonfinite = _input_planes(g, pruned, x, forward=True)
     if nonfinite:
         return None
     out = np.empty((batch, g.out_channels, g.out_height, g.out_width), dtype=x.dtype)
     shift = np.zeros(0, x.dtype) if bias is None else np.asarray(bias, dtype=x.dtype)
     sizes = (batch, hq, wq, g.out_height, g.out_width)
     launch(direct_conv, (pruned.indptr, planes, shifts, values.astype(x.dtype, copy=False), source, sizes,
-                         shift, out.reshape(-1)), _channel_pieces(pruned.indptr, pruned.nnz * length))
+                         shift, out.reshape(-1)),
+           _channel_pieces(pruned.indptr, pruned.nnz * batch * hq * wq))
     return out
 
 
@@ -316,19 +324,20 @@ Wo)``; None where ``x`` holds a value that is not finite."""
 # --- the weight gradient ----------------------------------------------------------------------------
 def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights,
                                  x: np.ndarray, grad_out: np.ndarray) -> np.ndarray | None:
-    planes, shifts, hq, wq, tail = pruned.tables(g)
+    planes, shifts, hq, wq = pruned.tables(g)
     batch = x.shape[0]
-    source, length, nonfinite = _input_planes(g, pruned, x, forward=False)
-    grad_geometry = (g.out_channels, g.out_height, g.out_width, 1, 1, 0, 0, hq, wq)
+    source, nonfinite = _input_planes(g, pruned, x, forward=False)
+    grad_geometry = (g.out_channels, g.out_height, g.out_width, 1, 1, 0, 0, g.out_height, wq)
     dtype = np.result_type(x.dtype, grad_out.dtype)
     grad = np.asarray(grad_out, dtype=dtype).reshape(batch, g.out_channels, g.out_height, g.out_width)
-    planes_of_grad, grad_nonfinite = _planes(grad, grad_geometry, length, 0)
+    planes_of_grad, grad_nonfinite = _planes(grad, grad_geometry)
     if nonfinite or grad_nonfinite:
         return None
+    sizes = (batch, hq, wq, g.out_height, g.out_width)
     out = np.empty(math.prod(pruned.shape), dtype=dtype)  # every channel zeroed by its thread
     launch(sampled_conv_weights, (pruned.indptr, planes, shifts, pruned.positions, planes_of_grad,
-                                  source.astype(dtype, copy=False), length, pruned.per_output, out),
-           _channel_pieces(pruned.indptr, pruned.nnz * length))
+                                  source.astype(dtype, copy=False), sizes, pruned.per_output, out),
+           _channel_pieces(pruned.indptr, pruned.nnz * batch * hq * wq))
     return out.reshape(pruned.shape)
 
 

@@ -283,107 +283,119 @@ def gather(source, positions, out, e0, e1):
 @compiled
 def to_planes(x, geometry, out, nonfinite, c0, c1):
     """The channels ``c0:c1`` of a batch ``x`` (``(B, C, H, W)``) as zero-padded phase planes for the
-    direct sparse convolution (:mod:`sparse_scan.layers._conv_pruned`): ``out[((c sh + py) sw + px),
-    b, i, j]`` is ``x[b, c, i sh + py - pt, j sw + px - pl]``, 0 outside the input, for ``i < Hq``,
-    ``j < Wq``; ``geometry`` is ``(C, H, W, sh, sw, pt, pl, Hq, Wq)``. A stride's phases make every
-    kernel tap a constant shift of one plane, so a tap's multiply-adds over the whole batch are one
-    contiguous run. ``nonfinite[c]`` is set where channel ``c`` copied a value that is not finite (an
-    infinity or a NaN read through a tap that is not an output's would poison a sampled sum: the
-    callers then take the dense path, whose IEEE results are PyTorch's)."""
+    direct sparse convolution (:mod:`sparse_scan.layers._conv_pruned`), the batch innermost:
+    ``out[((c sh + py) sw + px), i, j, b]`` is ``x[b, c, i sh + py - pt, j sw + px - pl]``, 0 outside
+    the input, for ``i < Hq``, ``j < Wq``; ``geometry`` is ``(C, H, W, sh, sw, pt, pl, Hq, Wq)``. A
+    stride's phases make every kernel tap a constant shift of one plane, and with the batch innermost
+    a tap's multiply-adds over every sample and output are one contiguous run that stops at the last
+    output (:func:`direct_conv`): only the rows' ``Wq - Wo`` padding columns are computed for no output
+    (a sample after the other would also compute the ``Hq - Ho`` padding rows of every sample: 4x the
+    outputs on 2x2 planes, 2.25x on 4x4). ``nonfinite[c]`` is set where channel ``c`` copied a value
+    that is not finite (an infinity or a NaN read through a tap that is not an output's would poison a
+    sampled sum: the callers then take the dense path, whose IEEE results are PyTorch's)."""
     channels, height, width, sh, sw, pt, pl, hq, wq = geometry
     batch = x.shape[0]
     flat_x, flat_out = x.reshape(-1), out.reshape(-1)
     zero = out.dtype.type(0)
-    plane = batch * hq * wq
+    plane, line_size = hq * wq * batch, wq * batch
     for c in range(c0, c1):
         finite = True
         for py in range(sh):
             for px in range(sw):
                 base = ((c * sh + py) * sw + px) * plane
                 j0, j1 = _inside(wq, width, sw, px - pl)
-                for b in range(batch):
-                    source = (b * channels + c) * height * width
-                    for i in range(hq):
-                        line = u(base + (b * hq + i) * wq)
-                        ih = i * sh + py - pt
-                        if ih < 0 or ih >= height:
-                            for j in range(wq):
-                                flat_out[line + j] = zero
-                            continue
-                        row = source + ih * width + px - pl
-                        for j in range(j0):
-                            flat_out[line + j] = zero
+                for i in range(hq):
+                    line = u(base + i * line_size)
+                    ih = i * sh + py - pt
+                    if ih < 0 or ih >= height:
+                        for k in range(line_size):
+                            flat_out[line + k] = zero
+                        continue
+                    for k in range(j0 * batch):
+                        flat_out[line + k] = zero
+                    for k in range(j1 * batch, line_size):
+                        flat_out[line + k] = zero
+                    for b in range(batch):
+                        row = (b * channels + c) * height * width + ih * width + px - pl
                         for j in range(j0, j1):
                             value = flat_x[u(row + j * sw)]
                             finite &= (value - value) == 0
-                            flat_out[line + j] = value
-                        for j in range(j1, wq):
-                            flat_out[line + j] = zero
+                            flat_out[line + u(j * batch + b)] = value
         nonfinite[c] = not finite
+
+
+@compiled(inline="always")
+def run_start(planes, shifts, e, sizes):
+    """Where entry ``e``'s run starts in :func:`to_planes`' planes (``sizes`` as :func:`direct_conv`'s):
+    in plane ``planes[e]``, at the tap's shift ``shifts[e]`` (``row Wq + column``) times the batch. The
+    run of the largest shift ends at its plane's end: the planes need no tail."""
+    batch, hq, wq = sizes[0], sizes[1], sizes[2]
+    return u(planes[e]) * u(batch * hq * wq) + u(shifts[e]) * u(batch)
 
 
 @compiled
 def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1):
     """The output channels ``c0:c1`` of a convolution by pruned weights, straight from their non-zeros:
-    per output channel ``co``, ``sum_e values[e] * source[planes[e] * n + shifts[e] : ... + n]`` over its
-    entries ``indptr[co]:indptr[co + 1]``, in order, four per pass, plus ``bias[co]`` (``bias`` empty:
-    none). ``source`` holds :func:`to_planes`' planes of ``n = B Hq Wq`` values (every sample's
-    ``Hq x Wq`` plane) and a zero tail; ``sizes`` is ``(B, Hq, Wq, Ho, Wo)``; ``out`` the ``(B, Cout,
-    Ho, Wo)`` output, flat. A run's positions past an output row or column sum taps that belong to no
-    output: computed (one vectorised loop per four weights instead of one per output row), then
-    dropped when the output's rows are written."""
+    per output channel ``co``, ``sum_e values[e] * run(e)`` over its entries ``indptr[co]:indptr[co +
+    1]``, in order, four per pass, plus ``bias[co]`` (``bias`` empty: none); ``run(e)`` is the ``m =
+    ((Ho - 1) Wq + Wo) B`` values of :func:`to_planes`' planes (``source``) from :func:`run_start`.
+    ``sizes`` is ``(B, Hq, Wq, Ho, Wo)``; ``out`` the ``(B, Cout, Ho, Wo)`` output, flat. A run's
+    positions in a row's padding columns sum taps that belong to no output: computed (one vectorised
+    loop per four weights instead of one per output row), then dropped when the output is written."""
     batch, hq, wq, ho, wo = sizes
     channels = out.size // (batch * ho * wo)
-    n = u(batch * hq * wq)
-    acc = np.empty(n, dtype=out.dtype)
+    m = u(((ho - 1) * wq + wo) * batch)
+    acc = np.empty(m, dtype=out.dtype)
     for co in range(c0, c1):
-        for j in range(n):
+        for j in range(m):
             acc[j] = 0
         e, end = indptr[co], indptr[co + 1]
         while e + 4 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
-            s0, s1 = u(planes[e]) * n + u(shifts[e]), u(planes[e + 1]) * n + u(shifts[e + 1])
-            s2, s3 = u(planes[e + 2]) * n + u(shifts[e + 2]), u(planes[e + 3]) * n + u(shifts[e + 3])
-            for j in range(n):
+            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
+            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
+            for j in range(m):
                 acc[j] += ((w0 * source[s0 + j] + w1 * source[s1 + j])
                            + (w2 * source[s2 + j] + w3 * source[s3 + j]))
             e += 4
         for rest in range(e, end):
-            w, s = values[rest], u(planes[rest]) * n + u(shifts[rest])
-            for j in range(n):
+            w, s = values[rest], run_start(planes, shifts, rest, sizes)
+            for j in range(m):
                 acc[j] += w * source[s + j]
         shift = bias[co] if bias.size else out.dtype.type(0)
         for b in range(batch):
             for oh in range(ho):
-                src, dst = u((b * hq + oh) * wq), u(((b * channels + co) * ho + oh) * wo)
+                src, dst = u(oh * wq * batch + b), u(((b * channels + co) * ho + oh) * wo)
                 for ow in range(wo):
-                    out[dst + ow] = acc[src + ow] + shift
+                    out[dst + ow] = acc[src + u(ow * batch)] + shift
 
 
 @compiled(fastmath={"reassoc"})
-def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length, width, out, c0, c1):
+def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes, width, out, c0, c1):
     """The weight gradient of a convolution at its kept weights only (a sampled dense-dense product):
     the output channels ``c0:c1``'s weights (``width`` each, ``out[co * width:(co + 1) * width]``) are
     zeroed, here, by the thread that writes them (no separate pass over the whole weight), then for every
-    entry ``e`` of those channels ``out[positions[e]]`` is the dot product of
-    the output gradient's plane ``grad[co, :length]`` (:func:`to_planes` of the gradient: zero where
-    no output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over the batch
-    and the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM computes
-    for that weight. Four entries per pass over the gradient's run; the sums are reassociated
-    (``fastmath={"reassoc"}`` alone: vector lanes, no change to infinities or NaNs), so they round
-    differently from a GEMM's, within the dtype's epsilon times the terms' magnitudes."""
-    n = u(length)
+    entry ``e`` of those channels ``out[positions[e]]`` is the dot product of the output gradient's
+    plane ``co`` (``grad``: :func:`to_planes` of the gradient into ``Ho x Wq`` planes, zero where no
+    output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over the batch and
+    the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM computes for
+    that weight. ``sizes`` as :func:`direct_conv`'s. Four entries per pass over the gradient's run; the
+    sums are reassociated (``fastmath={"reassoc"}`` alone: vector lanes, no change to infinities or
+    NaNs), so they round differently from a GEMM's, within the dtype's epsilon times the terms'
+    magnitudes."""
+    batch, hq, wq, ho, wo = sizes
+    m = u(((ho - 1) * wq + wo) * batch)
     zero = out.dtype.type(0)
     for co in range(c0, c1):
         for position in range(u(co) * u(width), u(co + 1) * u(width)):
             out[position] = zero
-        base = u(co) * n
+        base = u(co) * u(ho * wq * batch)
         e, end = indptr[co], indptr[co + 1]
         while e + 4 <= end:
-            s0, s1 = u(planes[e]) * n + u(shifts[e]), u(planes[e + 1]) * n + u(shifts[e + 1])
-            s2, s3 = u(planes[e + 2]) * n + u(shifts[e + 2]), u(planes[e + 3]) * n + u(shifts[e + 3])
+            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
+            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
             a0 = a1 = a2 = a3 = zero
-            for j in range(n):
+            for j in range(m):
                 g = grad[base + j]
                 a0 += g * source[s0 + j]
                 a1 += g * source[s1 + j]
@@ -395,9 +407,9 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, length
             out[u(positions[e + 3])] = a3
             e += 4
         for rest in range(e, end):
-            s = u(planes[rest]) * n + u(shifts[rest])
+            s = run_start(planes, shifts, rest, sizes)
             a = zero
-            for j in range(n):
+            for j in range(m):
                 a += grad[base + j] * source[s + j]
             out[u(positions[rest])] = a
 

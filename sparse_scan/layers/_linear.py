@@ -14,7 +14,7 @@ from .._types import Array, RngLike
 from ..csr import Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
 from ._base import Shape
-from ._conv_pruned import DIRECT_MAX_DENSITY, direct_forward, linear_geometry
+from ._conv_pruned import LINEAR_DIRECT_MAX_DENSITY, direct_forward, linear_geometry
 from ._weighted import WeightedLayer
 
 __all__ = ["Linear"]
@@ -76,7 +76,7 @@ class Linear(WeightedLayer):
         self._check_input_dtype(x)
         be = _backend.of(x)
         pruned = self.pruned_weights()
-        if pruned is not None and pruned.density <= DIRECT_MAX_DENSITY:
+        if pruned is not None and pruned.density <= LINEAR_DIRECT_MAX_DENSITY:
             y = direct_forward(be, linear_geometry(self.in_features, self.out_features), pruned,
                                self._kept_values(be, pruned), x.reshape(x.shape[0], -1, 1, 1), self.bias)
             if y is not None:
