@@ -337,11 +337,13 @@ def run_start(planes, shifts, e, sizes):
 def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1):
     """The output channels ``c0:c1`` of a convolution by pruned weights, straight from their non-zeros:
     per output channel ``co``, ``sum_e values[e] * run(e)`` over its entries ``indptr[co]:indptr[co +
-    1]``, in order, four per pass, plus ``bias[co]`` (``bias`` empty: none); ``run(e)`` is the ``m =
-    ((Ho - 1) Wq + Wo) B`` values of :func:`to_planes`' planes (``source``) from :func:`run_start`.
-    ``sizes`` is ``(B, Hq, Wq, Ho, Wo)``; ``out`` the ``(B, Cout, Ho, Wo)`` output, flat. A run's
-    positions in a row's padding columns sum taps that belong to no output: computed (one vectorised
-    loop per four weights instead of one per output row), then dropped when the output is written."""
+    1]``, in order, eight per pass (then four, then one), plus ``bias[co]`` (``bias`` empty: none);
+    ``run(e)`` is the ``m = ((Ho - 1) Wq + Wo) B`` values of :func:`to_planes`' planes (``source``) from
+    :func:`run_start`. ``sizes`` is ``(B, Hq, Wq, Ho, Wo)``; ``out`` the ``(B, Cout, Ho, Wo)`` output,
+    flat. A run's positions in a row's padding columns sum taps that belong to no output: computed (one
+    vectorised loop per eight weights instead of one per output row), then dropped when the output is
+    written. Eight weights per pass instead of four: the 90 %-pruned VGG-11's convolutions at batch 16
+    1.2-1.5x faster (one pass over the accumulator per eight runs read)."""
     batch, hq, wq, ho, wo = sizes
     channels = out.size // (batch * ho * wo)
     m = u(((ho - 1) * wq + wo) * batch)
@@ -350,6 +352,19 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
         for j in range(m):
             acc[j] = 0
         e, end = indptr[co], indptr[co + 1]
+        while e + 8 <= end:
+            w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
+            w4, w5, w6, w7 = values[e + 4], values[e + 5], values[e + 6], values[e + 7]
+            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
+            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
+            s4, s5 = run_start(planes, shifts, e + 4, sizes), run_start(planes, shifts, e + 5, sizes)
+            s6, s7 = run_start(planes, shifts, e + 6, sizes), run_start(planes, shifts, e + 7, sizes)
+            for j in range(m):
+                acc[j] += (((w0 * source[s0 + j] + w1 * source[s1 + j])
+                            + (w2 * source[s2 + j] + w3 * source[s3 + j]))
+                           + ((w4 * source[s4 + j] + w5 * source[s5 + j])
+                              + (w6 * source[s6 + j] + w7 * source[s7 + j])))
+            e += 8
         while e + 4 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
             s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
@@ -379,10 +394,10 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes,
     plane ``co`` (``grad``: :func:`to_planes` of the gradient into ``Ho x Wq`` planes, zero where no
     output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over the batch and
     the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM computes for
-    that weight. ``sizes`` as :func:`direct_conv`'s. Four entries per pass over the gradient's run; the
-    sums are reassociated (``fastmath={"reassoc"}`` alone: vector lanes, no change to infinities or
-    NaNs), so they round differently from a GEMM's, within the dtype's epsilon times the terms'
-    magnitudes."""
+    that weight. ``sizes`` as :func:`direct_conv`'s. Eight entries per pass over the gradient's run
+    (then four, then one); the sums are reassociated (``fastmath={"reassoc"}`` alone: vector lanes, no
+    change to infinities or NaNs), so they round differently from a GEMM's, within the dtype's epsilon
+    times the terms' magnitudes."""
     batch, hq, wq, ho, wo = sizes
     m = u(((ho - 1) * wq + wo) * batch)
     zero = out.dtype.type(0)
@@ -391,6 +406,25 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes,
             out[position] = zero
         base = u(co) * u(ho * wq * batch)
         e, end = indptr[co], indptr[co + 1]
+        while e + 8 <= end:
+            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
+            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
+            s4, s5 = run_start(planes, shifts, e + 4, sizes), run_start(planes, shifts, e + 5, sizes)
+            s6, s7 = run_start(planes, shifts, e + 6, sizes), run_start(planes, shifts, e + 7, sizes)
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
+            for j in range(m):
+                g = grad[base + j]
+                a0 += g * source[s0 + j]
+                a1 += g * source[s1 + j]
+                a2 += g * source[s2 + j]
+                a3 += g * source[s3 + j]
+                a4 += g * source[s4 + j]
+                a5 += g * source[s5 + j]
+                a6 += g * source[s6 + j]
+                a7 += g * source[s7 + j]
+            for k, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
+                out[u(positions[e + k])] = a
+            e += 8
         while e + 4 <= end:
             s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
             s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
