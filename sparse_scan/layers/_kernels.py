@@ -337,7 +337,8 @@ def run_start(planes, shifts, e, sizes):
 def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1):
     """The output channels ``c0:c1`` of a convolution by pruned weights, straight from their non-zeros:
     per output channel ``co``, ``sum_e values[e] * run(e)`` over its entries ``indptr[co]:indptr[co +
-    1]``, in order, eight per pass (then four, then one), plus ``bias[co]`` (``bias`` empty: none);
+    1]``, in order, the first alone (it starts the sum), then eight per pass (then four, then one), plus
+    ``bias[co]`` (``bias`` empty: none);
     ``run(e)`` is the ``m = ((Ho - 1) Wq + Wo) B`` values of :func:`to_planes`' planes (``source``) from
     :func:`run_start`. ``sizes`` is ``(B, Hq, Wq, Ho, Wo)``; ``out`` the ``(B, Cout, Ho, Wo)`` output,
     flat. A run's positions in a row's padding columns sum taps that belong to no output: computed (one
@@ -347,11 +348,18 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
     batch, hq, wq, ho, wo = sizes
     channels = out.size // (batch * ho * wo)
     m = u(((ho - 1) * wq + wo) * batch)
+    rows = max(1, 4096 // (wq * batch))
     acc = np.empty(m, dtype=out.dtype)
     for co in range(c0, c1):
-        for j in range(m):
-            acc[j] = 0
         e, end = indptr[co], indptr[co + 1]
+        if e == end:
+            for j in range(m):
+                acc[j] = 0
+        else:  # the first run starts the sum: no pass of zeros
+            w, s = values[e], run_start(planes, shifts, e, sizes)
+            for j in range(m):
+                acc[j] = w * source[s + j]
+            e += 1
         while e + 8 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
             w4, w5, w6, w7 = values[e + 4], values[e + 5], values[e + 6], values[e + 7]
@@ -378,11 +386,12 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
             for j in range(m):
                 acc[j] += w * source[s + j]
         shift = bias[co] if bias.size else out.dtype.type(0)
-        for b in range(batch):
-            for oh in range(ho):
-                src, dst = u(oh * wq * batch + b), u(((b * channels + co) * ho + oh) * wo)
-                for ow in range(wo):
-                    out[dst + ow] = acc[src + u(ow * batch)] + shift
+        for first in range(0, ho, rows):  # rows of acc that stay in L1 while every sample reads them
+            for b in range(batch):
+                for oh in range(first, min(first + rows, ho)):
+                    src, dst = u(oh * wq * batch + b), u(((b * channels + co) * ho + oh) * wo)
+                    for ow in range(wo):
+                        out[dst + ow] = acc[src + u(ow * batch)] + shift
 
 
 @compiled(fastmath={"reassoc"})
