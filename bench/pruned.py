@@ -60,7 +60,8 @@ class Paths:
 
 
 def layer_for(spec: tuple[int, ...] | int, density: float, seed: int) -> tuple[Any, tuple[int, ...]]:
-    """A pruned float32 layer keeping ``density`` of its weights and its per-sample input shape."""
+    """A pruned float32 layer keeping ``density`` of its weights (the inputs and gradients are float32
+    too: a float64 layer would time a mixed-precision product) and its per-sample input shape."""
     if isinstance(spec, int):
         layer: Any = Linear(spec, spec, rng=seed, prune_pattern=True, dtype=np.float32)
         shape: tuple[int, ...] = (spec,)

@@ -14,11 +14,7 @@ from sparse_scan import backend
 from sparse_scan.engine._weights_path import gemm_pays
 from sparse_scan.layers import Conv2d
 from sparse_scan.layers._conv_jt import _structural_pattern_cpu
-from sparse_scan.layers._conv_pruned import (
-    CSR_PATH_MAX_PADDED_SHARE,
-    TRANSPOSED_MAX_DENSITY,
-    flipped_geometry,
-)
+from sparse_scan.layers._conv_pruned import CSR_PATH_MAX_PADDED_SHARE, TRANSPOSED_MAX_DENSITY
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W): stride 2, dilation 2, groups,
 # asymmetric padding, non-square kernels and inputs, 'same' with even kernels, kernel 1.
@@ -332,7 +328,7 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
     keep = max(1, int(TRANSPOSED_MAX_DENSITY * weight.size))
     weight.ravel()[np.random.default_rng(4).permutation(weight.size)[keep:]] = 0
     conv.weight = weight
-    assert conv.pruned_weights().density <= TRANSPOSED_MAX_DENSITY
+    assert conv._transposed_weights() is not None
     rtol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     layout = conv.pruned_weights()
@@ -343,21 +339,16 @@ def test_heavily_pruned_weights_multiply_as_csr(cfg, dtype):
     grad = np.random.default_rng(6).standard_normal((x.shape[0], conv.forward(x)[0].size)).astype(dtype)
     got = conv.weights_matvec(x.shape[1:])(grad)
     assert got.dtype == dtype
-    # the plan takes the pruned weights' path where the stride is 1 (the direct convolution of the
-    # gradient) or most of the CSR kernels' taps fall inside (JT's entries are the rest)
+    # the plan takes the CSR path unless most of its taps fall in the padding (JT's entries are the rest)
     taps = np.count_nonzero(conv.weight) * math.prod(conv.forward(x).shape[2:])
     mostly_inside = taps <= CSR_PATH_MAX_PADDED_SHARE * conv.transposed_jacobian(x).nnz
-    direct = flipped_geometry(conv.geometry(x.shape[1:])) is not None
-    top, _, left, _ = conv._pads
-    assert direct == (conv.stride == (1, 1) and top <= conv.dilation[0] * (conv.kernel_size[0] - 1)
-                      and left <= conv.dilation[1] * (conv.kernel_size[1] - 1))
-    assert conv.weights_path(x.shape[1:]).csr == (direct or mostly_inside)
+    assert conv.weights_path(x.shape[1:]).csr == mostly_inside
     if dtype == np.float64:
         fd = finite_difference_jt(lambda v: naive_conv(conv, v), x[0])
         np.testing.assert_allclose(got, grad @ fd.T, atol=1e-7)
     np.testing.assert_allclose(got, grad @ conv.transposed_jacobian(x).todense().T, rtol=rtol, atol=rtol)
     conv.weight = np.where(conv.weight == 0, dtype(1), conv.weight)  # dense now: back to the GEMM
-    assert not conv.weights_path(x.shape[1:]).csr
+    assert conv._transposed_weights() is None and not conv.weights_path(x.shape[1:]).csr
     np.testing.assert_allclose(conv.forward(x), naive_conv(conv, x), rtol=rtol, atol=rtol)
     weight = np.where(conv.weight == 1.0, dtype(0), conv.weight)
     weight.flat[0] = np.nan  # a diverged weight: NaN outputs, as PyTorch gives, not an error
@@ -465,10 +456,9 @@ def test_compiled_columns_and_their_adjoint_equal_the_cupy_twins(monkeypatch, cf
     np.testing.assert_array_equal(got, _conv._col2im_gpu(cpu, taps, g, conv._pads, 3))
 
 
-def test_derived_weights_and_jt_values_take_the_values_of_every_version_once():
-    """A pruned layer's kept values, its flipped weights' values (the transposed convolution at stride
-    1) and JT values are filled once per version of the weights: after an assignment and after
-    update_weights (the optimizers' path), not at every call."""
+def test_csr_weights_and_jt_values_take_the_values_of_every_version_once():
+    """A pruned layer's kept CSR weights and JT values are filled once per version of the weights:
+    after an assignment and after update_weights (the optimizers' path), not at every call."""
     conv = make_conv(CONFIGS[0], prune_pattern=True)
     x = make_input(CONFIGS[0])
     weight = conv.weight.copy()
@@ -488,25 +478,19 @@ def test_derived_weights_and_jt_values_take_the_values_of_every_version_once():
     np.testing.assert_allclose(conv.weights_matvec(x.shape[1:])(grad),
                                grad @ conv.transposed_jacobian(x).todense().T, rtol=1e-12, atol=1e-12)
     assert conv.pruned_weights() is pruned  # the same zero set: the same kept weights
-    (filled,) = pruned._flipped_values.values()
-    assert pruned._values["cpu"][0] == filled[0] == conv._version and pruned._transposed is None
-    before = filled[1]
-    conv.weights_matvec(x.shape[1:])(grad)
-    assert pruned._flipped_values[conv.geometry(x.shape[1:])][1] is before
+    assert pruned._values["cpu"][0] == pruned._transposed[2][0] == conv._version
     np.testing.assert_allclose(conv.transposed_jacobian(x).todense(),
                                finite_difference_jt(lambda v: naive_conv(conv, v), x[0]), atol=1e-8)
     assert not np.array_equal(conv.transposed_jacobian(x).data, values)
 
 
-def test_pruned_layers_on_tiny_planes_keep_the_spmv_only_at_larger_strides():
-    """VGG-11's last pruned convolutions (3x3, padding 1, stride 1, on 2x2 planes) go through the
-    weights: the direct convolution of the gradient computes only the rows' padding columns for no
-    input. At stride 2 the CSR kernels run every tap over whole output planes: on a 3x3 input (2x2
-    outputs) 2.28 taps per JT entry, so JT's SpMV; on 4x4 (1.45) the kernels over the CSR weights."""
-    for stride, side, through_weights in [(1, 2, True), (1, 4, True), (2, 3, False), (2, 4, True)]:
-        conv = Conv2d(64, 64, 3, stride=stride, padding=1, rng=0, prune_pattern=True)
+def test_pruned_layers_on_tiny_planes_keep_the_spmv():
+    """VGG-11's last pruned convolutions (3x3, padding 1, on 2x2 planes): 2.25 taps per JT entry, and
+    on 4x4 planes 1.44, the compiled kernel over the CSR weights; on 1x1 planes (9 taps per entry, 8 of
+    them in the padding) JT's SpMV."""
+    for side, through_weights in [(1, False), (2, True), (4, True)]:
+        conv = Conv2d(64, 64, 3, padding=1, rng=0, prune_pattern=True)
         weight = conv.weight.copy()
         weight.ravel()[np.random.default_rng(1).permutation(weight.size)[weight.size // 33:]] = 0
         conv.weight = weight
         assert conv.weights_path((64, side, side)).csr is through_weights
-        assert (flipped_geometry(conv.geometry((64, side, side))) is not None) is (stride == 1)

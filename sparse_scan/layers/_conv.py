@@ -30,8 +30,6 @@ from ._conv_pruned import (
     DIRECT_MAX_DENSITY,
     TRANSPOSED_MAX_DENSITY,
     direct_forward,
-    direct_transposed_convolution,
-    flipped_geometry,
     pruned_transposed_convolution,
 )
 from ._geometry import ConvGeometry, IntPair, output_size, pair, window_extent
@@ -191,6 +189,15 @@ class Conv2d(WeightedLayer):
     def _weight_groups(self) -> int:
         return self.groups
 
+    def _transposed_weights(self) -> Any:
+        """The pruned weights ``W^T`` as CSR for the compiled transposed convolution on the host
+        (:meth:`~sparse_scan.layers._conv_pruned.PrunedWeights.transposed`), or None where they are
+        not pruned or keep over :data:`~sparse_scan.layers._conv_pruned.TRANSPOSED_MAX_DENSITY`."""
+        pruned = self.pruned_weights()
+        if pruned is None or pruned.density > TRANSPOSED_MAX_DENSITY:
+            return None
+        return pruned.transposed(np.asarray(self._kept_source()), self._version)
+
     def _columns(self, x: Array, g: ConvGeometry) -> Array:
         """``(groups, taps, B * out pixels)``: the input element each kernel tap of each output reads
         (``taps = in_channels / groups * kh * kw``, zeros in the padding), the batch folded into the
@@ -214,17 +221,16 @@ class Conv2d(WeightedLayer):
     # --- JT @ g through the weights -----------------------------------------------------------
     def weights_path(self, in_shape: Shape) -> WeightsPath:
         """The transposed convolution: one GEMM of every weight with every output pixel per sample,
-        or the kept weights where they are heavily pruned (at most
-        :data:`~sparse_scan.layers._conv_pruned.TRANSPOSED_MAX_DENSITY` kept) and either the stride is 1
-        (the direct convolution of the gradient) or the CSR kernels' taps are not mostly padding
+        or CSR weights where they are heavily pruned (at most
+        :data:`~sparse_scan.layers._conv_pruned.TRANSPOSED_MAX_DENSITY` kept) and the compiled kernel's
+        taps are not mostly padding
         (:data:`~sparse_scan.layers._conv_pruned.CSR_PATH_MAX_PADDED_SHARE`)."""
         g = self.geometry(in_shape)
         plane = g.out_height * g.out_width
         multiply_adds = g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1] * plane
         pruned = self.pruned_weights()
         csr = bool(pruned is not None and pruned.density <= TRANSPOSED_MAX_DENSITY
-                   and (flipped_geometry(g) is not None
-                        or pruned.nnz * plane <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape)))
+                   and pruned.nnz * plane <= CSR_PATH_MAX_PADDED_SHARE * self.pattern_nnz(in_shape))
         return WeightsPath(multiply_adds, csr=csr,
                            weights=g.out_channels * g.cin_per_group * g.kernel[0] * g.kernel[1],
                            taps=0 if csr else multiply_adds // g.cout_per_group)
@@ -234,32 +240,18 @@ class Conv2d(WeightedLayer):
 
         One GEMM per group over all samples, ``W_g^T (taps, cout) @ g (cout, B * pixels)``, gives
         every tap's contribution; they are added into the padded input at their strided positions
-        (the adjoint of :meth:`_columns`) and the padding is cropped. Heavily pruned weights (at
-        most :data:`~sparse_scan.layers._conv_pruned.TRANSPOSED_MAX_DENSITY` kept) skip both on the
-        CPU (:meth:`_pruned_transposed_convolution`).
+        (the adjoint of :meth:`_columns`) and the padding is cropped. Heavily pruned weights
+        (:meth:`_transposed_weights`) skip both on the CPU: a compiled direct transposed convolution
+        over their non-zeros (:func:`pruned_transposed_convolution`).
         """
         g = self.geometry(in_shape)
         be = _backend.get(device)
-        pruned = self.pruned_weights() if be.name == "cpu" else None
-        if pruned is not None and pruned.density <= TRANSPOSED_MAX_DENSITY:
-            return functools.partial(self._pruned_transposed_convolution, g, pruned)
+        sparse = self._transposed_weights() if be.name == "cpu" else None
+        if sparse is not None:
+            return functools.partial(pruned_transposed_convolution, g, sparse)
         weight = be.asarray(self.weight).reshape(g.groups, g.cout_per_group, -1)
         taps_of = functools.partial(be.xp.matmul, weight.transpose(0, 2, 1))
         return functools.partial(self._transposed_convolution, g, taps_of)
-
-    def _pruned_transposed_convolution(self, g: ConvGeometry, pruned: Any,
-                                       grad_out: np.ndarray) -> np.ndarray:
-        """:meth:`weights_matvec` through pruned weights on the host: the direct convolution of the
-        gradient by the flipped kept weights where the stride is 1
-        (:func:`~sparse_scan.layers._conv_pruned.direct_transposed_convolution`), else (or for a
-        gradient that is not finite) the compiled transposed convolution over their CSR ``W^T``."""
-        source = np.asarray(self._kept_source())
-        flipped = pruned.flipped(g, source, self._version)
-        if flipped is not None:
-            out = direct_transposed_convolution(g, flipped, grad_out)
-            if out is not None:
-                return out
-        return pruned_transposed_convolution(g, pruned.transposed(source, self._version), grad_out)
 
     def _transposed_convolution(self, g: ConvGeometry, taps_of: Callable[[Array], Array],
                                 grad_out: Array) -> Array:

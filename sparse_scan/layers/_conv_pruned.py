@@ -18,10 +18,8 @@ crossover share of their entries, the dense path (one GEMM) is faster and stays:
   (:func:`~sparse_scan.layers._kernels.direct_conv`); on the GPU one thread per output sums its
   channel's kept taps (``rawkernels/conv.cu``).
 * **input gradient** ``JT @ g`` (the scan's): the pattern leaves the pruned weights out; through the
-  weights on the host (at most :data:`TRANSPOSED_MAX_DENSITY` kept), at stride 1 the direct
-  convolution of the output gradient by the flipped kept weights (:func:`direct_transposed_convolution`:
-  the forward's kernel and layout), at other strides ``W^T`` as CSR and a compiled transposed
-  convolution over its non-zeros (:func:`pruned_transposed_convolution`).
+  weights on the host, ``W^T`` as CSR and a compiled transposed convolution over its non-zeros
+  (:func:`pruned_transposed_convolution`, at most :data:`TRANSPOSED_MAX_DENSITY` kept).
 * **weight gradient** (:func:`sampled_weight_gradient`, at most :data:`SAMPLED_MAX_DENSITY` kept): a
   sampled dense-dense product (SDDMM): each kept weight's gradient is one dot product of its output
   channel's gradient with its tap of the input, summed over the batch and the output pixels; the
@@ -65,8 +63,8 @@ if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs
     import scipy.sparse
 
 __all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "LINEAR_DIRECT_MAX_DENSITY",
-           "SAMPLED_MAX_DENSITY", "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward",
-           "direct_transposed_convolution", "flipped_geometry", "linear_geometry",
+           "SAMPLED_MAX_DENSITY",
+           "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward", "linear_geometry",
            "pruned_transposed_convolution", "sampled_weight_gradient", "transposed_weights_csr"]
 
 KERNEL_FILE = "conv.cu"
@@ -106,14 +104,18 @@ decides). Measured as :data:`DIRECT_MAX_DENSITY` against the dense GEMM: 1.58 / 
 planner's other choice below ``DENSE_MATVEC_MIN_DENSITY``, is slower still (the 90 %-pruned VGG-11's
 backward at batch 16 spent 120 ms in SpMVs)."""
 
-CSR_PATH_MAX_PADDED_SHARE = 2.0
-"""At strides other than 1 (at stride 1 the direct form computes only the rows' padding columns for no
-input, and always runs): the compiled sparse transposed convolution runs every tap of every non-zero
-weight over whole output planes, padded ones included; JT's SpMV only the taps inside (JT's stored
-entries). Through the CSR weights while their taps are at most this many times JT's entries, else the
-SpMV of JT's (cached, shared) values. Measured on the pruned VGG-11 (2 cores, float32, batch 1 / 4 /
-16): 4x4 planes (1.44x the entries) 192 / 431 / 1149 us against the SpMV's 292 / 1141 / 2047; 2x2
-planes (2.25x) 260 / 557 / 996 us against 115 / 392 / 914."""
+CSR_PATH_MAX_PADDED_SHARE = 2.5
+"""The compiled sparse transposed convolution runs every tap of every non-zero weight over whole output
+planes, padded ones included; JT's SpMV only the taps inside (JT's stored entries), but it reads JT's
+values, which a training iteration fills anew for every version of the weights. Through the CSR
+weights while their taps are at most this many times JT's entries, else the SpMV. VGG-11's 2x2 planes
+(3x3, padding 1) have 2.25x the entries: timed alone with fixed weights (2 cores, float32, batch 1 / 4
+/ 16) the CSR kernels take 260 / 557 / 996 us against the SpMV's 115 / 392 / 914, and 4x4 planes
+(1.44x) 192 / 431 / 1149 against 292 / 1141 / 2047; in the bridge's Adam iteration (weights updated
+every step) the CSR kernels on the 2x2 layers took 67.1 -> 63.9 ms (90 % pruned, batch 16), 43.6 ->
+40.1 (97 %, 16), 19.9 -> 19.3 (97 %, 1) and 26.0 -> 25.7 (90 %, 1). The direct convolution of the
+gradient by the flipped kept weights (the forward's kernel) was slower still: 2x the CSR kernels'
+time at batch 1, 1.4x at 4, even at 16."""
 
 DIRECT_MIN_WIDTH = 32
 """Output rows at least this wide take :func:`sparse_scan.layers._kernels.transposed_conv` (per output row),
@@ -171,8 +173,6 @@ class PrunedWeights:
         self._tables: dict[ConvGeometry, tuple[np.ndarray, np.ndarray, int, int]] = {}
         self._device: dict[int, tuple[Array, Array]] = {}  # GPU id -> (indptr, positions) there
         self._transposed: tuple[scipy.sparse.csr_matrix, np.ndarray, list[Any]] | None = None
-        self._flipped: dict[ConvGeometry, tuple[PrunedWeights, ConvGeometry, np.ndarray]] = {}
-        self._flipped_values: dict[ConvGeometry, tuple[int, np.ndarray]] = {}
         self._forward_planes: tuple[weakref.ref, ConvGeometry, tuple[np.ndarray, bool]] | None = None
 
     @property
@@ -238,57 +238,11 @@ class PrunedWeights:
         if matrix.dtype != values.dtype:
             matrix.data = matrix.data.astype(values.dtype)
             filled[0] = None
-        if filled[0] != version:
-            _take(values, order, matrix.data)
+        if filled[0] != version:  # the compiled gather on the pool (NumPy's take runs on one thread:
+            # 0.73 ms a backward for the 97 %-pruned VGG-11 at batch 1)
+            launch(gather, (values, order, matrix.data), even_parts(order.size, workers_for(order.size)))
             filled[0] = version
         return matrix
-
-    def flipped(self, g: ConvGeometry, source: np.ndarray,
-                version: int) -> tuple[PrunedWeights, ConvGeometry, np.ndarray] | None:
-        """The transposed convolution of geometry ``g`` as a direct one, where ``g`` has stride 1: the
-        kept weights flipped (``W'[ci, co, a, b] = W[co, ci, kh - 1 - a, kw - 1 - b]`` per group), the
-        geometry that convolves the output gradient into the input gradient (padding ``d (k - 1) - p``),
-        and their values (the kept values permuted, once per ``version``); None for other strides or a
-        padding over the kernel's reach."""
-        geometry = flipped_geometry(g)
-        if geometry is None:
-            return None
-        known = self._flipped.get(g)
-        if known is None:
-            kh, kw = g.kernel
-            co, ci, a, b = np.unravel_index(self.positions, self.shape)
-            channel = (co // g.cout_per_group) * g.cin_per_group + ci
-            flat = (((channel * g.cout_per_group + co % g.cout_per_group) * kh + kh - 1 - a) * kw
-                    + kw - 1 - b)
-            support = np.zeros((g.in_channels, g.cout_per_group, kh, kw), dtype=bool)
-            support.flat[flat] = True
-            known = self._flipped[g] = (PrunedWeights(support, g.groups), geometry, np.argsort(flat))
-        flipped, geometry, order = known
-        values = self.values(_backend.get("cpu"), source, version)
-        filled = self._flipped_values.get(g)
-        if filled is None or filled[0] != version or filled[1].dtype != values.dtype:
-            out = np.empty(order.size, dtype=values.dtype)
-            _take(values, order, out)
-            filled = self._flipped_values[g] = (version, out)
-        return flipped, geometry, filled[1]
-
-
-def flipped_geometry(g: ConvGeometry) -> ConvGeometry | None:
-    """The geometry of the direct convolution that computes ``g``'s transposed one (output gradient
-    in, input gradient out; the kernel flipped, padding ``d (k - 1) - p``), where ``g`` has stride 1
-    and a padding within the kernel's reach; else None."""
-    (kh, kw), (dh, dw) = g.kernel, g.dilation
-    pads = (dh * (kh - 1) - g.pad_top, dw * (kw - 1) - g.pad_left)
-    if g.stride != (1, 1) or min(pads) < 0:
-        return None
-    return ConvGeometry(g.out_channels, g.out_height, g.out_width, g.in_channels, g.height, g.width,
-                        g.kernel, (1, 1), *pads, g.dilation, g.groups)
-
-
-def _take(values: np.ndarray, order: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = values[order]``: the compiled gather on the kernel pool (NumPy's ``take`` runs on one
-    thread: 0.73 ms a backward for the 97 %-pruned VGG-11's ``W^T`` at batch 1)."""
-    launch(gather, (values, order, out), even_parts(order.size, workers_for(order.size)))
 
 
 # --- the phase planes and the pieces of work (host) -------------------------------------------------
@@ -337,20 +291,15 @@ def _input_planes(g: ConvGeometry, pruned: PrunedWeights, x: np.ndarray,
 # --- forward --------------------------------------------------------------------------------------
 def _direct_forward_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights, values: np.ndarray,
                         x: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
-    source, nonfinite = _input_planes(g, pruned, x, forward=True)
-    return None if nonfinite else _direct_conv(g, pruned, values, source, x.shape[0], bias)
-
-
-def _direct_conv(g: ConvGeometry, pruned: PrunedWeights, values: np.ndarray, source: np.ndarray, batch: int,
-                 bias: np.ndarray | None) -> np.ndarray:
-    """:func:`~sparse_scan.layers._kernels.direct_conv` of a batch's phase planes ``source`` (its
-    dtype the result's), ``(B, Cout, Ho, Wo)``."""
     planes, shifts, hq, wq = pruned.tables(g)
-    dtype = source.dtype
-    out = np.empty((batch, g.out_channels, g.out_height, g.out_width), dtype=dtype)
-    shift = np.zeros(0, dtype) if bias is None else np.asarray(bias, dtype=dtype)
+    batch = x.shape[0]
+    source, nonfinite = _input_planes(g, pruned, x, forward=True)
+    if nonfinite:
+        return None
+    out = np.empty((batch, g.out_channels, g.out_height, g.out_width), dtype=x.dtype)
+    shift = np.zeros(0, x.dtype) if bias is None else np.asarray(bias, dtype=x.dtype)
     sizes = (batch, hq, wq, g.out_height, g.out_width)
-    launch(direct_conv, (pruned.indptr, planes, shifts, values.astype(dtype, copy=False), source, sizes,
+    launch(direct_conv, (pruned.indptr, planes, shifts, values.astype(x.dtype, copy=False), source, sizes,
                          shift, out.reshape(-1)),
            _channel_pieces(pruned.indptr, pruned.nnz * batch * hq * wq))
     return out
@@ -428,7 +377,7 @@ def weights_as_csr(weights: np.ndarray, offset: int, row_stride: int, column_str
     """A CSR matrix of ``dtype`` over the non-zeros of ``weights`` (a 2-D view of a layer's kept
     weights; the values are refilled at every use) and the flat weight position of each stored value:
     ``offset + row * row_stride + column * column_stride``."""
-    import scipy.sparse
+    import scipy.sparse  # noqa: PLC0415 - on first use: planning needs none
 
     matrix = scipy.sparse.csr_matrix(weights != 0, dtype=dtype)
     rows = np.repeat(np.arange(weights.shape[0]), np.diff(matrix.indptr))
@@ -450,31 +399,11 @@ def transposed_weights_csr(groups: np.ndarray, dtype: Any) -> tuple[scipy.sparse
     indices = np.concatenate([matrix.indices + index * cout for index, (matrix, _) in enumerate(parts)])
     data = np.concatenate([matrix.data for matrix, _ in parts])
     dtype = choose_index_dtype(int(nnz[-1]), count * cout, None)
-    import scipy.sparse
+    import scipy.sparse  # noqa: PLC0415 - on first use: planning needs none
 
     matrix = scipy.sparse.csr_matrix((data, indices.astype(dtype), indptr.astype(dtype)),
                                      shape=(count * taps, count * cout), copy=False)
     return matrix, np.concatenate([positions for _, positions in parts])
-
-
-def direct_transposed_convolution(g: ConvGeometry, flipped: tuple[PrunedWeights, ConvGeometry, np.ndarray],
-                                  grad_out: np.ndarray) -> np.ndarray | None:
-    """``JT @ grad_out`` (``(B, out size) -> (B, in size)``) of a stride-1 convolution as the direct
-    convolution of the output gradient by the flipped kept weights (:meth:`PrunedWeights.flipped`): the
-    gradient laid out as padded phase planes once, each kept weight one run over the batch, as the
-    forward; None where the gradient holds a value that is not finite (the caller's CSR kernels then
-    run, whose IEEE results are the SpMV's)."""
-    pruned, geometry, values = flipped
-    batch = grad_out.shape[0]
-    dtype = np.result_type(values.dtype, grad_out.dtype)
-    grad = np.asarray(grad_out, dtype=dtype).reshape(batch, geometry.in_channels, geometry.height,
-                                                      geometry.width)
-    _, _, hq, wq = pruned.tables(geometry)
-    source, nonfinite = _planes(grad, (geometry.in_channels, geometry.height, geometry.width, 1, 1,
-                                       geometry.pad_top, geometry.pad_left, hq, wq))
-    if nonfinite:
-        return None
-    return _direct_conv(geometry, pruned, values, source, batch, None).reshape(batch, -1)
 
 
 def pruned_transposed_convolution(g: ConvGeometry, weights: scipy.sparse.csr_matrix,
