@@ -333,6 +333,13 @@ def run_start(planes, shifts, e, sizes):
     return u(planes[e]) * u(batch * hq * wq) + u(shifts[e]) * u(batch)
 
 
+@compiled(inline="always")
+def run_starts(planes, shifts, e, sizes):
+    """:func:`run_start` of the four entries ``e:e + 4``."""
+    return (run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes),
+            run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes))
+
+
 @compiled
 def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1):
     """The output channels ``c0:c1`` of a convolution by pruned weights, straight from their non-zeros:
@@ -363,10 +370,8 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
         while e + 8 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
             w4, w5, w6, w7 = values[e + 4], values[e + 5], values[e + 6], values[e + 7]
-            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
-            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
-            s4, s5 = run_start(planes, shifts, e + 4, sizes), run_start(planes, shifts, e + 5, sizes)
-            s6, s7 = run_start(planes, shifts, e + 6, sizes), run_start(planes, shifts, e + 7, sizes)
+            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
+            s4, s5, s6, s7 = run_starts(planes, shifts, e + 4, sizes)
             for j in range(m):
                 acc[j] += (((w0 * source[s0 + j] + w1 * source[s1 + j])
                             + (w2 * source[s2 + j] + w3 * source[s3 + j]))
@@ -375,8 +380,7 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
             e += 8
         while e + 4 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
-            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
-            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
+            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
             for j in range(m):
                 acc[j] += ((w0 * source[s0 + j] + w1 * source[s1 + j])
                            + (w2 * source[s2 + j] + w3 * source[s3 + j]))
@@ -416,10 +420,8 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes,
         base = u(co) * u(ho * wq * batch)
         e, end = indptr[co], indptr[co + 1]
         while e + 8 <= end:
-            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
-            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
-            s4, s5 = run_start(planes, shifts, e + 4, sizes), run_start(planes, shifts, e + 5, sizes)
-            s6, s7 = run_start(planes, shifts, e + 6, sizes), run_start(planes, shifts, e + 7, sizes)
+            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
+            s4, s5, s6, s7 = run_starts(planes, shifts, e + 4, sizes)
             a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
             for j in range(m):
                 g = grad[base + j]
@@ -435,8 +437,7 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes,
                 out[u(positions[e + k])] = a
             e += 8
         while e + 4 <= end:
-            s0, s1 = run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes)
-            s2, s3 = run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes)
+            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
             a0 = a1 = a2 = a3 = zero
             for j in range(m):
                 g = grad[base + j]
