@@ -63,9 +63,9 @@ if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs
     import scipy.sparse
 
 __all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "LINEAR_DIRECT_MAX_DENSITY",
-           "SAMPLED_MAX_DENSITY",
-           "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward", "linear_geometry",
-           "pruned_transposed_convolution", "sampled_weight_gradient", "transposed_weights_csr"]
+           "SAMPLED_MAX_DENSITY", "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward",
+           "linear_geometry", "pruned_transposed_convolution", "sampled_weight_gradient",
+           "transposed_weights_csr"]
 
 KERNEL_FILE = "conv.cu"
 
@@ -79,7 +79,8 @@ alone the dense GEMM wins at batch 1 from 10 %; in a training iteration it does 
 also reads every weight (a layer pruned through masks multiplies them into its dense weights once per
 version), and the direct forward's planes serve the weight gradient. The bridge's Adam iteration on the
 90 %-pruned VGG-11 (10 % kept), forward plus backward, with the dense forward (0.08 here) against the
-direct one: 31.9 against 23.7 ms at batch 1, 113.3 against 61.0 ms at batch 16."""
+direct one (back-to-back processes, medians of 7): 31.9 against 23.7 ms at batch 1, 113.3 against
+61.0 ms at batch 16."""
 
 LINEAR_DIRECT_MAX_DENSITY = 0.03
 """A pruned :class:`~sparse_scan.layers.Linear` layer's :data:`DIRECT_MAX_DENSITY`: its direct forward
@@ -112,10 +113,10 @@ weights while their taps are at most this many times JT's entries, else the SpMV
 (3x3, padding 1) have 2.25x the entries: timed alone with fixed weights (2 cores, float32, batch 1 / 4
 / 16) the CSR kernels take 260 / 557 / 996 us against the SpMV's 115 / 392 / 914, and 4x4 planes
 (1.44x) 192 / 431 / 1149 against 292 / 1141 / 2047; in the bridge's Adam iteration (weights updated
-every step) the CSR kernels on the 2x2 layers took 67.1 -> 63.9 ms (90 % pruned, batch 16), 43.6 ->
-40.1 (97 %, 16), 19.9 -> 19.3 (97 %, 1) and 26.0 -> 25.7 (90 %, 1). The direct convolution of the
-gradient by the flipped kept weights (the forward's kernel) was slower still: 2x the CSR kernels'
-time at batch 1, 1.4x at 4, even at 16."""
+every step; back-to-back processes, medians of 15) the CSR kernels on the 2x2 layers took 67.1 ->
+63.9 ms (90 % pruned, batch 16), 43.6 -> 40.1 (97 %, 16), 19.9 -> 19.3 (97 %, 1) and 26.0 -> 25.7
+(90 %, 1). The direct convolution of the gradient by the flipped kept weights (the forward's kernel)
+was slower still: 2x the CSR kernels' time at batch 1, 1.4x at 4, even at 16."""
 
 DIRECT_MIN_WIDTH = 32
 """Output rows at least this wide take :func:`sparse_scan.layers._kernels.transposed_conv` (per output row),
@@ -238,8 +239,8 @@ class PrunedWeights:
         if matrix.dtype != values.dtype:
             matrix.data = matrix.data.astype(values.dtype)
             filled[0] = None
-        if filled[0] != version:  # the compiled gather on the pool (NumPy's take runs on one thread:
-            # 0.73 ms a backward for the 97 %-pruned VGG-11 at batch 1)
+        if filled[0] != version:  # the compiled gather: 1.2-1.6x NumPy's take on one thread (no bounds
+            # checks; take cost 0.73 ms a backward for the 97 %-pruned VGG-11 at batch 1)
             launch(gather, (values, order, matrix.data), even_parts(order.size, workers_for(order.size)))
             filled[0] = version
         return matrix

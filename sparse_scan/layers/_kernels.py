@@ -274,8 +274,9 @@ def transposed_conv_taps(indptr, indices, data, grad, geometry, out, first, last
 
 @compiled
 def gather(source, positions, out, e0, e1):
-    """``out[e] = source[positions[e]]`` for ``e`` in ``e0:e1``: a pruned layer's kept weights read from
-    its weights (increasing positions, so the reads stream), cut over the kernel pool's threads."""
+    """``out[e] = source[positions[e]]`` for ``e`` in ``e0:e1``, cut over the kernel pool's threads: a
+    pruned layer's kept weights read from its weights (increasing positions, so the reads stream), and
+    ``W^T``'s values permuted from the kept ones."""
     for e in range(e0, e1):
         out[u(e)] = source[u(positions[e])]
 
@@ -355,7 +356,7 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
     batch, hq, wq, ho, wo = sizes
     channels = out.size // (batch * ho * wo)
     m = u(((ho - 1) * wq + wo) * batch)
-    rows = max(1, 4096 // (wq * batch))
+    rows = max(1, 4096 // (wq * batch))  # output rows whose acc values (4096: 16 KiB of float32) stay in L1
     acc = np.empty(m, dtype=out.dtype)
     for co in range(c0, c1):
         e, end = indptr[co], indptr[co + 1]
