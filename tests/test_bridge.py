@@ -501,6 +501,44 @@ def test_a_pruned_iteration_reads_the_kept_weights_alone():
         bnet(x)
 
 
+def test_a_pruned_forward_reads_the_kept_weights_last_layer_first(monkeypatch):
+    """An optimizer's step writes the weights in parameter order, so the last layers' are the ones still
+    in the cache: the bridge's forward reads the pruned layers' kept weights last layer first, each once
+    per version of the weights (the layers' direct products then find them), and its output is
+    autograd's."""
+    import torch.nn.utils.prune as prune
+
+    from sparse_scan.layers._conv_pruned import PrunedWeights
+
+    net = build("lenet").eval()
+    for module, amount in ((net.conv1, 0.9), (net.conv2, 0.95), (net.fc1, 0.99)):
+        prune.l1_unstructured(module, "weight", amount=amount)
+    bnet = bppsa(net, "linear")
+    x = batches("lenet", 1)[0][0]
+    bnet(x)
+    (engine,) = next(iter(bnet._engines.values()))
+    layers = named_layers(engine.model)
+    read, values = [], PrunedWeights.values
+
+    def reading(self, be, weight, version):
+        known = self._values.get(be.name)
+        if known is None or known[0] != version:
+            read.append(next(name for name, layer in layers.items()
+                             if getattr(layer, "_pruned", None) and layer._pruned[1] is self))
+        return values(self, be, weight, version)
+
+    monkeypatch.setattr(PrunedWeights, "values", reading)
+    with torch.no_grad():
+        for module in (net.conv1, net.conv2, net.fc1):
+            module.weight_orig.mul_(1.5)  # a step: a new version of every weight
+    out = bnet(x)
+    assert read == ["fc1", "conv2", "conv1"]
+    np.testing.assert_allclose(out.detach().numpy(), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+    read.clear()
+    bnet(x)
+    assert read == ["fc1", "conv2", "conv1"]  # the bridge binds weight_orig anew at each forward
+
+
 class Small(nn.Module):
     """A convolution, an activation and a global pool: changes of stride or padding keep the shapes."""
 

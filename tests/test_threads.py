@@ -89,7 +89,50 @@ def test_workers_for_cuts_large_calls_over_every_core_and_thread_count_takes_an_
     """The one rule of the kernel calls: every core from THREAD_MIN_VALUES (or a caller's own minimum)
     of work, else the calling thread."""
     monkeypatch.setattr(_threads, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(_threads, "openmp_spins", lambda: False)
     assert [_threads.workers_for(work) for work in (0, _threads.THREAD_MIN_VALUES - 1,
                                                      _threads.THREAD_MIN_VALUES)] == [1, 1, 3]
     assert [_threads.workers_for(work, minimum=10) for work in (9, 10)] == [1, 3]
     assert [_threads.thread_count(threads) for threads in (None, 0, 1, 5)] == [3, 1, 1, 5]
+
+
+class _FakeTorch:
+    """What :func:`_threads.openmp_spins` reads of an imported PyTorch."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def get_num_threads(self) -> int:
+        return self.threads
+
+
+@pytest.mark.parametrize(("torch", "policy", "spins"), [
+    (None, None, False),                    # no PyTorch in the process: no OpenMP neighbours
+    (_FakeTorch(1), None, False),           # one intra-op thread: no workers to wait
+    (_FakeTorch(2), None, True),            # GNU OpenMP's default: its workers busy-wait
+    (_FakeTorch(2), "ACTIVE", True),
+    (_FakeTorch(2), " passive ", False),    # they sleep instead
+])
+def test_openmp_spins_where_pytorch_shares_the_process_with_busy_waiting_threads(monkeypatch, torch, policy,
+                                                                                  spins):
+    import sys  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert _threads.openmp_spins() is spins
+
+
+def test_beside_spinning_openmp_threads_only_calls_worth_a_slow_hand_off_are_cut(monkeypatch):
+    """A hand-off waits for the scheduler beside busy-waiting OpenMP workers: calls below
+    SPINNING_THREAD_MIN_VALUES stay on the calling thread, a caller's larger minimum stands."""
+    monkeypatch.setattr(_threads, "cpu_threads", lambda: 2)
+    monkeypatch.setattr(_threads, "openmp_spins", lambda: True)
+    spinning = _threads.SPINNING_THREAD_MIN_VALUES
+    assert spinning > _threads.THREAD_MIN_VALUES
+    works = (_threads.THREAD_MIN_VALUES, spinning - 1, spinning)
+    assert [_threads.workers_for(work) for work in works] == [1, 1, 2]
+    larger = 4 * spinning
+    assert [_threads.workers_for(work, minimum=larger) for work in (larger // 2, larger)] == [1, 2]

@@ -173,8 +173,8 @@ class Conv2d(WeightedLayer):
         g = self.geometry(x.shape[1:])
         be = _backend.of(x)
         xp = be.xp
-        pruned = self.pruned_weights()
-        if pruned is not None and pruned.density <= DIRECT_MAX_DENSITY:
+        pruned = self._direct_pruned()
+        if pruned is not None:
             out = direct_forward(be, g, pruned, self._kept_values(be, pruned), x, self.bias)
             if out is not None:
                 return out
@@ -188,6 +188,9 @@ class Conv2d(WeightedLayer):
 
     def _weight_groups(self) -> int:
         return self.groups
+
+    def _direct_max_density(self) -> float:
+        return DIRECT_MAX_DENSITY
 
     def _transposed_weights(self) -> Any:
         """The pruned weights ``W^T`` as CSR for the compiled transposed convolution on the host

@@ -63,9 +63,9 @@ if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs
     import scipy.sparse
 
 __all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "LINEAR_DIRECT_MAX_DENSITY",
-           "SAMPLED_MAX_DENSITY", "TRANSPOSED_MAX_DENSITY", "PrunedWeights", "direct_forward",
-           "linear_geometry", "pruned_transposed_convolution", "sampled_weight_gradient",
-           "transposed_weights_csr"]
+           "RUN_ENTRY_WORK", "SAMPLED_MAX_DENSITY", "TAP_ENTRY_WORK", "TRANSPOSED_MAX_DENSITY",
+           "PrunedWeights", "direct_forward", "linear_geometry", "pruned_transposed_convolution",
+           "sampled_weight_gradient", "transposed_weights_csr"]
 
 KERNEL_FILE = "conv.cu"
 
@@ -122,6 +122,18 @@ DIRECT_MIN_WIDTH = 32
 """Output rows at least this wide take :func:`sparse_scan.layers._kernels.transposed_conv` (per output row),
 narrower ones :func:`~sparse_scan.layers._kernels.transposed_conv_taps` (per whole plane). Measured on the
 pruned VGG-11 at batch 16: conv1 (32 wide) 0.42 ms against 0.75, conv2 (16 wide) 5.2 against 1.7."""
+
+RUN_ENTRY_WORK = 16
+"""A kept weight's fixed cost in the direct convolution and the sampled gradient (its tables read, its
+pass set up), in multiply-adds of its run: part of the work that sets their threads
+(:func:`~sparse_scan._threads.workers_for`). At batch 1 on VGG-11's 2x2 planes a run is 16 values and an
+entry costs 4-5 ns on one thread (the 97 %-pruned layers' 70 K entries about 0.3 ms), 4x4 ones 5 ns for
+36: the per-entry cost is worth about 16 of a run's."""
+
+TAP_ENTRY_WORK = 32
+""":data:`RUN_ENTRY_WORK` of the transposed convolutions (one ``W^T`` entry's taps over an output plane,
+their bounds set per entry): 4.2-4.4 ns an entry on VGG-11's 2x2 planes at batch 1, worth about 32
+of a plane's values."""
 
 SAMPLED_BLOCK_THREADS = 128
 """Threads of the GPU's sampled weight gradient (``PRUNED_BLOCK_THREADS`` of ``rawkernels/conv.cu``):
@@ -258,9 +270,10 @@ def _planes(x: np.ndarray, geometry: tuple[int, ...]) -> tuple[np.ndarray, bool]
     return out, bool(nonfinite.any())
 
 
-def _channel_pieces(indptr: np.ndarray, work: int) -> list[tuple[int, int]]:
-    """Runs of output channels of about equal kept weights, one per thread for ``work`` multiply-adds."""
-    workers = workers_for(work)
+def _channel_pieces(indptr: np.ndarray, run: int) -> list[tuple[int, int]]:
+    """Runs of output channels of about equal kept weights, one per thread for the work of a run of
+    ``run`` multiply-adds per entry (:data:`RUN_ENTRY_WORK` added)."""
+    workers = workers_for(int(indptr[-1]) * (run + RUN_ENTRY_WORK))
     channels = indptr.size - 1
     nnz = int(indptr[-1])
     if workers <= 1 or nnz == 0:
@@ -302,7 +315,7 @@ def _direct_forward_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWei
     sizes = (batch, hq, wq, g.out_height, g.out_width)
     launch(direct_conv, (pruned.indptr, planes, shifts, values.astype(x.dtype, copy=False), source, sizes,
                          shift, out.reshape(-1)),
-           _channel_pieces(pruned.indptr, pruned.nnz * batch * hq * wq))
+           _channel_pieces(pruned.indptr, batch * hq * wq))
     return out
 
 
@@ -344,7 +357,7 @@ def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: 
     out = np.empty(math.prod(pruned.shape), dtype=dtype)  # every channel zeroed by its thread
     launch(sampled_conv_weights, (pruned.indptr, planes, shifts, pruned.positions, planes_of_grad,
                                   source.astype(dtype, copy=False), sizes, pruned.per_output, out),
-           _channel_pieces(pruned.indptr, pruned.nnz * batch * hq * wq))
+           _channel_pieces(pruned.indptr, batch * hq * wq))
     return out.reshape(pruned.shape)
 
 
@@ -423,7 +436,7 @@ def pruned_transposed_convolution(g: ConvGeometry, weights: scipy.sparse.csr_mat
     out = np.empty((batch, g.in_channels, g.height * g.width), dtype=dtype)
     geometry = (g.in_channels, g.height, g.width, g.out_channels, g.out_height, g.out_width, *g.kernel,
                 *g.stride, g.pad_top, g.pad_left, *g.dilation, batch)
-    work = weights.nnz * out_plane * batch
+    work = weights.nnz * (out_plane * batch + TAP_ENTRY_WORK)
     workers = workers_for(work)
     per_channel = weights.indptr[::g.kernel[0] * g.kernel[1]]
     cuts = np.searchsorted(per_channel, np.arange(1, workers) * (weights.nnz / workers))

@@ -75,14 +75,17 @@ class Linear(WeightedLayer):
         x = self._check_input(x)
         self._check_input_dtype(x)
         be = _backend.of(x)
-        pruned = self.pruned_weights()
-        if pruned is not None and pruned.density <= LINEAR_DIRECT_MAX_DENSITY:
+        pruned = self._direct_pruned()
+        if pruned is not None:
             y = direct_forward(be, linear_geometry(self.in_features, self.out_features), pruned,
                                self._kept_values(be, pruned), x.reshape(x.shape[0], -1, 1, 1), self.bias)
             if y is not None:
                 return y.reshape(x.shape[0], -1)
         y = x @ be.asarray(self.weight).T
         return y if self.bias is None else y + be.asarray(self.bias)
+
+    def _direct_max_density(self) -> float:
+        return LINEAR_DIRECT_MAX_DENSITY
 
     def parameter_gradients(self, x: Array, grad_out: Array) -> dict[str, Array]:
         """``weight`` and ``bias`` gradients (paper Eq. 2), summed over the batch like PyTorch; pruned

@@ -219,6 +219,12 @@ class _Engine:
                                        "layer with torch.nn.utils.prune, or prune_pattern=None)")
                 layer.prune_pattern = pruned
                 layer.sampled_gradient = source.mask is not None  # zero weights without a mask: live
+        # the pruned layers whose kept weights the forward gathers, last first (WeightedLayer.
+        # gather_kept_values: an optimizer's step has just written them in parameter order)
+        self.pruned_last_first = [layer for layer in dict.fromkeys(
+            self.targets[key][0] for key, source in reversed(captured.sources.items())
+            if source.mask is not None and self.targets[key][1] == "weight")
+            if getattr(layer, "prune_pattern", False)]
         self.gradients = [key for key, source in captured.sources.items() if source.parameter is not None]
         self.masks: dict[int, tuple[int, int]] = {}  # layer id -> the (pointer, version) of its mask
         self.forwards = 0
@@ -294,7 +300,11 @@ class _Engine:
         """The engine's forward of ``x``, as a new tensor (the engine keeps its own activations)."""
         self.forwards += 1
         batch = self.array(x)
-        xp = _backend.of(batch).xp
+        be = _backend.of(batch)
+        if be.name == "cpu":
+            for layer in self.pruned_last_first:
+                layer.gather_kept_values(be)
+        xp = be.xp
         if self.capture.time_major:
             batch = xp.ascontiguousarray(batch.transpose(1, 0, 2))
         return self.tensor(xp.array(self.model.forward(batch), copy=True))
