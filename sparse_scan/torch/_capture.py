@@ -191,7 +191,8 @@ class Source:
 
     def read(self, root: Any) -> Any:
         """The weight's current value in ``root`` (the module itself where it is one; a pruned weight:
-        ``parameter * mask`` of now; a reshaped one: a view of it in :attr:`shape`)."""
+        ``parameter * mask`` of now; a reshaped one: a view of it in :attr:`shape`). ``root`` is the
+        module, or what answers its ``get_submodule``, ``get_parameter`` and ``get_buffer``."""
         if self.mask is not None:
             return (root.get_parameter(self.parameter) * root.get_buffer(self.mask)).detach()
         value = getattr(root.get_submodule(self.module), self.attribute)
