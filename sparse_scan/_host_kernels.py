@@ -33,14 +33,15 @@ import pathlib
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
-from ._threads import even_parts, kernel_pool
+from ._threads import even_parts, kernel_pool, note_core_share
 
-__all__ = ["BLOCK_ENTRIES", "OPTIONS", "CompiledKernel", "cache_directory", "compiled", "launch", "parts",
-           "rows2d", "u"]
+__all__ = ["BLOCK_ENTRIES", "OPTIONS", "SHARE_MIN_SECONDS", "CompiledKernel", "cache_directory", "compiled",
+           "launch", "parts", "rows2d", "u"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 
@@ -164,16 +165,36 @@ def launch(kernel: Callable[..., None], args: tuple, pieces: list[tuple[int, ...
     """``kernel(*args, *piece)`` for every piece: all but the last on the kernel pool's threads when
     there are several (the kernels release the GIL), the last on the calling thread, which then
     waits for the others (one hand-off fewer: 15 µs instead of 28-63 µs for two pieces on this
-    2-core machine)."""
+    2-core machine). The least share of a core that a piece's thread got is noted
+    (:func:`~sparse_scan._threads.note_core_share`): where other threads keep the cores busy, the next
+    calls are cut only where that pays."""
     pool = kernel_pool() if len(pieces) > 1 else None
     if pool is None:
         for piece in pieces:
             kernel(*args, *piece)
         return
-    others = [pool.submit(kernel, *args, *piece) for piece in pieces[:-1]]
-    kernel(*args, *pieces[-1])
-    for future in others:
-        future.result()
+    others = [pool.submit(_core_share, kernel, args, piece) for piece in pieces[:-1]]
+    share = _core_share(kernel, args, pieces[-1])
+    note_core_share(min([share] + [future.result() for future in others]))
+
+
+SHARE_MIN_SECONDS = 100e-6
+"""Pieces shorter than this note no share of a core (:func:`_core_share`): too short to tell."""
+
+_THREAD_CLOCK = sys.platform.startswith("linux")
+"""Whether a thread's CPU clock has the resolution a piece's share needs (Linux's: nanoseconds;
+Windows' counts whole scheduler ticks)."""
+
+
+def _core_share(kernel: Callable[..., None], args: tuple, piece: tuple[int, ...]) -> float:
+    """``kernel(*args, *piece)``, and the share of a core its thread got meanwhile (its CPU time over
+    its wall time; 1 where too short to tell or without a fine thread clock)."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    kernel(*args, *piece)
+    wall = time.perf_counter() - start
+    if not _THREAD_CLOCK or wall < SHARE_MIN_SECONDS:
+        return 1.0
+    return (time.thread_time() - cpu) / wall
 
 
 def rows2d(array: np.ndarray, dtype: np.dtype) -> np.ndarray:

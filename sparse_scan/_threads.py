@@ -5,23 +5,25 @@ when its work is cut into pieces handed to threads. One pool serves every such k
 waits on the pool from inside one of its own tasks, so callers that run on other threads (the scan's
 concurrent steps) cannot deadlock it. The scan's concurrent steps have a shared pool of their own
 (:func:`step_pool`), since a step waits on kernels. Both live as long as the process (a new pool per
-call costs about 0.4 ms), and a forked child makes its own.
+call costs about 0.4 ms), and a forked child makes its own. Where other threads keep the cores busy (a
+cut call's threads got part of a core: :func:`note_core_share`), only large calls are cut for a while
+(:func:`workers_for`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from . import _environment
 
-__all__ = ["SPINNING_THREAD_MIN_VALUES", "THREADS_VARIABLE", "THREAD_MIN_VALUES", "cpu_threads",
-           "even_parts", "kernel_pool", "openmp_spins", "run_parts", "step_pool", "thread_count",
-           "worker_pool", "workers_for"]
+__all__ = ["BUSY_SECONDS", "BUSY_SHARE", "BUSY_THREAD_MIN_VALUES", "THREADS_VARIABLE", "THREAD_MIN_VALUES",
+           "cores_busy", "cpu_threads", "even_parts", "kernel_pool", "note_core_share", "run_parts",
+           "step_pool", "thread_count", "worker_pool", "workers_for"]
 
 _POOL: ThreadPoolExecutor | None = None
 _STEP_POOL: ThreadPoolExecutor | None = None
@@ -35,15 +37,27 @@ THREAD_MIN_VALUES = 2**18
 """Kernel calls with less work (values written, or multiply-adds) run on the calling thread: a hand-off
 to the pool costs more (:func:`workers_for`)."""
 
-SPINNING_THREAD_MIN_VALUES = 2**22
-""":data:`THREAD_MIN_VALUES` where PyTorch's OpenMP threads share the process (:func:`openmp_spins`).
-GNU OpenMP's workers busy-wait after each parallel region (about 8 ms of CPU after each PyTorch op
-here), on the cores the kernel pool's threads need, so a hand-off waits for the scheduler: an empty
-two-piece call takes about 60 us alone and 200 us or more beside a spinning worker. In the bridge's Adam
-iteration on the pruned VGG-11 (2-core AMD EPYC, each call site timed split against whole in
-alternate iterations), every pruned-product call at 97 % pruned and batch 1 was faster on one thread
-(the sum 6.2 ms against 7.4), the large ones at 90 % pruned or batch 16 on two (19.5 against 13.0 ms at
-90 %, batch 1), and ReLU's 1 M values at batch 16 took 0.27 ms whole against 0.72 split."""
+BUSY_THREAD_MIN_VALUES = 2**22
+""":data:`THREAD_MIN_VALUES` while the cores are busy with other threads (:func:`cores_busy`). Beside a
+busy thread a piece's thread gets part of a core, so cutting a call pays only for large ones. PyTorch's
+OpenMP workers, for one, busy-wait after each of its parallel regions (GNU OpenMP's default: about 8 ms
+of CPU after one op, measured). In the bridge's Adam iteration on the pruned VGG-11 (2-core AMD EPYC,
+each call site timed split against whole in alternate iterations), right after the optimizer's step
+the least-served thread of a split call got 0.43-0.55 of a core (median 0.48; 0.97-1.0 in the engine
+alone), and every pruned-product call at 97 % pruned and batch 1 was faster whole (their sum 6.2 ms
+against 7.4); at 90 % pruned the large ones still split faster (13.0 against 19.5 ms). ReLU's 1 M
+values at batch 16 took 0.27 ms whole against 0.72 split."""
+
+BUSY_SHARE = 0.75
+"""A kernel piece whose thread got less than this share of a core (its CPU time over its wall time)
+shows the cores busy with other threads (:func:`note_core_share`)."""
+
+BUSY_SECONDS = 0.01
+"""How long a busy observation holds (:func:`cores_busy`): about an OpenMP worker's spin after an op.
+Calls below :data:`BUSY_THREAD_MIN_VALUES` are not cut meanwhile, so the next cut call after it looks
+again."""
+
+_busy_until = 0.0  # time.perf_counter() until which the cores count as busy
 
 
 def cpu_threads() -> int:
@@ -60,24 +74,25 @@ def cpu_threads() -> int:
 
 def workers_for(work: int, minimum: int | None = None) -> int:
     """Threads for a kernel call of ``work`` values or multiply-adds: every one of :func:`cpu_threads`
-    from ``minimum`` (:data:`THREAD_MIN_VALUES` by default; at least :data:`SPINNING_THREAD_MIN_VALUES`
-    where :func:`openmp_spins`), else 1, the calling thread."""
+    from ``minimum`` (:data:`THREAD_MIN_VALUES` by default; at least :data:`BUSY_THREAD_MIN_VALUES`
+    while :func:`cores_busy`), else 1, the calling thread."""
     threshold = THREAD_MIN_VALUES if minimum is None else minimum
-    if work >= threshold and openmp_spins():
-        threshold = max(threshold, SPINNING_THREAD_MIN_VALUES)
+    if work >= threshold and cores_busy():
+        threshold = max(threshold, BUSY_THREAD_MIN_VALUES)
     return cpu_threads() if work >= threshold else 1
 
 
-def openmp_spins() -> bool:
-    """Whether PyTorch shares the process with OpenMP threads that busy-wait between its operations:
-    ``torch`` imported (the engine never imports it), more than one intra-op thread, and
-    ``OMP_WAIT_POLICY`` not ``PASSIVE`` (which makes them sleep instead, and PyTorch's own operations
-    10-30 % slower here: the kernels leave PyTorch's setting alone)."""
-    torch = sys.modules.get("torch")
-    get_num_threads = getattr(torch, "get_num_threads", None)
-    if get_num_threads is None or os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
-        return False
-    return int(get_num_threads()) > 1
+def note_core_share(share: float) -> None:
+    """Note the least share of a core (CPU time over wall time) that a cut kernel call's threads got:
+    under :data:`BUSY_SHARE` the cores count as busy with other threads for :data:`BUSY_SECONDS`."""
+    global _busy_until
+    if share < BUSY_SHARE:
+        _busy_until = time.perf_counter() + BUSY_SECONDS
+
+
+def cores_busy() -> bool:
+    """Whether a cut kernel call found the cores busy with other threads within :data:`BUSY_SECONDS`."""
+    return time.perf_counter() < _busy_until
 
 
 def thread_count(threads: int | None) -> int:

@@ -120,7 +120,6 @@ def test_every_variable_the_package_names_is_read_by_the_one_parser():
 READS_THE_ENVIRONMENT = {
     "sparse_scan/_environment.py": "the one parser",
     "sparse_scan/_host_kernels.py": "numba's own NUMBA_CACHE_DIR, and where numba caches (XDG_CACHE_HOME)",
-    "sparse_scan/_threads.py": "OpenMP's OMP_WAIT_POLICY: whether PyTorch's threads busy-wait (openmp_spins)",
     "sparse_scan/distributed/_mpi.py": "whether an MPI launcher started this process (its variables are set)",
     "cli/_options.py": "--threads writes SPARSE_SCAN_THREADS and the BLAS pool's variables",
 }

@@ -89,50 +89,59 @@ def test_workers_for_cuts_large_calls_over_every_core_and_thread_count_takes_an_
     """The one rule of the kernel calls: every core from THREAD_MIN_VALUES (or a caller's own minimum)
     of work, else the calling thread."""
     monkeypatch.setattr(_threads, "cpu_threads", lambda: 3)
-    monkeypatch.setattr(_threads, "openmp_spins", lambda: False)
+    monkeypatch.setattr(_threads, "cores_busy", lambda: False)
     assert [_threads.workers_for(work) for work in (0, _threads.THREAD_MIN_VALUES - 1,
                                                      _threads.THREAD_MIN_VALUES)] == [1, 1, 3]
     assert [_threads.workers_for(work, minimum=10) for work in (9, 10)] == [1, 3]
     assert [_threads.thread_count(threads) for threads in (None, 0, 1, 5)] == [3, 1, 1, 5]
 
 
-class _FakeTorch:
-    """What :func:`_threads.openmp_spins` reads of an imported PyTorch."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-
-    def get_num_threads(self) -> int:
-        return self.threads
-
-
-@pytest.mark.parametrize(("torch", "policy", "spins"), [
-    (None, None, False),                    # no PyTorch in the process: no OpenMP neighbours
-    (_FakeTorch(1), None, False),           # one intra-op thread: no workers to wait
-    (_FakeTorch(2), None, True),            # GNU OpenMP's default: its workers busy-wait
-    (_FakeTorch(2), "ACTIVE", True),
-    (_FakeTorch(2), " passive ", False),    # they sleep instead
-])
-def test_openmp_spins_where_pytorch_shares_the_process_with_busy_waiting_threads(monkeypatch, torch, policy,
-                                                                                  spins):
-    import sys  # noqa: PLC0415
-
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    if policy is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
-    assert _threads.openmp_spins() is spins
-
-
-def test_beside_spinning_openmp_threads_only_calls_worth_a_slow_hand_off_are_cut(monkeypatch):
-    """A hand-off waits for the scheduler beside busy-waiting OpenMP workers: calls below
-    SPINNING_THREAD_MIN_VALUES stay on the calling thread, a caller's larger minimum stands."""
+def test_a_cut_call_whose_thread_got_part_of_a_core_keeps_the_next_small_calls_whole(monkeypatch):
+    """Beside other busy threads a piece's thread gets part of a core: a share under BUSY_SHARE marks
+    the cores busy for BUSY_SECONDS, calls below BUSY_THREAD_MIN_VALUES then stay on the calling
+    thread (a caller's larger minimum stands), and afterwards the usual rule is back."""
+    now = [100.0]
+    monkeypatch.setattr(_threads.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(_threads, "_busy_until", 0.0)
     monkeypatch.setattr(_threads, "cpu_threads", lambda: 2)
-    monkeypatch.setattr(_threads, "openmp_spins", lambda: True)
-    spinning = _threads.SPINNING_THREAD_MIN_VALUES
-    assert spinning > _threads.THREAD_MIN_VALUES
-    works = (_threads.THREAD_MIN_VALUES, spinning - 1, spinning)
-    assert [_threads.workers_for(work) for work in works] == [1, 1, 2]
-    larger = 4 * spinning
+    busy = _threads.BUSY_THREAD_MIN_VALUES
+    assert busy > _threads.THREAD_MIN_VALUES
+    works = (_threads.THREAD_MIN_VALUES, busy - 1, busy)
+    _threads.note_core_share(_threads.BUSY_SHARE)  # a full enough share: not busy
+    assert not _threads.cores_busy() and [_threads.workers_for(work) for work in works] == [2, 2, 2]
+    _threads.note_core_share(_threads.BUSY_SHARE - 0.01)
+    assert _threads.cores_busy() and [_threads.workers_for(work) for work in works] == [1, 1, 2]
+    larger = 4 * busy
     assert [_threads.workers_for(work, minimum=larger) for work in (larger // 2, larger)] == [1, 2]
+    now[0] += _threads.BUSY_SECONDS
+    assert not _threads.cores_busy() and [_threads.workers_for(work) for work in works] == [2, 2, 2]
+
+
+def test_launch_notes_the_least_share_of_a_core_its_pieces_threads_got(monkeypatch):
+    """Each piece's share is its thread's CPU time over its wall time; pieces too short to tell count
+    as a whole core."""
+    import time  # noqa: PLC0415
+
+    from sparse_scan import _host_kernels  # noqa: PLC0415
+
+    if kernel_pool() is None:
+        pytest.skip("one core: no pool, nothing cut")
+    noted = []
+    monkeypatch.setattr(_host_kernels, "note_core_share", noted.append)
+    monkeypatch.setattr(_host_kernels, "_THREAD_CLOCK", True)
+    seconds = 4 * _host_kernels.SHARE_MIN_SECONDS
+
+    def kernel(sleeping, first, last):
+        if sleeping == first:  # this piece's thread waits: no CPU time
+            time.sleep(seconds)
+        else:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+    _host_kernels.launch(kernel, (0,), [(0, 1), (1, 2)])  # the pool's piece sleeps
+    _host_kernels.launch(kernel, (1,), [(0, 1), (1, 2)])  # the calling thread's piece sleeps
+    assert len(noted) == 2 and max(noted) < 0.5  # a sleeping thread's share is about 0, loaded or not
+    monkeypatch.setattr(_host_kernels, "_THREAD_CLOCK", False)
+    _host_kernels.launch(kernel, (0,), [(0, 1), (1, 2)])
+    assert noted[2] == 1.0
