@@ -126,9 +126,9 @@ pruned VGG-11 at batch 16: conv1 (32 wide) 0.42 ms against 0.75, conv2 (16 wide)
 RUN_ENTRY_WORK = 16
 """A kept weight's fixed cost in the direct convolution and the sampled gradient (its tables read, its
 pass set up), in multiply-adds of its run: part of the work that sets their threads
-(:func:`~sparse_scan._threads.workers_for`). At batch 1 on VGG-11's 2x2 planes a run is 16 values and an
-entry costs 4-5 ns on one thread (the 97 %-pruned layers' 70 K entries about 0.3 ms), 4x4 ones 5 ns for
-36: the per-entry cost is worth about 16 of a run's."""
+(:func:`~sparse_scan._threads.workers_for`), whose run counts ``B Hq Wq`` values. At batch 1 on VGG-11's
+2x2 planes that is 16 and an entry costs 4-5 ns on one thread (the 97 %-pruned layers' 70 K entries
+about 0.3 ms), on 4x4 ones 36 and 5 ns: the per-entry cost is worth about 16 of a run's values."""
 
 TAP_ENTRY_WORK = 32
 """:data:`RUN_ENTRY_WORK` of the transposed convolutions (one ``W^T`` entry's taps over an output plane,
