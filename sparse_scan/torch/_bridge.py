@@ -407,7 +407,8 @@ class _Scan(torch.autograd.Function):
                 engine.forward(x)
             dx, parameters = engine.backward(grad, ctx.masks)
         # in the parameters' own shapes (a Linear's weight the engine holds as a 1x1 convolution's)
-        return (None, None, dx, *(g.reshape(p.shape) for g, p in zip(parameters, saved, strict=True)))
+        return (None, None, dx, *(g if g.shape == p.shape else g.reshape(p.shape)
+                                  for g, p in zip(parameters, saved, strict=True)))
 
 
 def _same_memory(held: Any, array: Any) -> bool:
