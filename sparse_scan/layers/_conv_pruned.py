@@ -273,9 +273,8 @@ def _planes(x: np.ndarray, geometry: tuple[int, ...]) -> tuple[np.ndarray, bool]
 def _channel_pieces(indptr: np.ndarray, run: int) -> list[tuple[int, int]]:
     """Runs of output channels of about equal kept weights, one per thread for the work of a run of
     ``run`` multiply-adds per entry (:data:`RUN_ENTRY_WORK` added)."""
-    workers = workers_for(int(indptr[-1]) * (run + RUN_ENTRY_WORK))
-    channels = indptr.size - 1
-    nnz = int(indptr[-1])
+    channels, nnz = indptr.size - 1, int(indptr[-1])
+    workers = workers_for(nnz * (run + RUN_ENTRY_WORK))
     if workers <= 1 or nnz == 0:
         return [(0, channels)]
     cuts = np.searchsorted(indptr, np.arange(1, workers) * (nnz / workers))
