@@ -326,23 +326,23 @@ def to_planes(x, geometry, out, nonfinite, c0, c1):
 
 
 @compiled(inline="always")
-def run_start(planes, shifts, e, sizes):
-    """Where entry ``e``'s run starts in :func:`to_planes`' planes (``sizes`` as :func:`direct_conv`'s):
-    in plane ``planes[e]``, at the tap's shift ``shifts[e]`` (``row Wq + column``) times the batch. The
-    run of the largest shift ends at its plane's end: the planes need no tail."""
-    batch, hq, wq = sizes[0], sizes[1], sizes[2]
-    return u(planes[e]) * u(batch * hq * wq) + u(shifts[e]) * u(batch)
+def run_start(runs, e, batch):
+    """Where entry ``e``'s run starts in :func:`to_planes`' planes: ``runs[e]`` (its input plane times
+    the plane's ``Hq Wq`` plus the tap's shift ``row Wq + column``, :meth:`~sparse_scan.layers.
+    _conv_pruned.PrunedWeights.tables`) times the batch. The run of the largest shift ends at its
+    plane's end: the planes need no tail."""
+    return u(runs[e]) * u(batch)
 
 
 @compiled(inline="always")
-def run_starts(planes, shifts, e, sizes):
+def run_starts(runs, e, batch):
     """:func:`run_start` of the four entries ``e:e + 4``."""
-    return (run_start(planes, shifts, e, sizes), run_start(planes, shifts, e + 1, sizes),
-            run_start(planes, shifts, e + 2, sizes), run_start(planes, shifts, e + 3, sizes))
+    return (run_start(runs, e, batch), run_start(runs, e + 1, batch), run_start(runs, e + 2, batch),
+            run_start(runs, e + 3, batch))
 
 
 @compiled
-def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1):
+def direct_conv(indptr, runs, values, source, sizes, bias, out, c0, c1):
     """The output channels ``c0:c1`` of a convolution by pruned weights, straight from their non-zeros:
     per output channel ``co``, ``sum_e values[e] * run(e)`` over its entries ``indptr[co]:indptr[co +
     1]``, in order, the first alone (it starts the sum), then eight per pass (then four, then one), plus
@@ -364,15 +364,15 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
             for j in range(m):
                 acc[j] = 0
         else:  # the first run starts the sum: no pass of zeros
-            w, s = values[e], run_start(planes, shifts, e, sizes)
+            w, s = values[e], run_start(runs, e, batch)
             for j in range(m):
                 acc[j] = w * source[s + j]
             e += 1
         while e + 8 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
             w4, w5, w6, w7 = values[e + 4], values[e + 5], values[e + 6], values[e + 7]
-            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
-            s4, s5, s6, s7 = run_starts(planes, shifts, e + 4, sizes)
+            s0, s1, s2, s3 = run_starts(runs, e, batch)
+            s4, s5, s6, s7 = run_starts(runs, e + 4, batch)
             for j in range(m):
                 acc[j] += (((w0 * source[s0 + j] + w1 * source[s1 + j])
                             + (w2 * source[s2 + j] + w3 * source[s3 + j]))
@@ -381,13 +381,13 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
             e += 8
         while e + 4 <= end:
             w0, w1, w2, w3 = values[e], values[e + 1], values[e + 2], values[e + 3]
-            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
+            s0, s1, s2, s3 = run_starts(runs, e, batch)
             for j in range(m):
                 acc[j] += ((w0 * source[s0 + j] + w1 * source[s1 + j])
                            + (w2 * source[s2 + j] + w3 * source[s3 + j]))
             e += 4
         for rest in range(e, end):
-            w, s = values[rest], run_start(planes, shifts, rest, sizes)
+            w, s = values[rest], run_start(runs, rest, batch)
             for j in range(m):
                 acc[j] += w * source[s + j]
         shift = bias[co] if bias.size else out.dtype.type(0)
@@ -400,29 +400,30 @@ def direct_conv(indptr, planes, shifts, values, source, sizes, bias, out, c0, c1
 
 
 @compiled(fastmath={"reassoc"})
-def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes, width, out, c0, c1):
-    """The weight gradient of a convolution at its kept weights only (a sampled dense-dense product):
-    the output channels ``c0:c1``'s weights (``width`` each, ``out[co * width:(co + 1) * width]``) are
-    zeroed, here, by the thread that writes them (no separate pass over the whole weight), then for every
-    entry ``e`` of those channels ``out[positions[e]]`` is the dot product of the output gradient's
-    plane ``co`` (``grad``: :func:`to_planes` of the gradient into ``Ho x Wq`` planes, zero where no
-    output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over the batch and
-    the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM computes for
-    that weight. ``sizes`` as :func:`direct_conv`'s. Eight entries per pass over the gradient's run
-    (then four, then one); the sums are reassociated (``fastmath={"reassoc"}`` alone: vector lanes, no
-    change to infinities or NaNs), so they round differently from a GEMM's, within the dtype's epsilon
-    times the terms' magnitudes."""
+def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out, c0, c1):
+    """The weight gradient of a convolution at its kept weights only (a sampled dense-dense product): the
+    output channels ``c0:c1``'s weights (``width`` each, ``out[co * width:(co + 1) * width]``) are zeroed,
+    here, by the thread that writes them (no separate pass over the whole weight), then for every entry ``e``
+    of those channels ``out[co * width + columns[e]]`` (its place in its channel's weights) is the dot product
+    of the output gradient's plane ``co`` (``grad``: :func:`to_planes` of the gradient into ``Ho x Wq``
+    planes, zero where no output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over
+    the batch and the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM
+    computes for that weight. ``sizes`` as :func:`direct_conv`'s. Eight entries per pass over the gradient's
+    run (then four, then one); the sums are reassociated (``fastmath={"reassoc"}`` alone: vector lanes, no
+    change to infinities or NaNs), so they round differently from a GEMM's, within the dtype's epsilon times
+    the terms' magnitudes."""
     batch, hq, wq, ho, wo = sizes
     m = u(((ho - 1) * wq + wo) * batch)
     zero = out.dtype.type(0)
     for co in range(c0, c1):
-        for position in range(u(co) * u(width), u(co + 1) * u(width)):
+        row = u(co) * u(width)
+        for position in range(row, row + u(width)):
             out[position] = zero
         base = u(co) * u(ho * wq * batch)
         e, end = indptr[co], indptr[co + 1]
         while e + 8 <= end:
-            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
-            s4, s5, s6, s7 = run_starts(planes, shifts, e + 4, sizes)
+            s0, s1, s2, s3 = run_starts(runs, e, batch)
+            s4, s5, s6, s7 = run_starts(runs, e + 4, batch)
             a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
             for j in range(m):
                 g = grad[base + j]
@@ -435,10 +436,10 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes,
                 a6 += g * source[s6 + j]
                 a7 += g * source[s7 + j]
             for k, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
-                out[u(positions[e + k])] = a
+                out[row + u(columns[e + k])] = a
             e += 8
         while e + 4 <= end:
-            s0, s1, s2, s3 = run_starts(planes, shifts, e, sizes)
+            s0, s1, s2, s3 = run_starts(runs, e, batch)
             a0 = a1 = a2 = a3 = zero
             for j in range(m):
                 g = grad[base + j]
@@ -446,17 +447,17 @@ def sampled_conv_weights(indptr, planes, shifts, positions, grad, source, sizes,
                 a1 += g * source[s1 + j]
                 a2 += g * source[s2 + j]
                 a3 += g * source[s3 + j]
-            out[u(positions[e])] = a0
-            out[u(positions[e + 1])] = a1
-            out[u(positions[e + 2])] = a2
-            out[u(positions[e + 3])] = a3
+            out[row + u(columns[e])] = a0
+            out[row + u(columns[e + 1])] = a1
+            out[row + u(columns[e + 2])] = a2
+            out[row + u(columns[e + 3])] = a3
             e += 4
         for rest in range(e, end):
-            s = run_start(planes, shifts, rest, sizes)
+            s = run_start(runs, rest, batch)
             a = zero
             for j in range(m):
                 a += grad[base + j] * source[s + j]
-            out[u(positions[rest])] = a
+            out[row + u(columns[rest])] = a
 
 
 @compiled
