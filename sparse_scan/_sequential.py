@@ -612,7 +612,8 @@ class Sequential:
         return [g.reshape(x.shape) for g, x in zip(flat, self._require_forward(), strict=True)]
 
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
-                 device: str | None = None, timings: dict[str, float] | None = None) -> list[Array]:
+                 device: str | None = None, timings: dict[str, float] | None = None,
+                 input_gradient: bool = True) -> list[Array | None]:
         """Gradients w.r.t. every activation, by a scan over the layers' transposed Jacobians.
 
         Parameters
@@ -629,11 +630,17 @@ class Sequential:
             Receives the seconds of each phase: ``plan_s`` (a cache hit costs ~0), ``values_s``
             (the JTs' values for this batch) and ``scan_s`` (the numeric scan; on the GPU it ends
             with a synchronisation so that the time is the kernels').
+        input_gradient : bool, optional
+            False: the gradient w.r.t. the model input ``x_0`` is not wanted (a training step's
+            parameter gradients never read it): None in its place, and the host skips the steps and
+            the JT values only it needs (the first layer's transposed product; autograd skips it
+            too when the input requires no gradient).
 
         Returns
         -------
         list of ndarray
-            ``[grad wrt x_0, ..., grad wrt x_n]``, each shaped like that activation, batch first.
+            ``[grad wrt x_0, ..., grad wrt x_n]``, each shaped like that activation, batch first
+            (the first None where ``input_gradient`` is False).
 
         Raises
         ------
@@ -666,6 +673,7 @@ class Sequential:
         lap("plan_s")
         n = len(self.layers)  # scan element j is the JT of layer n - j
         batch = grad_out.shape[0]
+        outputs = None if input_gradient else frozenset(range(1, n + 1))
         through = through_weights(be, plan, batch)  # JTs applied through their layers' weights
         # bound here, on this thread, run on the scan's threads
         matvecs = {j: self.layers[n - j].weights_matvec(shapes[n - j], be.name) for j in through}
@@ -674,6 +682,9 @@ class Sequential:
         operators = {j: operator for j, operator in operators.items() if operator is not None}
         matvecs.update(operators)
         valueless = plan.weights.valueless(through) | operators.keys()
+        if outputs is not None and be.name == "cpu":  # the GPU's level launches read every JT
+            read = plan.needed_steps(outputs)[1]
+            valueless |= {j for j in range(1, n + 1) if Element(j, j) not in read}
         self._check_jacobians_fit({index: plan.element_bytes[Element(n - index, n - index)]
                                    for index in range(n) if n - index not in valueless},
                                   batch, activations[0].dtype.itemsize, "the JT values this backward fills")
@@ -682,10 +693,12 @@ class Sequential:
         if timings is not None:
             be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")
-        flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs)
+        flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs,
+                        outputs=outputs)
         if timings is not None:
             be.synchronize()
         lap("scan_s")
         if be.name == "cpu":  # a GPU runs subnormals at full speed
-            self.subnormals.observe(flat)
-        return [g.reshape((batch,) + shape) for g, shape in zip(flat, shapes, strict=True)]
+            self.subnormals.observe([g for g in flat if g is not None])
+        return [None if g is None else g.reshape((batch,) + shape)
+                for g, shape in zip(flat, shapes, strict=True)]

@@ -343,6 +343,31 @@ def test_torch_pruning_masks_give_the_pruned_pattern_and_masked_gradients():
         np.testing.assert_allclose(ours[name].numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def test_the_input_gradient_is_computed_only_where_autograd_wants_it(monkeypatch):
+    net = build("lenet")
+    bnet = bppsa(net, "linear")
+    x = batches("lenet", 1)[0][0]
+    bnet(x).sum().backward()
+    (engine,) = next(iter(bnet._engines.values()))
+    asked = []
+    backward = engine.model.backward
+    monkeypatch.setattr(engine.model, "backward", lambda *a, **k: asked.append(k["input_gradient"]) or
+                        backward(*a, **k))
+    reference = copy.deepcopy(net)
+    for wants in (False, True):
+        net.zero_grad()
+        reference.zero_grad()
+        ours, theirs = x.clone().requires_grad_(wants), x.clone().requires_grad_(wants)
+        bnet(ours).sum().backward()
+        reference(theirs).sum().backward()
+        assert asked[-1] is wants
+        assert (ours.grad is None) is not wants
+        if wants:
+            np.testing.assert_allclose(ours.grad.numpy(), theirs.grad.numpy(), rtol=1e-10, atol=1e-12)
+        for (name, a), (_, b) in zip(net.named_parameters(), reference.named_parameters(), strict=True):
+            np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 def test_bppsa_is_a_module_with_a_useful_repr():
     bnet = bppsa(build("lenet"), "hybrid", 2)
     assert isinstance(bnet, BPPSA) and isinstance(bnet, nn.Module)

@@ -124,6 +124,56 @@ def test_every_schedule_equals_dense_backprop(n, batch, dtype, rtol, block_produ
         assert "block" in methods, methods
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 21])
+def test_without_the_input_gradient_every_other_gradient_is_the_same_and_less_runs(n, monkeypatch):
+    model, in_shape = random_chain(n, seed=31 * n, dtype=np.float64)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((3,) + in_shape)
+    grad_out = rng.standard_normal(model.forward(x).shape)
+    computed = []  # the steps each run computes (the products' and mv steps' outputs)
+    run_plan = host.run_plan
+
+    def counted(plan, *args, outputs=None, **kwargs):
+        live = range(len(plan.steps)) if outputs is None else plan.needed_steps(outputs)[0]
+        computed.append({plan.steps[index].out for index in live})
+        return run_plan(plan, *args, outputs=outputs, **kwargs)
+
+    monkeypatch.setattr(host, "run_plan", counted)
+    for method, levels in schedules(n):
+        every = model.backward(grad_out, method=method, levels=levels)
+        wanted = model.backward(grad_out, method=method, levels=levels, input_gradient=False)
+        assert wanted[0] is None
+        for i in range(1, n + 1):  # the same steps' values, bit for bit
+            np.testing.assert_array_equal(wanted[i], every[i], err_msg=f"{method} {levels}: x_{i}")
+        assert computed[-1] < computed[-2], f"{method} {levels}: nothing skipped"
+        first = model.plan(in_shape, method, levels).outputs[0]
+        assert first in computed[-2] and first not in computed[-1]
+        ours = model.parameter_gradients(wanted)
+        for key, value in model.parameter_gradients(every).items():
+            np.testing.assert_array_equal(ours[key], value, err_msg=key)
+
+
+def test_without_the_input_gradient_the_first_layers_jt_is_neither_filled_nor_applied(monkeypatch):
+    model = Sequential(Conv2d(2, 3, 3, padding=1, dtype=np.float64, rng=0), ReLU(), Flatten(),
+                       Linear(48, 4, dtype=np.float64, rng=1))
+    x = np.random.default_rng(0).standard_normal((2, 2, 4, 4))
+    grad_out = np.ones((2, 4))
+    first = model.layers[0]
+    used = []
+    monkeypatch.setattr(first, "transposed_jacobian", lambda *a: used.append("values") or
+                        type(first).transposed_jacobian(first, *a))
+    monkeypatch.setattr(first, "weights_matvec", lambda *a: (lambda g: used.append("applied") or
+                                                             type(first).weights_matvec(first, *a)(g)))
+    model.forward(x)
+    for method in ("linear", "blelloch"):
+        used.clear()
+        model.backward(grad_out, method=method)
+        assert used, "the spies see the first layer's JT when the input's gradient is wanted"
+        used.clear()
+        assert model.backward(grad_out, method=method, input_gradient=False)[0] is None
+        assert used == [], method
+
+
 @pytest.mark.parametrize("n", [3, 8, 21])
 def test_blelloch_equals_torch_autograd(n):
     torch = pytest.importorskip("torch")

@@ -222,7 +222,8 @@ def matvec(pattern: Pattern, data: Array, vectors: Array) -> Array:
 
 def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
              threads: int | None = None,
-             weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None) -> list[Array]:
+             weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None,
+             outputs: frozenset[int] | None = None) -> list[Array | None]:
     """Numeric phase: execute ``plan`` for one batch.
 
     The steps of a level are independent: with ``threads > 1`` they run concurrently (NumPy's and
@@ -244,11 +245,15 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
         ``weights_matvecs[j](g)`` computes ``JT_j @ g`` from layer weights (``(B, cols) -> (B, rows)``,
         ``Layer.weights_matvec``, bound by the caller): every mv step by JT ``j`` uses it. Without it
         mv steps run as SpMVs.
+    outputs : frozenset of int, optional
+        The gradients wanted (``i`` of ``x_i``; None: every one): only the steps they need run
+        (:meth:`~sparse_scan.engine.plan.ScanPlan.needed_steps`), and ``jacobians`` may hold None for
+        the values no such step reads.
 
     Returns
     -------
     list of ndarray
-        ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``.
+        ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n`` (None for one not in ``outputs``).
     """
     if plan.estimated:
         raise ValueError("an estimated plan (estimate_plan) has no products to run: build_plan it")
@@ -282,8 +287,9 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
     workers = thread_count(threads)
     concurrent = workers > 1 and any(len(level) > 1 for level in plan.levels_of_steps)
     with step_pool(workers) if concurrent else contextlib.nullcontext() as pool:
+        live = None if outputs is None else plan.needed_steps(outputs)[0]
         for level in plan.levels_of_steps:
-            steps = [plan.steps[index] for index in level]
+            steps = [plan.steps[index] for index in level if live is None or index in live]
             outs = [output(step) for step in steps]
             run = pool.map if pool is not None and len(steps) > 1 else map
             for step, result in zip(steps, list(run(compute, steps, outs)), strict=True):
@@ -293,7 +299,8 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
             for index in level:
                 for element in plan.releases[index]:
                     buffers.give_back(values.pop(element, None))
-    grads = [values[element] for element in plan.outputs]
+    grads = [values[element] if outputs is None or i in outputs else None
+             for i, element in enumerate(plan.outputs)]
     buffers.keep(grads)
     return grads
 

@@ -272,6 +272,27 @@ class ScanPlan:
                 released[index].append(element)
         return released
 
+    def needed_steps(self, outputs: frozenset[int]) -> tuple[frozenset[int], frozenset[Element]]:
+        """The steps that the gradients w.r.t. ``x_i`` for ``i`` in ``outputs`` need, and the values
+        those steps read (cached per set): a run that wants fewer than every gradient (a training step
+        never reads the model input's) skips the rest, as autograd skips what no input requires."""
+        known = self._needed.get(outputs)
+        if known is None:
+            wanted = {self.outputs[i] for i in outputs}
+            steps: set[int] = set()
+            for index in range(len(self.steps) - 1, -1, -1):  # producers come before their readers
+                step = self.steps[index]
+                if step.out in wanted:
+                    steps.add(index)
+                    wanted.update((step.left, step.right))
+            read = frozenset(e for index in steps for e in (self.steps[index].left, self.steps[index].right))
+            known = self._needed[outputs] = (frozenset(steps), read)
+        return known
+
+    @functools.cached_property
+    def _needed(self) -> dict[frozenset[int], tuple[frozenset[int], frozenset[Element]]]:
+        return {}
+
     @functools.cached_property
     def levels_of_steps(self) -> list[list[int]]:
         """Indices of the steps of every level, in level order."""

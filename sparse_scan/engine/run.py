@@ -33,10 +33,12 @@ from .products import ProductPlan
 __all__ = ["dense_scan", "multiply", "run_plan", "through_inputs", "through_weights"]
 
 _run_plan = _backend.twin(
-    cpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs: _cpu.run_plan(
-        plan, grad_out, jacobians, threads=threads, weights_matvecs=weights_matvecs),
-    gpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs: _gpu.run_plan(
-        plan, grad_out, jacobians))
+    cpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs, outputs: _cpu.run_plan(
+        plan, grad_out, jacobians, threads=threads, weights_matvecs=weights_matvecs, outputs=outputs),
+    # the GPU runs a level as one launch, every step of it: the gradients not wanted are dropped
+    gpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs, outputs: [
+        grad if outputs is None or i in outputs else None
+        for i, grad in enumerate(_gpu.run_plan(plan, grad_out, jacobians))])
 # the GPU scan runs every mv as an SpMV in its level launch: no JT goes through its layer's weights
 _through_weights = _backend.twin(cpu=lambda be, plan, batch: plan.weights.through(batch),
                                  gpu=lambda be, plan, batch: frozenset())
@@ -67,7 +69,8 @@ def through_inputs(plan: ScanPlan) -> frozenset[int]:
 
 def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
              threads: int | None = None,
-             weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None) -> list[Array]:
+             weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None,
+             outputs: frozenset[int] | None = None) -> list[Array | None]:
     """Numeric phase of ``plan`` for one batch on ``be``.
 
     Parameters
@@ -90,13 +93,18 @@ def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: S
         (``Layer.weights_matvec``) for the JTs of :func:`through_weights`, or from its input
         (``Layer.input_matvec``) for those of :func:`through_inputs` it offers one for; every mv step
         by such a JT uses it.
+    outputs : frozenset of int, optional
+        The gradients wanted (``i`` of ``x_i``; None: every one). The CPU runs only the steps they need
+        (:meth:`~sparse_scan.engine.plan.ScanPlan.needed_steps`; ``jacobians`` may then hold None for
+        the values none of those reads); the GPU runs every step of a level in one launch.
 
     Returns
     -------
     list of ndarray
-        ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``, on ``be``.
+        ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``, on ``be``; None for one not in
+        ``outputs``.
     """
-    return _run_plan(be, plan, grad_out, jacobians, threads, weights_matvecs)
+    return _run_plan(be, plan, grad_out, jacobians, threads, weights_matvecs, outputs)
 
 
 def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:

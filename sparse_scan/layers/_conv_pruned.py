@@ -228,8 +228,8 @@ class PrunedWeights:
         int32 where that fits (four bytes an entry instead of two int64 tables: at batch 1 the table's
         reads weigh as much as a short run's multiply-adds; the 97 %-pruned VGG-11's direct
         convolutions at batch 1 took 1.2 ms instead of 1.7, its sampled gradients 3.1 instead of 3.5,
-        one thread, caches cold, 2-core AMD EPYC); the planes' height and width ``(Hq, Wq)`` (the output's, plus the
-        taps' reach)."""
+        one thread, caches cold, 2-core AMD EPYC); the planes' height and width ``(Hq, Wq)`` (the
+        output's, plus the taps' reach)."""
         known = self._tables.get(g)
         if known is None:
             kh, kw = g.kernel

@@ -502,7 +502,8 @@ class RecurrentClassifier:
 
     # backward ---------------------------------------------------------------------------------------
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
-                 device: str | None = None, timings: dict[str, float] | None = None) -> list[Array]:
+                 device: str | None = None, timings: dict[str, float] | None = None,
+                 input_gradient: bool = True) -> list[Array]:
         """Gradients w.r.t. the input, the recurrent layer's outputs and the logits, by a scan per
         layer and direction of the recurrent layer; every parameter's gradient comes out of the same
         scans (:meth:`parameter_gradients`).
@@ -521,6 +522,10 @@ class RecurrentClassifier:
         timings : dict, optional
             Receives ``backward_s``: the seconds of the whole backward, parameter gradients included
             (on the GPU up to a synchronisation).
+        input_gradient : bool, optional
+            Accepted for :class:`~sparse_scan.model.Model`'s contract; the recurrent scans compute the
+            input's gradient with the hidden states' whatever it says (its share is an input
+            projection per step).
 
         Returns
         -------

@@ -343,13 +343,15 @@ class _Engine:
             batch = xp.ascontiguousarray(batch.transpose(1, 0, 2))
         return self.tensor(xp.array(self.model.forward(batch), copy=True))
 
-    def backward(self, grad: torch.Tensor,
-                 masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The scan's ``dL/dx`` and every parameter's gradient for the last forward."""
-        grads = self.model.backward(self.array(grad.contiguous()), method=self.method, levels=self.levels)
+    def backward(self, grad: torch.Tensor, masks: list[torch.Tensor | None],
+                 input_gradient: bool = True) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The scan's ``dL/dx`` (None where ``input_gradient`` is False: the engine then skips the
+        work only it needs) and every parameter's gradient for the last forward."""
+        grads = self.model.backward(self.array(grad.contiguous()), method=self.method, levels=self.levels,
+                                    input_gradient=input_gradient)
         parameters = self.model.parameter_gradients(grads)
-        dx = grads[0]
-        if self.capture.time_major:
+        dx = grads[0] if input_gradient else None
+        if dx is not None and self.capture.time_major:
             dx = dx.transpose(1, 0, 2)
         out = []
         for key, mask in zip(self.gradients, masks, strict=True):
@@ -361,6 +363,8 @@ class _Engine:
                 xp = _backend.of(value).xp
                 value = xp.multiply(value, self.array(mask), out=value, casting="unsafe")
             out.append(self.tensor(value))
+        if dx is None:
+            return None, out
         return self.tensor(dx.copy() if self.capture.time_major else dx), out
 
 
@@ -405,7 +409,8 @@ class _Scan(torch.autograd.Function):
                                        "last forward's masks; run the backward of each forward before the "
                                        "next forward")
                 engine.forward(x)
-            dx, parameters = engine.backward(grad, ctx.masks)
+            # the input's gradient only where autograd wants it (an input batch requires none)
+            dx, parameters = engine.backward(grad, ctx.masks, input_gradient=ctx.needs_input_grad[2])
         # in the parameters' own shapes (a Linear's weight the engine holds as a 1x1 convolution's)
         return (None, None, dx, *(g if g.shape == p.shape else g.reshape(p.shape)
                                   for g, p in zip(parameters, saved, strict=True)))
