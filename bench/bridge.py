@@ -23,8 +23,11 @@ its caches as they left them, not as a training loop's previous iteration leaves
   forward (autograd's call of the scan, the conversions, the gradients handed to ``.grad``; a pruned
   layer's ``weight_orig`` gradient masked, as autograd's own backward of ``weight_orig * weight_mask``
   masks it);
-- ``engine_backward_s``: the same engine model's ``backward`` plus ``parameter_gradients`` called
-  directly on the same batch (what the bridge runs, without the bridge);
+- ``engine_backward_s``: the loss's gradient by autograd (the loss is PyTorch's on both sides), then the
+  same engine model's ``backward`` (without the input's gradient: the batch requires none) plus
+  ``parameter_gradients`` called directly on the same batch: what the bridge runs, without the bridge,
+  so that the ratio is what the bridge adds (autograd's call of the scan, the conversions, the
+  gradients handed to ``.grad``);
 - ``bridge_iteration_s`` and ``torch_iteration_s``: ``zero_grad``, forward, loss, backward and
   ``torch.optim.Adam``'s step (``--optimizer``: ``adam``, PyTorch's default implementation, or
   ``adam-fused``, ``fused=True``), through the bridge and through plain PyTorch autograd;
@@ -138,11 +141,11 @@ def measure(name: str, batch: int, method: str, repeats: int, device: torch.devi
     def engine_backward() -> float:
         out = bnet(x)  # binds the weights and runs the engine's forward
         (engine,) = [e for engines in bnet._engines.values() for e in engines]  # noqa: SLF001 - its model
-        g = engine.array(_loss_gradient(loss_of, out))
         with engine.on_stream(x):
             sync()
             start = time.perf_counter()
-            grads = engine.model.backward(g, method=method)
+            g = engine.array(_loss_gradient(loss_of, out))  # the loss's gradient, by autograd as well
+            grads = engine.model.backward(g, method=method, input_gradient=False)  # x requires none
             engine.model.parameter_gradients(grads)
             sync()
         return time.perf_counter() - start

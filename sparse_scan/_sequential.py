@@ -683,8 +683,7 @@ class Sequential:
         matvecs.update(operators)
         valueless = plan.weights.valueless(through) | operators.keys()
         if outputs is not None and be.name == "cpu":  # the GPU's level launches read every JT
-            read = plan.needed_steps(outputs)[1]
-            valueless |= {j for j in range(1, n + 1) if Element(j, j) not in read}
+            valueless |= plan.needed_steps(outputs)[1]
         self._check_jacobians_fit({index: plan.element_bytes[Element(n - index, n - index)]
                                    for index in range(n) if n - index not in valueless},
                                   batch, activations[0].dtype.itemsize, "the JT values this backward fills")

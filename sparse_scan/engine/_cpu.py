@@ -248,7 +248,7 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
     outputs : frozenset of int, optional
         The gradients wanted (``i`` of ``x_i``; None: every one): only the steps they need run
         (:meth:`~sparse_scan.engine.plan.ScanPlan.needed_steps`), and ``jacobians`` may hold None for
-        the values no such step reads.
+        the JTs no such step reads.
 
     Returns
     -------

@@ -272,10 +272,11 @@ class ScanPlan:
                 released[index].append(element)
         return released
 
-    def needed_steps(self, outputs: frozenset[int]) -> tuple[frozenset[int], frozenset[Element]]:
-        """The steps that the gradients w.r.t. ``x_i`` for ``i`` in ``outputs`` need, and the values
-        those steps read (cached per set): a run that wants fewer than every gradient (a training step
-        never reads the model input's) skips the rest, as autograd skips what no input requires."""
+    def needed_steps(self, outputs: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """The steps that the gradients w.r.t. ``x_i`` for ``i`` in ``outputs`` need, and the scan
+        elements ``j`` (the layer JTs) none of those steps reads (cached per set): a run that wants
+        fewer than every gradient (a training step never reads the model input's) skips the rest, as
+        autograd skips what no input requires."""
         known = self._needed.get(outputs)
         if known is None:
             wanted = {self.outputs[i] for i in outputs}
@@ -285,12 +286,12 @@ class ScanPlan:
                 if step.out in wanted:
                     steps.add(index)
                     wanted.update((step.left, step.right))
-            read = frozenset(e for index in steps for e in (self.steps[index].left, self.steps[index].right))
-            known = self._needed[outputs] = (frozenset(steps), read)
+            unread = frozenset(j for j in range(1, self.n + 1) if Element(j, j) not in wanted)
+            known = self._needed[outputs] = (frozenset(steps), unread)
         return known
 
     @functools.cached_property
-    def _needed(self) -> dict[frozenset[int], tuple[frozenset[int], frozenset[Element]]]:
+    def _needed(self) -> dict[frozenset[int], tuple[frozenset[int], frozenset[int]]]:
         return {}
 
     @functools.cached_property
