@@ -13,7 +13,8 @@ threads), with the ratio PyTorch / sparse-scan (above 1: we are faster):
   gradients sampled at the kept weights), at batch 1, 4 and 16, against ``torch.autograd.grad``
   w.r.t. the input and every parameter (autograd's dense weight gradients: PyTorch knows no pruning);
 * ``lenet``: one training iteration of LeNet-5 on scikit-learn's digits (``data/lenet5-digits.yaml``,
-  batch 64, Adam lr 0.003: forward, loss, backward by ``--lenet-method``, parameter gradients, step)
+  batch 64, Adam lr 0.003: forward, loss, backward by ``--lenet-method`` without the input's gradient (as
+  autograd's, the input requiring none), parameter gradients, step)
   against the same network, weights and batches in PyTorch;
 * ``rnn``: the paper's RNN backward at T=1000, B=16, H=20 (back-propagation's schedule, as
   ``bench/rnn.py`` times it) against autograd through ``nn.RNN``.
@@ -124,7 +125,9 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
         def iteration() -> None:
             k = next(batches) % len(xs)
             loss, grad = softmax_cross_entropy(model.forward(xs[k]), ys[k])
-            optimizer.step(model.parameter_gradients(model.backward(grad, method=args.lenet_method)))
+            # a training step: no input gradient, as autograd computes none for an input that requires none
+            grads = model.backward(grad, method=args.lenet_method, input_gradient=False)
+            optimizer.step(model.parameter_gradients(grads))
 
         out[f"lenet5-digits/B64/adam/{args.lenet_method}"] = median_time(iteration, args.repeats)
     if "rnn" in args.workloads:
