@@ -494,3 +494,22 @@ def test_pruned_layers_on_tiny_planes_keep_the_spmv():
         weight.ravel()[np.random.default_rng(1).permutation(weight.size)[weight.size // 33:]] = 0
         conv.weight = weight
         assert conv.weights_path((64, side, side)).csr is through_weights
+
+
+@pytest.mark.parametrize("shape", [(16, 64, 1024), (3, 5, 4), (1, 7, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_hosts_bias_gradient_is_summed_in_float64(shape, dtype):
+    from sparse_scan.layers._weighted import bias_gradient
+
+    grad = np.random.default_rng(0).standard_normal(shape).astype(dtype) * 100
+    got = bias_gradient(backend.get("cpu"), grad)
+    exact = np.array([math.fsum(grad[:, c].ravel().astype(np.float64)) for c in range(shape[1])])
+    assert got.dtype == dtype
+    if dtype == np.float32:  # float64's sum errs far below float32's rounding: the exact sum, rounded
+        np.testing.assert_allclose(got, exact.astype(dtype), rtol=np.finfo(dtype).eps, atol=0)
+    else:  # a reassociated float64 sum: within a few epsilons of the magnitudes summed
+        bound = 4 * np.finfo(dtype).eps * np.abs(grad).sum(axis=(0, 2))
+        assert np.all(np.abs(got - exact) <= bound)
+    grad[0, 0, 0], grad[-1, -1, -1] = np.nan, np.inf
+    got = bias_gradient(backend.get("cpu"), grad)
+    assert np.isnan(got[0]) and (np.isinf(got[-1]) if shape[1] > 1 else True)

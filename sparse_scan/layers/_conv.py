@@ -33,7 +33,7 @@ from ._conv_pruned import (
     pruned_transposed_convolution,
 )
 from ._geometry import ConvGeometry, IntPair, output_size, pair, window_extent
-from ._weighted import WeightedLayer
+from ._weighted import WeightedLayer, bias_gradient
 
 __all__ = ["Conv2d"]
 
@@ -286,7 +286,7 @@ class Conv2d(WeightedLayer):
         grads = {"weight": self._weight_gradient(
             be, g, x, grad.reshape(batch, g.out_channels, g.out_height, g.out_width), dense)}
         if self.bias is not None:
-            grads["bias"] = grad.sum(axis=(0, 3)).reshape(-1)
+            grads["bias"] = bias_gradient(be, grad.reshape(batch, g.out_channels, pixels))
         return grads
 
     # --- pattern -------------------------------------------------------------------------------

@@ -588,6 +588,22 @@ def max_pool_windows(x, slot, geometry, out, p0, p1):
                     values[u(slot[u(best_k[u(ow)]), u(row + ow)])] = one
 
 
+@compiled(fastmath={"reassoc"})
+def channel_sums(grad, sizes, out, c0, c1):
+    """``out[c] = sum over b, p of grad[b, c, p]`` for the channels ``c0:c1`` of the flat ``(B, C, P)``
+    ``grad``, ``sizes`` ``(B, C, P)``: a layer's bias gradient, summed in float64 whatever the dtype
+    (reassociated into vector lanes), then rounded once to ``out``'s. NumPy's ``sum(axis=(0, 2))`` of
+    the same costs 4 ns a value on short planes (VGG-11's batch-16 gradients: 0.11-0.18 ms a layer)."""
+    batch, channels, plane = sizes
+    for c in range(c0, c1):
+        total = 0.0
+        for b in range(batch):
+            base = u((b * channels + c) * plane)
+            for p in range(plane):
+                total += np.float64(grad[base + u(p)])
+        out[u(c)] = total
+
+
 @compiled
 def relu_forward(x, out, i0, i1):
     """``out[i] = 0 if x[i] < 0 else x[i]`` for the flat positions ``i0:i1``: PyTorch's ReLU, whose

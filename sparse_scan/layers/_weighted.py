@@ -16,11 +16,28 @@ import numpy as np
 
 from .. import backend as _backend
 from .._checks import as_float_dtype, as_rng
+from .._host_kernels import launch
+from .._threads import even_parts, workers_for
 from .._types import Array, RngLike
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
 from ._conv_pruned import SAMPLED_MAX_DENSITY, PrunedWeights, sampled_weight_gradient
 from ._geometry import ConvGeometry
+from ._kernels import channel_sums
+
+
+def _bias_gradient_cpu(be: _backend.Backend, grad: np.ndarray) -> np.ndarray:
+    batch, channels, plane = grad.shape
+    out = np.empty(channels, dtype=grad.dtype)
+    launch(channel_sums, (np.ascontiguousarray(grad).reshape(-1), (batch, channels, plane), out),
+           even_parts(channels, workers_for(grad.size)))
+    return out
+
+
+bias_gradient = _backend.twin(cpu=_bias_gradient_cpu, gpu=lambda be, grad: grad.sum(axis=(0, 2)))
+"""``bias_gradient(be, grad)``: a layer's bias gradient from its output gradient ``grad`` ``(B, C, P)``,
+the sum over the batch and the positions per channel: on the host a compiled pass summing in float64
+(:func:`~sparse_scan.layers._kernels.channel_sums`), on the GPU CuPy's sum."""
 
 
 def device_or_host(value: Any) -> Array:
