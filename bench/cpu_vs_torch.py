@@ -10,7 +10,8 @@ threads), with the ratio PyTorch / sparse-scan (above 1: we are faster):
   planned or not run), against ``torch.autograd.grad`` w.r.t. the input through the same layers;
 * ``vgg-full`` (issue 45): the full backward of the 97%-pruned stack, the scan's gradients and every
   parameter's (``backward`` by ``auto`` then ``parameter_gradients``: the pruned convolutions' weight
-  gradients sampled at the kept weights), at batch 1, 4 and 16, against ``torch.autograd.grad``
+  gradients sampled at the kept weights, those of bounded work beside the scan, ``parameters_beside``,
+  as a training step asks), at batch 1, 4 and 16, against ``torch.autograd.grad``
   w.r.t. the input and every parameter (autograd's dense weight gradients: PyTorch knows no pruning);
 * ``lenet``: one training iteration of LeNet-5 on scikit-learn's digits (``data/lenet5-digits.yaml``,
   batch 64, Adam lr 0.003: forward, loss, backward by ``--lenet-method`` without the input's gradient (as
@@ -114,7 +115,8 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
             model = load_model(DATA / "vgg11-pruned.yaml", dtype=np.float32)
             x, grad = vgg_inputs(batch)
             model.forward(x)
-            full = functools.partial(lambda m, g: m.parameter_gradients(m.backward(g, "auto")), model, grad)
+            full = functools.partial(  # the parameter gradients beside the scan, as a training step asks
+                lambda m, g: m.parameter_gradients(m.backward(g, "auto", parameters_beside=True)), model, grad)
             out[f"vgg11-pruned-full/B{batch}/auto"] = median_time(full, args.repeats)
     if "lenet" in args.workloads:
         model = load_model(DATA / "lenet5-digits.yaml", dtype=np.float32)
@@ -126,7 +128,8 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
             k = next(batches) % len(xs)
             loss, grad = softmax_cross_entropy(model.forward(xs[k]), ys[k])
             # a training step: no input gradient, as autograd computes none for an input that requires none
-            grads = model.backward(grad, method=args.lenet_method, input_gradient=False)
+            grads = model.backward(grad, method=args.lenet_method, input_gradient=False,
+                                   parameters_beside=True)
             optimizer.step(model.parameter_gradients(grads))
 
         out[f"lenet5-digits/B64/adam/{args.lenet_method}"] = median_time(iteration, args.repeats)

@@ -19,15 +19,18 @@ True
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
+from concurrent.futures import Future
 from typing import Callable, Hashable, Sequence
 
 from . import _environment
 from . import backend as _backend
 from . import weights as _weights
 from ._layerwise import layerwise_backward
+from ._threads import beside_pool
 from ._types import Array
 from .csr import BatchedCSR, Pattern
 from .engine.cost import PLAN_SECONDS_VARIABLE, CostModel, current, max_plan_seconds, predicted_plan_seconds
@@ -231,6 +234,8 @@ class Sequential:
         self._plans: dict[Hashable, ScanPlan] = {}
         self._products: dict[Hashable, dict[tuple[Element, Element], ProductPlan]] = {}
         self._activations: list[Array] | None = None
+        # the gradients a backward returned and their layers' parameter gradients started beside it
+        self._beside: tuple[list[Array | None], dict[int, Future]] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -273,6 +278,7 @@ class Sequential:
 
     def forward(self, x: Array) -> Array:
         """Apply every layer to the batch ``x``; keep each layer's input for its Jacobian."""
+        self._settle_beside()
         activations = [x]
         for layer in self.layers:
             activations.append(layer.forward(activations[-1]))
@@ -568,10 +574,14 @@ class Sequential:
         if len(grads) != len(activations):
             raise ValueError(f"expected {len(activations)} gradients (x_0 .. x_n), got {len(grads)}")
         start = time.perf_counter()
+        started = self._settle_beside(grads)
         out = {}
         for index, layer in enumerate(self.layers):
             if hasattr(layer, "parameter_gradients"):
-                for name, value in layer.parameter_gradients(activations[index], grads[index + 1]).items():
+                job = started.get(index)
+                values = job.result() if job is not None else layer.parameter_gradients(activations[index],
+                                                                                         grads[index + 1])
+                for name, value in values.items():
                     out[_weights.scoped_name(str(layer.name), layer, name)] = value
         if timings is not None:
             _backend.of(activations[0]).synchronize()
@@ -611,9 +621,22 @@ class Sequential:
         flat = layerwise_backward(self, grad_out)
         return [g.reshape(x.shape) for g, x in zip(flat, self._require_forward(), strict=True)]
 
+    def _settle_beside(self, grads: Sequence[Array | None] | None = None) -> dict[int, Future]:
+        """The parameter gradients started beside the backward that returned ``grads`` (by layer
+        index); any others are waited for and dropped (a forward, a backward or another list of
+        gradients comes first: nothing runs beside them)."""
+        beside, self._beside = self._beside, None
+        if beside is None:
+            return {}
+        made_for, jobs = beside
+        if grads is not None and grads is made_for:
+            return jobs
+        concurrent.futures.wait(list(jobs.values()))
+        return {}
+
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
                  device: str | None = None, timings: dict[str, float] | None = None,
-                 input_gradient: bool = True) -> list[Array | None]:
+                 input_gradient: bool = True, parameters_beside: bool = False) -> list[Array | None]:
         """Gradients w.r.t. every activation, by a scan over the layers' transposed Jacobians.
 
         Parameters
@@ -635,6 +658,13 @@ class Sequential:
             parameter gradients never read it): None in its place, and the host skips the steps and
             the JT values only it needs (the first layer's transposed product; autograd skips it
             too when the input requires no gradient).
+        parameters_beside : bool, optional
+            True: on the host, each layer whose parameter gradients may run beside the scan
+            (``WeightedLayer.parameters_beside_scan``: a pruned layer's sampled product of bounded
+            work) starts them on a second thread as soon as the scan has its output's gradient, and
+            :meth:`parameter_gradients` of the list returned collects them (the same values: the same
+            kernels on the same arrays). For a caller that asks for the parameter gradients next (a
+            training step); the next :meth:`forward` or :meth:`backward` waits for any left.
 
         Returns
         -------
@@ -650,6 +680,7 @@ class Sequential:
             is filled (:meth:`_check_jacobians_fit`).
         """
         activations = self._require_forward()
+        self._settle_beside()
         be = _backend.of(activations[0]) if device is None else _backend.get(device)
         shapes = [tuple(a.shape[1:]) for a in activations]
         grad_out = be.asarray(grad_out)
@@ -692,12 +723,24 @@ class Sequential:
         if timings is not None:
             be.synchronize()  # the fills are asynchronous on a GPU
         lap("values_s")
+        jobs: dict[int, Future] = {}
+        ready = None
+        if parameters_beside and be.name == "cpu":
+            def ready(i: int, grad: Array) -> None:  # the output gradient of layer i - 1
+                layer = self.layers[i - 1] if i > 0 else None
+                beside = getattr(layer, "parameters_beside_scan", None)
+                if beside is not None and beside(activations[i - 1]):
+                    jobs[i - 1] = beside_pool().submit(layer.parameter_gradients, activations[i - 1],
+                                                       grad.reshape((batch,) + shapes[i]))
         flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs,
-                        outputs=outputs)
+                        outputs=outputs, ready=ready)
         if timings is not None:
             be.synchronize()
         lap("scan_s")
         if be.name == "cpu":  # a GPU runs subnormals at full speed
             self.subnormals.observe([g for g in flat if g is not None])
-        return [None if g is None else g.reshape((batch,) + shape)
-                for g, shape in zip(flat, shapes, strict=True)]
+        grads = [None if g is None else g.reshape((batch,) + shape)
+                 for g, shape in zip(flat, shapes, strict=True)]
+        if jobs:
+            self._beside = (grads, jobs)
+        return grads

@@ -27,6 +27,7 @@ __all__ = ["BUSY_SECONDS", "BUSY_SHARE", "BUSY_THREAD_MIN_VALUES", "THREADS_VARI
 
 _POOL: ThreadPoolExecutor | None = None
 _STEP_POOL: ThreadPoolExecutor | None = None
+_BESIDE_POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
@@ -102,8 +103,8 @@ def thread_count(threads: int | None) -> int:
 
 def _forget_pool() -> None:
     """In a forked child: the parent's pool threads do not exist there, so new pools are made."""
-    global _POOL, _STEP_POOL, _POOL_LOCK
-    _POOL, _STEP_POOL, _POOL_LOCK = None, None, threading.Lock()
+    global _POOL, _STEP_POOL, _BESIDE_POOL, _POOL_LOCK
+    _POOL, _STEP_POOL, _BESIDE_POOL, _POOL_LOCK = None, None, None, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -119,6 +120,17 @@ def kernel_pool() -> ThreadPoolExecutor | None:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(cpu_threads(), thread_name_prefix="sparse-scan-kernel")
         return _POOL
+
+
+def beside_pool() -> ThreadPoolExecutor:
+    """One thread for work that runs beside the calling thread's (a backward's parameter gradients
+    beside its scan): its own, not the kernel pool's, since that work cuts its kernels over the kernel
+    pool and waits for them."""
+    global _BESIDE_POOL
+    with _POOL_LOCK:
+        if _BESIDE_POOL is None:
+            _BESIDE_POOL = ThreadPoolExecutor(1, thread_name_prefix="sparse-scan-beside")
+        return _BESIDE_POOL
 
 
 @contextlib.contextmanager

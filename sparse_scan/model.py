@@ -132,13 +132,15 @@ class Model(Protocol):
 
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
                  device: str | None = None, timings: dict[str, float] | None = None,
-                 input_gradient: bool = True) -> list[Array | None]:
+                 input_gradient: bool = True, parameters_beside: bool = False) -> list[Array | None]:
         """Gradients w.r.t. every activation of :meth:`shapes` (batch first), by the scan of
         ``method``/``levels`` (``auto``: :meth:`plan`'s choice), from ``grad_out``, the gradient
         w.r.t. the output of the last :meth:`forward`; ``timings`` receives the seconds of the
         backward's phases, named as the model times them. With ``input_gradient`` False the
         model input's gradient is not wanted: a model may skip its work and return None in its
-        place (:meth:`parameter_gradients` never reads it)."""
+        place (:meth:`parameter_gradients` never reads it). With ``parameters_beside`` the caller asks
+        for :meth:`parameter_gradients` of the list returned next: a model may start them while its
+        scan goes on."""
 
     def parameter_gradients(self, grads: Sequence[Array],
                             timings: dict[str, float] | None = None) -> dict[str, Array]:

@@ -464,7 +464,8 @@ def _step(be: _backend.Backend, model: Any, optimizer: Any, method: str, levels:
         _check_finite(logits, "the model's outputs")
         loss, grad = softmax_cross_entropy(logits, labels)
         _check_finite(loss, "the loss")
-        grads = model.backward(be.asarray(grad), method=method, levels=levels, input_gradient=False)
+        grads = model.backward(be.asarray(grad), method=method, levels=levels, input_gradient=False,
+                               parameters_beside=True)
         gradients = {key: be.to_host(value) for key, value in model.parameter_gradients(grads).items()}
         for key, value in gradients.items():
             _check_finite(value, f"the gradient of {key!r}")

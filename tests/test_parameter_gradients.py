@@ -102,3 +102,73 @@ def test_parameter_gradients_on_each_backend_equal_the_host_ones(be, kwargs):
         np.testing.assert_allclose(be.to_host(got_value), value, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(linear.parameter_gradients(xs, be.asarray(gs))[name], value, rtol=1e-12,
                                    atol=1e-12)
+
+
+def pruned_chain(seed: int = 0) -> tuple[Sequential, np.ndarray, np.ndarray]:
+    """A chain of pruned convolutions and a Linear (10 % kept: every weight gradient sampled, each
+    beside the scan) with a batch and an output gradient."""
+    rng = np.random.default_rng(seed)
+    layers = [Conv2d(3, 8, 3, padding=1, dtype=np.float64, rng=seed, prune_pattern=True), ReLU(),
+              Conv2d(8, 8, 3, padding=1, dtype=np.float64, rng=seed + 1, prune_pattern=True), ReLU(),
+              MaxPool2d(2), Flatten(),
+              Linear(8 * 4 * 4, 5, dtype=np.float64, rng=seed + 2, prune_pattern=True)]
+    for layer in layers:
+        if hasattr(layer, "prune_pattern"):
+            layer.weight = layer.weight * (rng.random(layer.weight.shape) < 0.1)
+    model = Sequential(*layers)
+    x = rng.standard_normal((2, 3, 8, 8))
+    return model, x, rng.standard_normal((2, 5))
+
+
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_parameter_gradients_beside_the_scan_are_the_same_and_run_on_the_second_thread(method, monkeypatch):
+    import threading
+
+    model, x, grad_out = pruned_chain()
+    model.forward(x)
+    expected = model.parameter_gradients(model.backward(grad_out, method))
+    threads = []
+    for layer in model.layers:
+        if hasattr(layer, "parameter_gradients"):
+            own = layer.parameter_gradients
+            monkeypatch.setattr(layer, "parameter_gradients", lambda *a, own=own: threads.append(
+                threading.current_thread().name) or own(*a))
+    grads = model.backward(grad_out, method, input_gradient=False, parameters_beside=True)
+    got = model.parameter_gradients(grads)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    # every weighted layer's, each started as the scan reached its output's gradient
+    assert len(threads) == 3 and all(name.startswith("sparse-scan-beside") for name in threads), threads
+    threads.clear()
+    model.parameter_gradients(model.backward(grad_out, method))  # not asked: all on this thread
+    assert threads == [threading.current_thread().name] * 3
+
+
+def test_parameter_gradients_of_other_gradients_or_after_a_forward_are_computed_again(monkeypatch):
+    model, x, grad_out = pruned_chain(1)
+    model.forward(x)
+    grads = model.backward(grad_out, "linear", parameters_beside=True)
+    other = [None if g is None else 2 * g for g in grads]  # another list: not what the jobs computed
+    doubled = model.parameter_gradients(other)
+    again = model.parameter_gradients(grads)  # the jobs were dropped: computed here
+    for key, value in again.items():
+        np.testing.assert_allclose(doubled[key], 2 * value, rtol=1e-12, err_msg=key)
+    model.backward(grad_out, "linear", parameters_beside=True)
+    y = model.forward(x[::-1].copy())  # a forward first: the jobs are waited for, then dropped
+    grads = model.backward(np.ones_like(y), "linear")
+    serial = model.parameter_gradients(grads)
+    model.forward(x[::-1].copy())
+    beside = model.parameter_gradients(model.backward(np.ones_like(y), "linear", parameters_beside=True))
+    for key, value in serial.items():
+        np.testing.assert_array_equal(beside[key], value, err_msg=key)
+
+
+def test_an_error_beside_the_scan_is_raised_by_parameter_gradients(monkeypatch):
+    model, x, grad_out = pruned_chain(2)
+    model.forward(x)
+    last = model.layers[-1]
+    monkeypatch.setattr(last, "parameter_gradients", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    grads = model.backward(grad_out, "linear", parameters_beside=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.parameter_gradients(grads)

@@ -223,7 +223,8 @@ def matvec(pattern: Pattern, data: Array, vectors: Array) -> Array:
 def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
              threads: int | None = None,
              weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None,
-             outputs: frozenset[int] | None = None) -> list[Array | None]:
+             outputs: frozenset[int] | None = None,
+             ready: Callable[[int, Array], None] | None = None) -> list[Array | None]:
     """Numeric phase: execute ``plan`` for one batch.
 
     The steps of a level are independent: with ``threads > 1`` they run concurrently (NumPy's and
@@ -249,6 +250,10 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
         The gradients wanted (``i`` of ``x_i``; None: every one): only the steps they need run
         (:meth:`~sparse_scan.engine.plan.ScanPlan.needed_steps`), and ``jacobians`` may hold None for
         the JTs no such step reads.
+    ready : callable, optional
+        ``ready(i, grad)`` on this thread as soon as the wanted gradient w.r.t. ``x_i`` is computed
+        (``g_n`` first, then at the end of each level its results), for work that may start from it
+        while the scan goes on.
 
     Returns
     -------
@@ -288,6 +293,9 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
     concurrent = workers > 1 and any(len(level) > 1 for level in plan.levels_of_steps)
     with step_pool(workers) if concurrent else contextlib.nullcontext() as pool:
         live = None if outputs is None else plan.needed_steps(outputs)[0]
+        wanted = {element: i for i, element in enumerate(plan.outputs) if outputs is None or i in outputs}
+        if ready is not None and Element(0, 0) in wanted:
+            ready(wanted[Element(0, 0)], grad_out)
         for level in plan.levels_of_steps:
             steps = [plan.steps[index] for index in level if live is None or index in live]
             outs = [output(step) for step in steps]
@@ -296,6 +304,8 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
                 values[step.out] = result
                 if step.product is not None:
                     patterns[step.out] = step.product.out
+                if ready is not None and step.out in wanted:
+                    ready(wanted[step.out], result)
             for index in level:
                 for element in plan.releases[index]:
                     buffers.give_back(values.pop(element, None))

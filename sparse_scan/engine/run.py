@@ -33,10 +33,12 @@ from .products import ProductPlan
 __all__ = ["dense_scan", "multiply", "run_plan", "through_inputs", "through_weights"]
 
 _run_plan = _backend.twin(
-    cpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs, outputs: _cpu.run_plan(
-        plan, grad_out, jacobians, threads=threads, weights_matvecs=weights_matvecs, outputs=outputs),
-    # the GPU runs a level as one launch, every step of it: the gradients not wanted are dropped
-    gpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs, outputs: [
+    cpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs, outputs, ready: _cpu.run_plan(
+        plan, grad_out, jacobians, threads=threads, weights_matvecs=weights_matvecs, outputs=outputs,
+        ready=ready),
+    # the GPU runs a level as one launch, every step of it: the gradients not wanted are dropped, and
+    # the launches are asynchronous (nothing to start beside them)
+    gpu=lambda be, plan, grad_out, jacobians, threads, weights_matvecs, outputs, ready: [
         grad if outputs is None or i in outputs else None
         for i, grad in enumerate(_gpu.run_plan(plan, grad_out, jacobians))])
 # the GPU scan runs every mv as an SpMV in its level launch: no JT goes through its layer's weights
@@ -70,7 +72,8 @@ def through_inputs(plan: ScanPlan) -> frozenset[int]:
 def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | None],
              threads: int | None = None,
              weights_matvecs: Mapping[int, Callable[[Array], Array]] | None = None,
-             outputs: frozenset[int] | None = None) -> list[Array | None]:
+             outputs: frozenset[int] | None = None,
+             ready: Callable[[int, Array], None] | None = None) -> list[Array | None]:
     """Numeric phase of ``plan`` for one batch on ``be``.
 
     Parameters
@@ -97,6 +100,9 @@ def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: S
         The gradients wanted (``i`` of ``x_i``; None: every one). The CPU runs only the steps they need
         (:meth:`~sparse_scan.engine.plan.ScanPlan.needed_steps`; ``jacobians`` may then hold None for
         the values none of those reads); the GPU runs every step of a level in one launch.
+    ready : callable, optional
+        CPU only: ``ready(i, grad)`` on the calling thread as soon as the wanted gradient w.r.t.
+        ``x_i`` is computed, for work that may start from it while the scan goes on.
 
     Returns
     -------
@@ -104,7 +110,7 @@ def run_plan(be: _backend.Backend, plan: ScanPlan, grad_out: Array, jacobians: S
         ``grads[i]`` of shape ``(B, size of x_i)``, ``i = 0..n``, on ``be``; None for one not in
         ``outputs``.
     """
-    return _run_plan(be, plan, grad_out, jacobians, threads, weights_matvecs, outputs)
+    return _run_plan(be, plan, grad_out, jacobians, threads, weights_matvecs, outputs, ready)
 
 
 def multiply(plan: ProductPlan, a_data: Array, b_data: Array) -> Array:

@@ -503,7 +503,7 @@ class RecurrentClassifier:
     # backward ---------------------------------------------------------------------------------------
     def backward(self, grad_out: Array, method: str = "auto", levels: int | str | None = None,
                  device: str | None = None, timings: dict[str, float] | None = None,
-                 input_gradient: bool = True) -> list[Array]:
+                 input_gradient: bool = True, parameters_beside: bool = False) -> list[Array]:
         """Gradients w.r.t. the input, the recurrent layer's outputs and the logits, by a scan per
         layer and direction of the recurrent layer; every parameter's gradient comes out of the same
         scans (:meth:`parameter_gradients`).
@@ -526,6 +526,9 @@ class RecurrentClassifier:
             Accepted for :class:`~sparse_scan.model.Model`'s contract; the recurrent scans compute the
             input's gradient with the hidden states' whatever it says (its share is an input
             projection per step).
+        parameters_beside : bool, optional
+            Accepted for :class:`~sparse_scan.model.Model`'s contract: the parameter gradients come
+            out of the same scans.
 
         Returns
         -------

@@ -348,7 +348,7 @@ class _Engine:
         """The scan's ``dL/dx`` (None where ``input_gradient`` is False: the engine then skips the
         work only it needs) and every parameter's gradient for the last forward."""
         grads = self.model.backward(self.array(grad.contiguous()), method=self.method, levels=self.levels,
-                                    input_gradient=input_gradient)
+                                    input_gradient=input_gradient, parameters_beside=True)
         parameters = self.model.parameter_gradients(grads)
         dx = grads[0] if input_gradient else None
         if dx is not None and self.capture.time_major:
