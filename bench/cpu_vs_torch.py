@@ -116,7 +116,8 @@ def ours(args: argparse.Namespace) -> dict[str, Any]:
             x, grad = vgg_inputs(batch)
             model.forward(x)
             full = functools.partial(  # the parameter gradients beside the scan, as a training step asks
-                lambda m, g: m.parameter_gradients(m.backward(g, "auto", parameters_beside=True)), model, grad)
+                lambda m, g: m.parameter_gradients(m.backward(g, "auto", parameters_beside=True)),
+                model, grad)
             out[f"vgg11-pruned-full/B{batch}/auto"] = median_time(full, args.repeats)
     if "lenet" in args.workloads:
         model = load_model(DATA / "lenet5-digits.yaml", dtype=np.float32)

@@ -350,3 +350,35 @@ def test_gpu_twins_leave_non_finite_batches_to_the_dense_path():
     assert np.isnan(expected).any()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isnan(got_grads), np.isnan(grads))
+
+
+def test_a_sampled_gradient_reuses_the_memory_of_the_last_one_only_where_nothing_holds_it():
+    layer = Conv2d(4, 6, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
+    layer.weight = layer.weight * (np.random.default_rng(0).random(layer.weight.shape) < 0.05)
+    x = np.random.default_rng(1).standard_normal((2, 4, 6, 6))
+    grads = [np.random.default_rng(seed).standard_normal(layer.forward(x).shape) for seed in (2, 3)]
+    layer.forward(x)
+    expected = [weight_gradient_oracle(layer, x, g) * (layer.weight != 0) for g in grads]
+
+    def weight_gradient(k):
+        return layer.parameter_gradients(x, grads[k])["weight"]
+
+    def address(array):
+        return array.__array_interface__["data"][0]
+
+    first = weight_gradient(0)
+    memory = address(first)
+    del first  # nothing holds it: the layer keeps its memory for the next one (malloc cannot reuse it)
+    second = weight_gradient(1)
+    assert address(second) == memory
+    np.testing.assert_allclose(second, expected[1], rtol=1e-12, atol=1e-12)
+    third = weight_gradient(0)  # ``second`` is held: new memory, ``second`` untouched
+    assert address(third) != memory
+    np.testing.assert_allclose(second, expected[1], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(third, expected[0], rtol=1e-12, atol=1e-12)
+    view, held = third[0], address(third)
+    del third, second
+    fourth = weight_gradient(1)  # the last one's memory is held by a view: new memory again
+    assert address(fourth) != held
+    np.testing.assert_allclose(view, expected[0][0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(fourth, expected[1], rtol=1e-12, atol=1e-12)
