@@ -726,8 +726,10 @@ class Sequential:
         jobs: dict[int, Future] = {}
         ready = None
         if parameters_beside and be.name == "cpu":
+            last = 0 if input_gradient else 1  # the scan's last gradient: nothing left to run beside
+
             def ready(i: int, grad: Array) -> None:  # the output gradient of layer i - 1
-                layer = self.layers[i - 1] if i > 0 else None
+                layer = self.layers[i - 1] if i > last else None
                 beside = getattr(layer, "parameters_beside_scan", None)
                 if beside is not None and beside(activations[i - 1]):
                     jobs[i - 1] = beside_pool().submit(layer.parameter_gradients, activations[i - 1],

@@ -275,7 +275,8 @@ def test_the_weight_gradient_reads_the_forwards_planes_of_the_same_batch_only(mo
     layer = pruned_layer("conv", GEOMETRIES[0], np.float64, 0.03, seed=0)
     copies = []
     planes = _conv_pruned._planes
-    monkeypatch.setattr(_conv_pruned, "_planes", lambda x, *rest: copies.append(x.shape) or planes(x, *rest))
+    monkeypatch.setattr(_conv_pruned, "_planes",
+                        lambda x, *rest, **named: copies.append(x.shape) or planes(x, *rest, **named))
     x = batch_for("conv", GEOMETRIES[0], 2, np.float64, seed=0)
     grad = np.random.default_rng(1).standard_normal(layer.forward(x).shape)
     np.testing.assert_allclose(layer.parameter_gradients(x, grad)["weight"], oracles(layer, x, grad)[1],

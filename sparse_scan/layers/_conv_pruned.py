@@ -192,7 +192,7 @@ class PrunedWeights:
         self._device: dict[int, tuple[Array, Array]] = {}  # GPU id -> (indptr, positions) there
         self._transposed: tuple[scipy.sparse.csr_matrix, np.ndarray, list[Any]] | None = None
         self._forward_planes: tuple[weakref.ref, ConvGeometry, tuple[np.ndarray, bool]] | None = None
-        self._gradients: dict[np.dtype, np.ndarray] = {}  # dtype -> the host's last sampled gradient
+        self._reused: dict[tuple[str, int, np.dtype], np.ndarray] = {}  # (use, size, dtype) -> array
 
     @property
     def nnz(self) -> int:
@@ -214,19 +214,19 @@ class PrunedWeights:
             known = self._values[key] = (version, values)
         return known[1]
 
-    def gradient_buffer(self, dtype: Any) -> np.ndarray:
-        """A flat host array of the weight's size for a sampled gradient (written whole: every channel
-        zeroed, then its kept weights'): the one handed out last for ``dtype`` where nothing holds it
-        any more (no view, tensor or name: CPython's reference count says so), else a new one. A
-        weight-sized array allocated per backward came from a thread's own malloc arena when the
-        gradient ran beside the scan (:meth:`~sparse_scan.Sequential.backward`'s
+    def reused(self, use: str, size: int, dtype: Any) -> np.ndarray:
+        """A flat host array of ``size`` values of ``dtype`` for ``use`` (written whole by its user: a
+        sampled gradient, the output gradient's planes): the one handed out last for that use where
+        nothing holds it any more (no view, tensor or name: CPython's reference count says so), else
+        a new one. An array of a weight's size allocated per backward came from a thread's own malloc
+        arena when the gradient ran beside the scan (:meth:`~sparse_scan.Sequential.backward`'s
         ``parameters_beside``), which returns freed memory to the system: 1647 page faults a backward
         on the 97 %-pruned VGG-11 at batch 1, 2x the backward's time."""
-        key = np.dtype(dtype)
-        held = self._gradients.get(key)
+        key = (use, int(size), np.dtype(dtype))
+        held = self._reused.get(key)
         if held is not None and sys.getrefcount(held) <= 3:  # the dict's, ``held`` and the call's
             return held
-        held = self._gradients[key] = np.empty(math.prod(self.shape), dtype=key)
+        held = self._reused[key] = np.empty(size, dtype=dtype)
         return held
 
     def on_device(self) -> tuple[Array, Array]:
@@ -286,11 +286,14 @@ class PrunedWeights:
 
 
 # --- the phase planes and the pieces of work (host) -------------------------------------------------
-def _planes(x: np.ndarray, geometry: tuple[int, ...]) -> tuple[np.ndarray, bool]:
+def _planes(x: np.ndarray, geometry: tuple[int, ...],
+            reused: PrunedWeights | None = None) -> tuple[np.ndarray, bool]:
     """:func:`~sparse_scan.layers._kernels.to_planes` of the batch ``x`` (``(B, C, H, W)``) into one
-    array, its channels cut over the kernel pool's threads; and whether a value copied is not finite."""
+    array (``reused``'s array for them where given: :meth:`PrunedWeights.reused`), its channels cut
+    over the kernel pool's threads; and whether a value copied is not finite."""
     channels, sh, sw, hq, wq = geometry[0], geometry[3], geometry[4], geometry[7], geometry[8]
-    out = np.empty(channels * sh * sw * hq * wq * x.shape[0], dtype=x.dtype)
+    size = channels * sh * sw * hq * wq * x.shape[0]
+    out = np.empty(size, dtype=x.dtype) if reused is None else reused.reused("planes", size, x.dtype)
     nonfinite = np.zeros(channels, dtype=np.bool_)
     launch(to_planes, (np.ascontiguousarray(x), geometry, out, nonfinite),
            even_parts(channels, workers_for(out.size)))
@@ -388,11 +391,11 @@ def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: 
     grad_geometry = (g.out_channels, g.out_height, g.out_width, 1, 1, 0, 0, g.out_height, wq)
     dtype = np.result_type(x.dtype, grad_out.dtype)
     grad = np.asarray(grad_out, dtype=dtype).reshape(batch, g.out_channels, g.out_height, g.out_width)
-    planes_of_grad, grad_nonfinite = _planes(grad, grad_geometry)
+    planes_of_grad, grad_nonfinite = _planes(grad, grad_geometry, reused=pruned)  # read here alone
     if nonfinite or grad_nonfinite:
         return None
     sizes = (batch, hq, wq, g.out_height, g.out_width)
-    out = pruned.gradient_buffer(dtype)  # every channel zeroed by its thread
+    out = pruned.reused("gradient", math.prod(pruned.shape), dtype)  # every channel zeroed by its thread
     launch(sampled_conv_weights, (pruned.indptr, runs, pruned.columns, planes_of_grad,
                                   source.astype(dtype, copy=False), sizes, pruned.per_output, out),
            _channel_pieces(pruned.indptr, batch * hq * wq))

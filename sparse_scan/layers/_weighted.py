@@ -29,10 +29,11 @@ BESIDE_MAX_WORK = 2**25
 """A pruned layer's sampled weight gradient of at most this work (:func:`~sparse_scan.layers.
 _conv_pruned.sampled_work`) runs beside the scan (:meth:`WeightedLayer.parameters_beside_scan`), where
 the scan's own kernels leave a core idle. In-process A/Bs of the bridge's Adam iteration on the pruned
-VGG-11 (2-core AMD EPYC, fused Adam): at batch 1, 17.4 against 18.8 ms (97 %) and 23.7 against 25.4 ms
-(90 %; its layers' works 0.8-7.5 M); at batch 16, 39.6 against 39.2 ms at 97 % (only its small layers
-beside) and 59.4 against 58.8 at 90 % (none: 38-140 M), where every layer beside took 70.8 ms: the
-scan's kernels already hold both cores there."""
+VGG-11 (2-core AMD EPYC, fused Adam, the order of the contenders rotating by round): at batch 1 and 97 %
+pruned, 16.3 against 16.9 ms and 16.8 against 18.0 (its layers' works 0.8-3.7 M), at 90 %, 22.9 against
+23.4 ms (up to 7.5 M); at batch 16 and 97 %, 37.4 against 38.7 ms and 42.4 against 40.1 (within that
+run's noise; works 11-42 M, 2^23 gave 40.4); at 90 % none runs beside (38-140 M): every layer beside
+took 70.8 ms against 58.8, the scan's kernels already holding both cores."""
 
 
 def _bias_gradient_cpu(be: _backend.Backend, grad: np.ndarray) -> np.ndarray:
