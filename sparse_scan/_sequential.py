@@ -734,8 +734,12 @@ class Sequential:
                 if beside is not None and beside(activations[i - 1]):
                     jobs[i - 1] = beside_pool().submit(layer.parameter_gradients, activations[i - 1],
                                                        grad.reshape((batch,) + shapes[i]))
-        flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs,
-                        outputs=outputs, ready=ready)
+        try:
+            flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs,
+                            outputs=outputs, ready=ready)
+        except BaseException:  # nothing left running beside a failed scan
+            concurrent.futures.wait(list(jobs.values()))
+            raise
         if timings is not None:
             be.synchronize()
         lap("scan_s")
