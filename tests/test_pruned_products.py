@@ -354,6 +354,8 @@ def test_gpu_twins_leave_non_finite_batches_to_the_dense_path():
 
 
 def test_a_sampled_gradient_reuses_the_memory_of_the_last_one_only_where_nothing_holds_it():
+    from sparse_scan.layers import _conv_pruned
+
     layer = Conv2d(4, 6, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
     layer.weight = layer.weight * (np.random.default_rng(0).random(layer.weight.shape) < 0.05)
     x = np.random.default_rng(1).standard_normal((2, 4, 6, 6))
@@ -371,7 +373,7 @@ def test_a_sampled_gradient_reuses_the_memory_of_the_last_one_only_where_nothing
     memory = address(first)
     del first  # nothing holds it: the layer keeps its memory for the next one (malloc cannot reuse it)
     second = weight_gradient(1)
-    assert address(second) == memory
+    assert (address(second) == memory) is _conv_pruned.REFCOUNTS_EXACT  # no reuse where counts are not
     np.testing.assert_allclose(second, expected[1], rtol=1e-12, atol=1e-12)
     third = weight_gradient(0)  # ``second`` is held: new memory, ``second`` untouched
     assert address(third) != memory
@@ -383,3 +385,22 @@ def test_a_sampled_gradient_reuses_the_memory_of_the_last_one_only_where_nothing
     assert address(fourth) != held
     np.testing.assert_allclose(view, expected[0][0], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(fourth, expected[1], rtol=1e-12, atol=1e-12)
+
+
+def test_where_reference_counts_are_not_exact_no_gradient_memory_is_reused(monkeypatch):
+    import weakref
+
+    from sparse_scan.layers import _conv_pruned
+
+    layer = Conv2d(4, 6, 3, padding=1, dtype=np.float64, rng=0, prune_pattern=True)
+    layer.weight = layer.weight * (np.random.default_rng(0).random(layer.weight.shape) < 0.05)
+    x = np.random.default_rng(1).standard_normal((2, 4, 6, 6))
+    grad = np.random.default_rng(2).standard_normal(layer.forward(x).shape)
+    pruned = layer.pruned_weights()
+    for exact in (True, False):
+        monkeypatch.setattr(_conv_pruned, "REFCOUNTS_EXACT", exact)
+        last = weakref.ref(pruned.reused("gradient", 10, np.float64))  # held by nothing but the layer
+        assert (pruned.reused("gradient", 10, np.float64) is last()) is exact
+        np.testing.assert_allclose(layer.parameter_gradients(x, grad)["weight"],
+                                   weight_gradient_oracle(layer, x, grad) * (layer.weight != 0),
+                                   rtol=1e-12, atol=1e-12)

@@ -293,8 +293,9 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
     concurrent = workers > 1 and any(len(level) > 1 for level in plan.levels_of_steps)
     with step_pool(workers) if concurrent else contextlib.nullcontext() as pool:
         live = None if outputs is None else plan.needed_steps(outputs)[0]
-        wanted = {element: i for i, element in enumerate(plan.outputs) if outputs is None or i in outputs}
-        if ready is not None and Element(0, 0) in wanted:
+        wanted = {} if ready is None else {element: i for i, element in enumerate(plan.outputs)
+                                           if outputs is None or i in outputs}
+        if Element(0, 0) in wanted:
             ready(wanted[Element(0, 0)], grad_out)
         for level in plan.levels_of_steps:
             steps = [plan.steps[index] for index in level if live is None or index in live]
@@ -304,7 +305,7 @@ def run_plan(plan: ScanPlan, grad_out: Array, jacobians: Sequence[BatchedCSR | N
                 values[step.out] = result
                 if step.product is not None:
                     patterns[step.out] = step.product.out
-                if ready is not None and step.out in wanted:
+                if step.out in wanted:
                     ready(wanted[step.out], result)
             for index in level:
                 for element in plan.releases[index]:

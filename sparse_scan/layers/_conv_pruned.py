@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import sys
+import sysconfig
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +137,13 @@ TAP_ENTRY_WORK = 32
 their bounds set per entry): 4.2-4.4 ns an entry on VGG-11's 2x2 planes at batch 1, worth about 32
 of a plane's values."""
 
+REFCOUNTS_EXACT = (sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+                   and not sysconfig.get_config_var("Py_GIL_DISABLED"))
+"""Whether ``sys.getrefcount`` counts every reference, the one :meth:`PrunedWeights.reused` reads to know
+that nothing holds an array any more: CPython 3.10-3.13 with the GIL. Elsewhere (3.14 may skip the
+count of a reference on the stack; a free-threaded build defers counts) nothing is reused: a new array
+every time."""
+
 SAMPLED_BLOCK_THREADS = 128
 """Threads of the GPU's sampled weight gradient (``PRUNED_BLOCK_THREADS`` of ``rawkernels/conv.cu``):
 one block per kept weight, a tree sum in shared memory."""
@@ -215,16 +223,17 @@ class PrunedWeights:
         return known[1]
 
     def reused(self, use: str, size: int, dtype: Any) -> np.ndarray:
-        """A flat host array of ``size`` values of ``dtype`` for ``use`` (written whole by its user: a
-        sampled gradient, the output gradient's planes): the one handed out last for that use where
-        nothing holds it any more (no view, tensor or name: CPython's reference count says so), else
-        a new one. An array of a weight's size allocated per backward came from a thread's own malloc
-        arena when the gradient ran beside the scan (:meth:`~sparse_scan.Sequential.backward`'s
-        ``parameters_beside``), which returns freed memory to the system: 1647 page faults a backward
-        on the 97 %-pruned VGG-11 at batch 1, 2x the backward's time."""
+        """A flat host array of ``size`` values of ``dtype`` for ``use`` (written whole by its user: a sampled
+        gradient, the output gradient's planes): the one handed out last for that use where nothing holds it
+        any more (no view, tensor or name: CPython's reference count says so), else a new one (always a new
+        one where the count is not exact: :data:`REFCOUNTS_EXACT`). An array of a weight's size allocated per
+        backward came from a thread's own malloc arena when the gradient ran beside the scan
+        (:meth:`~sparse_scan.Sequential.backward`'s ``parameters_beside``), which returns freed memory to the
+        system: 1647 page faults a backward on the 97 %-pruned VGG-11 at batch 1, 2x the backward's time."""
         key = (use, int(size), np.dtype(dtype))
         held = self._reused.get(key)
-        if held is not None and sys.getrefcount(held) <= 3:  # the dict's, ``held`` and the call's
+        # three references: the dict's, ``held``'s and the call's own
+        if held is not None and REFCOUNTS_EXACT and sys.getrefcount(held) <= 3:
             return held
         held = self._reused[key] = np.empty(size, dtype=dtype)
         return held
