@@ -10,8 +10,8 @@ threads), with the ratio PyTorch / sparse-scan (above 1: we are faster):
   planned or not run), against ``torch.autograd.grad`` w.r.t. the input through the same layers;
 * ``vgg-full`` (issue 45): the full backward of the 97%-pruned stack, the scan's gradients and every
   parameter's (``backward`` by ``auto`` then ``parameter_gradients``: the pruned convolutions' weight
-  gradients sampled at the kept weights, those of bounded work beside the scan, ``parameters_beside``,
-  as a training step asks), at batch 1, 4 and 16, against ``torch.autograd.grad``
+  gradients sampled at the kept weights, beside the scan, ``parameters_beside``, as a training step
+  asks), at batch 1, 4 and 16, against ``torch.autograd.grad``
   w.r.t. the input and every parameter (autograd's dense weight gradients: PyTorch knows no pruning);
 * ``lenet``: one training iteration of LeNet-5 on scikit-learn's digits (``data/lenet5-digits.yaml``,
   batch 64, Adam lr 0.003: forward, loss, backward by ``--lenet-method`` without the input's gradient (as

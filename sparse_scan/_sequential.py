@@ -660,8 +660,8 @@ class Sequential:
             too when the input requires no gradient).
         parameters_beside : bool, optional
             True: on the host, each layer whose parameter gradients may run beside the scan
-            (``WeightedLayer.parameters_beside_scan``: a pruned layer's sampled product of bounded
-            work) starts them on a second thread as soon as the scan has its output's gradient, and
+            (``WeightedLayer.parameters_beside_scan``: a pruned layer's sampled product) starts them
+            on a second thread as soon as the scan has its output's gradient, and
             :meth:`parameter_gradients` of the list returned collects them (the same values: the same
             kernels on the same arrays). For a caller that asks for the parameter gradients next (a
             training step); the next :meth:`forward` or :meth:`backward` waits for any left.

@@ -189,9 +189,6 @@ class Conv2d(WeightedLayer):
     def _weight_groups(self) -> int:
         return self.groups
 
-    def _gradient_geometry(self, in_shape: Shape) -> ConvGeometry:
-        return self.geometry(in_shape)
-
     def _direct_max_density(self) -> float:
         return DIRECT_MAX_DENSITY
 

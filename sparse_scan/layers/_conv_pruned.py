@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # SciPy loads on first use (0.14 s of import): planning needs
 __all__ = ["CSR_PATH_MAX_PADDED_SHARE", "DIRECT_MAX_DENSITY", "DIRECT_MIN_WIDTH", "LINEAR_DIRECT_MAX_DENSITY",
            "RUN_ENTRY_WORK", "SAMPLED_MAX_DENSITY", "TAP_ENTRY_WORK", "TRANSPOSED_MAX_DENSITY",
            "PrunedWeights", "direct_forward", "linear_geometry", "pruned_transposed_convolution",
-           "runs_work", "sampled_weight_gradient", "sampled_work", "transposed_weights_csr"]
+           "sampled_weight_gradient", "transposed_weights_csr"]
 
 KERNEL_FILE = "conv.cu"
 
@@ -309,23 +309,11 @@ def _planes(x: np.ndarray, geometry: tuple[int, ...],
     return out, bool(nonfinite.any())
 
 
-def runs_work(nnz: int, run: int) -> int:
-    """The work of a direct convolution or a sampled gradient over ``nnz`` kept weights with runs of
-    ``run`` values (``B Hq Wq``), :data:`RUN_ENTRY_WORK` per entry added: what sets their threads."""
-    return nnz * (run + RUN_ENTRY_WORK)
-
-
-def sampled_work(g: ConvGeometry, pruned: PrunedWeights, batch: int) -> int:
-    """:func:`runs_work` of the sampled weight gradient of ``batch`` samples of geometry ``g``."""
-    _, hq, wq = pruned.tables(g)
-    return runs_work(pruned.nnz, batch * hq * wq)
-
-
 def _channel_pieces(indptr: np.ndarray, run: int) -> list[tuple[int, int]]:
     """Runs of output channels of about equal kept weights, one per thread for the work of a run of
-    ``run`` multiply-adds per entry (:func:`runs_work`)."""
+    ``run`` multiply-adds per entry (:data:`RUN_ENTRY_WORK` added)."""
     channels, nnz = indptr.size - 1, int(indptr[-1])
-    workers = workers_for(runs_work(nnz, run))
+    workers = workers_for(nnz * (run + RUN_ENTRY_WORK))
     if workers <= 1 or nnz == 0:
         return [(0, channels)]
     cuts = np.searchsorted(indptr, np.arange(1, workers) * (nnz / workers))

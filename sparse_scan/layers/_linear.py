@@ -15,7 +15,6 @@ from ..csr import Pattern, choose_index_dtype
 from ..engine.plan import WeightsPath
 from ._base import Shape
 from ._conv_pruned import LINEAR_DIRECT_MAX_DENSITY, direct_forward, linear_geometry
-from ._geometry import ConvGeometry
 from ._weighted import WeightedLayer
 
 __all__ = ["Linear"]
@@ -84,9 +83,6 @@ class Linear(WeightedLayer):
                 return y.reshape(x.shape[0], -1)
         y = x @ be.asarray(self.weight).T
         return y if self.bias is None else y + be.asarray(self.bias)
-
-    def _gradient_geometry(self, in_shape: Shape) -> ConvGeometry:
-        return linear_geometry(self.in_features, self.out_features)
 
     def _direct_max_density(self) -> float:
         return LINEAR_DIRECT_MAX_DENSITY

@@ -21,19 +21,9 @@ from .._threads import even_parts, workers_for
 from .._types import Array, RngLike
 from ..csr import Pattern
 from ._base import FLOAT_DTYPES, Layer, Shape
-from ._conv_pruned import SAMPLED_MAX_DENSITY, PrunedWeights, sampled_weight_gradient, sampled_work
+from ._conv_pruned import SAMPLED_MAX_DENSITY, PrunedWeights, sampled_weight_gradient
 from ._geometry import ConvGeometry
 from ._kernels import channel_sums
-
-BESIDE_MAX_WORK = 2**25
-"""A pruned layer's sampled weight gradient of at most this work (:func:`~sparse_scan.layers.
-_conv_pruned.sampled_work`) runs beside the scan (:meth:`WeightedLayer.parameters_beside_scan`), where
-the scan's own kernels leave a core idle. In-process A/Bs of the bridge's Adam iteration on the pruned
-VGG-11 (2-core AMD EPYC, fused Adam, the order of the contenders rotating by round): at batch 1 and 97 %
-pruned, 16.3 against 16.9 ms and 16.8 against 18.0 (its layers' works 0.8-3.7 M), at 90 %, 22.9 against
-23.4 ms (up to 7.5 M); at batch 16 and 97 %, 37.4 against 38.7 ms and 42.4 against 40.1 (within that
-run's noise; works 11-42 M, 2^23 gave 40.4); at 90 % none runs beside (38-140 M): every layer beside
-took 70.8 ms against 58.8, the scan's kernels already holding both cores."""
 
 
 def _bias_gradient_cpu(be: _backend.Backend, grad: np.ndarray) -> np.ndarray:
@@ -295,20 +285,19 @@ class WeightedLayer(Layer):
         if pruned is not None:
             self._kept_values(be, pruned)
 
-    def _gradient_geometry(self, in_shape: Shape) -> ConvGeometry:
-        """The convolution geometry of the weight gradient of per-sample inputs ``in_shape`` (a Linear
-        layer's: 1x1 planes)."""
-        raise NotImplementedError
-
     def parameters_beside_scan(self, x: Array) -> bool:
         """Whether the parameter gradients of the batch ``x`` run on a second thread while the scan goes
         on (:meth:`~sparse_scan.Sequential.backward`'s ``parameters_beside``): on the host, where the
-        weight gradient is the sampled product (:attr:`sampled_gradient`) and its work is under
-        :data:`BESIDE_MAX_WORK`."""
+        weight gradient is the sampled product (:attr:`sampled_gradient`). In-process A/Bs of the
+        bridge's Adam iteration on the pruned VGG-11 (2-core AMD EPYC, fused Adam, the contenders'
+        order rotating by round), every such layer beside against none: batch 1, 15.7 against 16.0 ms
+        (97 %) and 21.4 against 23.6 (90 %); batch 16 and 97 %, 35.0 against 36.0 ms; batch 16 and
+        90 %, where the scan's kernels already hold both cores, within noise (53.3 against 52.3 ms,
+        53.9 against 53.9). A bound on the work beside the scan (2^25) made no difference once the
+        arrays beside it were reused (:meth:`~sparse_scan.layers._conv_pruned.PrunedWeights.reused`):
+        every layer beside gave 55.5 against 55.0 ms at 90 % and 35.1 against 35.4 at 97 %."""
         pruned = self.pruned_weights() if self._sampled_gradient else None
-        if pruned is None or pruned.density > SAMPLED_MAX_DENSITY or _backend.of(x).name != "cpu":
-            return False
-        return sampled_work(self._gradient_geometry(tuple(x.shape[1:])), pruned, x.shape[0]) < BESIDE_MAX_WORK
+        return pruned is not None and pruned.density <= SAMPLED_MAX_DENSITY and _backend.of(x).name == "cpu"
 
     def _weight_gradient(self, be: _backend.Backend, g: ConvGeometry, x: Array, grad: Array,
                          dense: Callable[[], Array]) -> Array:
