@@ -32,7 +32,10 @@ its caches as they left them, not as a training loop's previous iteration leaves
   ``torch.optim.Adam``'s step (``--optimizer``: ``adam``, PyTorch's default implementation, or
   ``adam-fused``, ``fused=True``), through the bridge and through plain PyTorch autograd;
 - ``step_s``: that optimizer's step alone (the same for both: every weight of ``weight_orig``, pruned
-  or not, is a parameter PyTorch's Adam updates), a floor under both iterations.
+  or not, is a parameter PyTorch's Adam updates), a floor under both iterations;
+- with ``--pruned-adam``, the bridge's iteration steps with ``sparse_scan.torch.PrunedAdam`` instead (the
+  same options and trajectory, the pruned weights left out of the step: PyTorch's update on the
+  weights that can move), and ``pruned_adam_step_s`` is its step alone.
 
 The ratios ``bridge_backward_s / engine_backward_s`` (the bridge's overhead: at most 1.05) and
 ``torch_iteration_s / bridge_iteration_s`` (above 1: the bridge's iteration is faster) are printed with
@@ -46,16 +49,17 @@ import json
 import pathlib
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.nn.utils.prune as prune
 from common import Rows, cpu_pressure, machine
 from torch import nn
+from torch.nn.utils import prune
 
 from sparse_scan import backend
-from sparse_scan.torch import bppsa
+from sparse_scan.torch import PrunedAdam, bppsa
 
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
@@ -124,14 +128,15 @@ def interleaved(contenders: dict[str, Callable[[], float]], repeats: int, burst:
 
 
 def measure(name: str, batch: int, method: str, repeats: int, device: torch.device, amount: float,
-            optimizer: str, burst: int = 1) -> dict[str, Any]:
+            optimizer: str, burst: int = 1, pruned_adam: bool = False) -> dict[str, Any]:
     net, x, loss_of = workload(name, batch, device, amount)
     bnet = bppsa(net, method)
     reference = (type(net)() if name == "lstm" else vgg11_pruned(amount)).to(device)
     reference.load_state_dict(net.state_dict())
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     options = {"fused": True} if optimizer == "adam-fused" else {}
-    optimizers = {"bridge": torch.optim.Adam(net.parameters(), lr=1e-3, **options),
+    ours = PrunedAdam if pruned_adam else torch.optim.Adam
+    optimizers = {"bridge": ours(net.parameters(), lr=1e-3, **options),
                   "torch": torch.optim.Adam(reference.parameters(), lr=1e-3, **options)}
 
     def bridge_backward() -> float:
@@ -145,7 +150,7 @@ def measure(name: str, batch: int, method: str, repeats: int, device: torch.devi
 
     def engine_backward() -> float:
         out = bnet(x)  # binds the weights and runs the engine's forward
-        (engine,) = [e for engines in bnet._engines.values() for e in engines]  # noqa: SLF001 - its model
+        (engine,) = [e for engines in bnet._engines.values() for e in engines]
         with engine.on_stream(x):
             sync()
             start = time.perf_counter()
@@ -167,18 +172,23 @@ def measure(name: str, batch: int, method: str, repeats: int, device: torch.devi
             return time.perf_counter() - start
         return run
 
-    def step() -> float:
-        sync()
-        start = time.perf_counter()
-        optimizers["torch"].step()
-        sync()
-        return time.perf_counter() - start
+    def step(side: str) -> Callable[[], float]:
+        def run() -> float:
+            sync()
+            start = time.perf_counter()
+            optimizers[side].step()
+            sync()
+            return time.perf_counter() - start
+        return run
 
-    timings = interleaved({"bridge_backward_s": bridge_backward, "engine_backward_s": engine_backward,
-                           "bridge_iteration_s": iteration(bnet, optimizers["bridge"]),
-                           "torch_iteration_s": iteration(reference, optimizers["torch"]),
-                           "step_s": step}, repeats, burst)
+    contenders = {"bridge_backward_s": bridge_backward, "engine_backward_s": engine_backward,
+                  "bridge_iteration_s": iteration(bnet, optimizers["bridge"]),
+                  "torch_iteration_s": iteration(reference, optimizers["torch"]), "step_s": step("torch")}
+    if pruned_adam:
+        contenders["pruned_adam_step_s"] = step("bridge")
+    timings = interleaved(contenders, repeats, burst)
     return {"workload": name, "batch": batch, "method": method, "optimizer": optimizer, "burst": burst,
+            "pruned_adam": pruned_adam,
             "pruned": amount if name == "vgg11-pruned" else None, **timings,
             "bridge_over_engine_backward": timings["bridge_backward_s"] / timings["engine_backward_s"],
             "torch_over_bridge_iteration": timings["torch_iteration_s"] / timings["bridge_iteration_s"]}
@@ -197,6 +207,9 @@ def main() -> None:
     parser.add_argument("--batches", default="16", help="batch sizes, comma-separated")
     parser.add_argument("--amounts", default="0.97", help="the VGG-11's pruned shares, comma-separated")
     parser.add_argument("--optimizer", choices=("adam", "adam-fused"), default="adam")
+    parser.add_argument("--pruned-adam", action="store_true",
+                        help="the bridge's iteration steps with sparse_scan.torch.PrunedAdam (the pruned "
+                             "weights left out of the step)")
     parser.add_argument("--method", default="auto")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--burst", type=int, default=3,
@@ -218,7 +231,7 @@ def main() -> None:
         for amount in amounts:
             for batch in (int(b) for b in args.batches.split(",")):
                 rows.append(measure(workload_name, batch, args.method, args.repeats, device, amount,
-                                    args.optimizer, args.burst))
+                                    args.optimizer, args.burst, args.pruned_adam))
                 rows_file.add(rows[-1])
     rows_file.finish()
     print(json.dumps({"benchmark": name, "machine": info, "cpu_pressure": cpu_pressure(),

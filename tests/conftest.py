@@ -147,6 +147,21 @@ def device_stats():
     return cupy_standin.STATS
 
 
+@pytest.fixture
+def on_the_gpu(monkeypatch):
+    """The PyTorch bridge's engine on the GPU for every tensor: with a GPU, the tests' tensors are CUDA
+    tensors; through the CuPy stand-in they stay host tensors whose memory the stand-in's device arrays
+    share (the glue's DLPack views, the engine's GPU path and its kernels run; CUDA streams do not)."""
+    import torch  # noqa: PLC0415 - the bridge's tests alone need PyTorch
+
+    from sparse_scan.torch import BPPSA  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    monkeypatch.setattr(BPPSA, "_device_of", staticmethod(lambda x: "gpu"))
+    return torch.device("cpu")
+
+
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def be(request):
     """Each backend in turn: the same test body runs on NumPy and, where usable, on CuPy."""

@@ -374,18 +374,7 @@ def test_bppsa_is_a_module_with_a_useful_repr():
     assert "method='hybrid', levels=2" in repr(bnet) and "(module): LeNet(" in repr(bnet)
 
 
-# --- the GPU path (CUDA tensors; through the CuPy stand-in on host tensors where no GPU is) ------------
-@pytest.fixture
-def on_the_gpu(monkeypatch):
-    """The engine on the GPU for every tensor: with a GPU, the tests' tensors are CUDA tensors; through
-    the CuPy stand-in they stay host tensors whose memory the stand-in's device arrays share (the glue's
-    DLPack views, the engine's GPU path and its kernels run; CUDA streams do not)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    monkeypatch.setattr(BPPSA, "_device_of", staticmethod(lambda x: "gpu"))
-    return torch.device("cpu")
-
-
+# --- the GPU path (CUDA tensors; through the CuPy stand-in on host tensors where no GPU is: on_the_gpu) -
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["linear", "blelloch"])
 @pytest.mark.parametrize("kind", sorted(MODELS))

@@ -85,6 +85,7 @@ class WeightedLayer(Layer):
         self._pending: Array | None = None  # assign_masked's values, not multiplied by the mask yet
         self._pruned: tuple[Hashable, PrunedWeights] | None = None  # (zero-set key, its kept weights)
         self._sampled_gradient = True
+        self._gradient_was_sampled = False  # whether the last weight gradient was the sampled product
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._prune_pattern = bool(prune_pattern)
@@ -143,6 +144,14 @@ class WeightedLayer(Layer):
     @sampled_gradient.setter
     def sampled_gradient(self, value: bool) -> None:
         self._sampled_gradient = bool(value)
+
+    @property
+    def gradient_was_sampled(self) -> bool:
+        """Whether the weight gradient this layer computed last is the sampled product at the kept
+        weights, so exactly zero at every pruned one (a dense product masked, above the crossover or for
+        a gradient that is not finite, keeps autograd's NaN there): what lets
+        :class:`sparse_scan.torch.PrunedAdam` step the kept weights alone."""
+        return self._gradient_was_sampled
 
     @weight.setter
     def weight(self, value: Any) -> None:
@@ -308,7 +317,9 @@ class WeightedLayer(Layer):
         if pruned is not None and pruned.density <= SAMPLED_MAX_DENSITY:
             sampled = sampled_weight_gradient(be, g, pruned, x, grad)
             if sampled is not None:
+                self._gradient_was_sampled = True
                 return sampled
+        self._gradient_was_sampled = False
         full = dense()
         if pruned is not None:  # 0 at the pruned weights; NaN stays NaN (autograd's mask multiplies)
             full *= be.asarray(self._support() != 0)

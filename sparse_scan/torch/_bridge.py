@@ -23,11 +23,12 @@ that sparsity pays in the forward, the scan and the weight gradient, on the CPU 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.utils.dlpack
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import backend as _backend
 from ..engine.schedule import SCHEDULES
@@ -35,7 +36,7 @@ from ..spec import SpecError, model_from_spec
 from ..weights import named_layers
 from ._capture import Capture, capture
 
-__all__ = ["BPPSA", "bppsa"]
+__all__ = ["BPPSA", "bppsa", "pruned_gradient"]
 
 
 def bppsa(module: torch.nn.Module, method: str = "auto", levels: int | str | None = None,
@@ -317,7 +318,7 @@ class _Engine:
         per forward), its pattern the module's mask, set again only when the mask changed (its memory
         or its version)."""
         mask = root.get_buffer(source.mask)
-        seen = (mask.data_ptr(), mask._version)
+        seen = _seen(mask)
         values = self.array(root.get_parameter(source.parameter))
         if self.masks.get(id(layer)) == seen:
             layer.assign_masked(values)
@@ -344,28 +345,31 @@ class _Engine:
         return self.tensor(xp.array(self.model.forward(batch), copy=True))
 
     def backward(self, grad: torch.Tensor, masks: list[torch.Tensor | None],
-                 input_gradient: bool = True) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+                 input_gradient: bool = True) -> tuple[torch.Tensor | None, list[torch.Tensor], list[Any]]:
         """The scan's ``dL/dx`` (None where ``input_gradient`` is False: the engine then skips the
-        work only it needs) and every parameter's gradient for the last forward."""
+        work only it needs), every parameter's gradient for the last forward, and for each its array
+        where it is a pruned layer's sampled product (exactly zero wherever its mask is), else None."""
         grads = self.model.backward(self.array(grad.contiguous()), method=self.method, levels=self.levels,
                                     input_gradient=input_gradient, parameters_beside=True)
         parameters = self.model.parameter_gradients(grads)
         dx = grads[0] if input_gradient else None
         if dx is not None and self.capture.time_major:
             dx = dx.transpose(1, 0, 2)
-        out = []
+        out, sampled = [], []
         for key, mask in zip(self.gradients, masks, strict=True):
             value = parameters[key]
-            layer, _ = self.targets[key]
-            if mask is not None and not getattr(layer, "prune_pattern", False):
+            layer, attribute = self.targets[key]
+            pruned = mask is not None and getattr(layer, "prune_pattern", False)
+            if mask is not None and not pruned:
                 # weight_orig's gradient: the weight's, masked (in place: the engine's); a pruned layer's
                 # is the kept weights' already
                 xp = _backend.of(value).xp
                 value = xp.multiply(value, self.array(mask), out=value, casting="unsafe")
             out.append(self.tensor(value))
+            sampled.append(value if pruned and attribute == "weight" and layer.gradient_was_sampled else None)
         if dx is None:
-            return None, out
-        return self.tensor(dx.copy() if self.capture.time_major else dx), out
+            return None, out, sampled
+        return self.tensor(dx.copy() if self.capture.time_major else dx), out, sampled
 
 
 class _Both:
@@ -391,6 +395,7 @@ class _Scan(torch.autograd.Function):
                 *parameters: torch.Tensor) -> torch.Tensor:
         out = engine.forward(x)
         ctx.engine, ctx.masks, ctx.forward_number = engine, masks, engine.forwards
+        ctx.masks_seen = [None if mask is None else _seen(mask) for mask in masks]
         ctx.save_for_backward(x, *parameters)  # autograd refuses a backward after they changed in place
         return out
 
@@ -409,11 +414,66 @@ class _Scan(torch.autograd.Function):
                                        "last forward's masks; run the backward of each forward before the "
                                        "next forward")
                 engine.forward(x)
+            for parameter, mask in zip(saved, ctx.masks, strict=True):
+                if mask is not None:  # what an earlier backward gave: not the gradient to come
+                    _GIVEN.pop(parameter, None)
             # the input's gradient only where autograd wants it (an input batch requires none)
-            dx, parameters = engine.backward(grad, ctx.masks, input_gradient=ctx.needs_input_grad[2])
+            dx, parameters, sampled = engine.backward(grad, ctx.masks, input_gradient=ctx.needs_input_grad[2])
         # in the parameters' own shapes (a Linear's weight the engine holds as a 1x1 convolution's)
-        return (None, None, dx, *(g if g.shape == p.shape else g.reshape(p.shape)
-                                  for g, p in zip(parameters, saved, strict=True)))
+        grads = [g if g.shape == p.shape else g.reshape(p.shape)
+                 for g, p in zip(parameters, saved, strict=True)]
+        for parameter, given, mask, seen, memory in zip(saved, grads, ctx.masks, ctx.masks_seen, sampled,
+                                                        strict=True):
+            if mask is not None:
+                _GIVEN[parameter] = _Given(mask, seen, None if memory is None else (given.data_ptr(),
+                                                                                    given._version), memory)
+        return (None, None, dx, *grads)
+
+
+class _Given(NamedTuple):
+    """What the bridge's last backward gave a pruned layer's ``weight_orig``."""
+
+    mask: torch.Tensor  # the layer's weight_mask
+    mask_seen: tuple[int, int]  # the mask's (address, version) at the forward: the pattern's
+    grad_seen: tuple[int, int] | None  # the gradient's (address, version) where it is the sampled product
+    memory: Any  # the gradient's array, held until the next backward: no other tensor takes its address
+
+
+_GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""``weight_orig`` parameters -> the :class:`_Given` of the last backward through the bridge."""
+
+
+def pruned_gradient(parameter: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """The pruning mask of a ``weight_orig`` whose last gradient the bridge computed, and whether
+    ``parameter.grad`` is provably that gradient, exactly zero wherever the mask is.
+
+    It is when the gradient was the layer's sampled product (not a dense product masked: a gradient
+    that is not finite keeps autograd's NaN at the pruned weights), autograd stored that very tensor
+    (its memory, held here until the next backward, and its version counter: nothing added into it,
+    scaled or written since) and the mask is the one of the forward (same memory and version).
+
+    Parameters
+    ----------
+    parameter : torch.Tensor
+        A parameter of a module wrapped by :func:`bppsa`.
+
+    Returns
+    -------
+    tuple of (torch.Tensor, bool), or None
+        The mask and the proof, or None for a parameter the bridge gave no pruned gradient.
+    """
+    given = _GIVEN.get(parameter)
+    if given is None:
+        return None
+    grad = parameter.grad
+    exact = (given.grad_seen is not None and grad is not None and grad.is_contiguous()
+             and (grad.data_ptr(), grad._version) == given.grad_seen and _seen(given.mask) == given.mask_seen)
+    return given.mask, exact
+
+
+def _seen(tensor: torch.Tensor) -> tuple[int, int]:
+    """A tensor's memory and version: what changes when it is replaced or written in place."""
+    return tensor.data_ptr(), tensor._version
 
 
 def _same_memory(held: Any, array: Any) -> bool:
