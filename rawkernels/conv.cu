@@ -153,14 +153,15 @@ __global__ void pruned_conv_forward(CONV_GEOMETRY_PARAMS, long long batch,
 // The weight gradient at the kept weights (a sampled product): one block per entry (block-stride over
 // the entries), its threads summing grad[b, co, oh, ow] * x[b, ci, tap] over the batch and the output
 // pixels whose tap is inside the input, then a tree sum in shared memory; the result goes to the
-// entry's position in out (zero elsewhere: the caller's). Launch with PRUNED_BLOCK_THREADS threads
+// entry's position in out (zero elsewhere: the caller's) and to kept[entry]. Launch with PRUNED_BLOCK_THREADS threads
 // (a power of two).
 #define PRUNED_BLOCK_THREADS 128
 template <typename T>
 __global__ void __launch_bounds__(PRUNED_BLOCK_THREADS)
     pruned_conv_weight_grad(CONV_GEOMETRY_PARAMS, long long batch, long long entries,
                             const long long* __restrict__ indptr, const long long* __restrict__ positions,
-                            const T* __restrict__ x, const T* __restrict__ grad, T* __restrict__ out) {
+                            const T* __restrict__ x, const T* __restrict__ grad, T* __restrict__ out,
+                            T* __restrict__ kept) {
   __shared__ T partial[PRUNED_BLOCK_THREADS];
   const ConvGeometry g = CONV_GEOMETRY;
   const long long plane = g.out_h * g.out_w, per_entry = batch * plane;
@@ -185,7 +186,10 @@ __global__ void __launch_bounds__(PRUNED_BLOCK_THREADS)
       if ((int)threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
       __syncthreads();
     }
-    if (threadIdx.x == 0) out[position] = partial[0];
+    if (threadIdx.x == 0) {
+      out[position] = partial[0];
+      kept[e] = partial[0];  // the kept weights' gradient in their order, for an optimizer's step
+    }
     __syncthreads();  // partial is rewritten by the next entry
   }
 }

@@ -22,6 +22,7 @@ prune = pytest.importorskip("torch.nn.utils.prune")
 
 import sparse_scan.torch._optim as optim_module  # noqa: E402 - after the skip
 from sparse_scan.torch import PrunedAdam, bppsa  # noqa: E402
+from sparse_scan.torch._bridge import pruned_gradient  # noqa: E402
 
 
 class Net(nn.Module):
@@ -113,11 +114,24 @@ def test_the_trajectory_is_torchs_bit_for_bit_and_steps_the_kept_weights_alone(d
             assert ours.state[module.weight_orig] == {}  # held at the kept weights
     assert ours.moving(net.fc2.weight) is None and ours.moving(net.conv1.bias) is None
     assert (net.conv2.weight_orig != twin.conv2.weight_orig.detach().clone().zero_()).any()
+    net.zero_grad()
+    F.cross_entropy(bppsa(net, "linear")(batches[0][0]), batches[0][1]).backward()
+    assert_kept_gradients_proven(net)
 
 
 def stepped(module: nn.Module) -> int:
     """The weights a compact step reads and writes: those the mask keeps."""
     return int(module.weight_mask.sum())
+
+
+def assert_kept_gradients_proven(net: nn.Module) -> None:
+    """After a backward through the bridge: every pruned layer's gradient proven, and the engine's
+    values at the kept weights (what the step reads instead of the gradient) are the gradient's there."""
+    for name in PRUNED:
+        module = getattr(net, name)
+        mask, kept = pruned_gradient(module.weight_orig)
+        assert mask is module.weight_mask and kept is not None
+        assert torch.equal(kept, module.weight_orig.grad.reshape(-1)[mask.reshape(-1) != 0])
 
 
 def _not_counted(flat, values):
@@ -248,3 +262,6 @@ def test_on_the_gpu_the_trajectory_is_torchs_and_steps_the_kept_weights_alone(on
     for (name, a), (_, b) in zip(net.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert all(ours.moving(getattr(net, name).weight_orig) == stepped(getattr(net, name)) for name in PRUNED)
+    net.zero_grad()
+    F.cross_entropy(bppsa(net, "linear")(batches[0][0]), batches[0][1]).backward()
+    assert_kept_gradients_proven(net)

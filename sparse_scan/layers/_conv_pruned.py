@@ -381,7 +381,7 @@ Wo)``; None where ``x`` holds a value that is not finite."""
 
 # --- the weight gradient ----------------------------------------------------------------------------
 def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights,
-                                 x: np.ndarray, grad_out: np.ndarray) -> np.ndarray | None:
+                                 x: np.ndarray, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     runs, hq, wq = pruned.tables(g)
     batch = x.shape[0]
     source, nonfinite = _input_planes(g, pruned, x, forward=False)
@@ -393,14 +393,15 @@ def _sampled_weight_gradient_cpu(be: _backend.Backend, g: ConvGeometry, pruned: 
         return None
     sizes = (batch, hq, wq, g.out_height, g.out_width)
     out = pruned.reused("gradient", math.prod(pruned.shape), dtype)  # every channel zeroed by its thread
+    kept = pruned.reused("kept gradient", pruned.nnz, dtype)
     launch(sampled_conv_weights, (pruned.indptr, runs, pruned.columns, planes_of_grad,
-                                  source.astype(dtype, copy=False), sizes, pruned.per_output, out),
+                                  source.astype(dtype, copy=False), sizes, pruned.per_output, out, kept),
            _channel_pieces(pruned.indptr, batch * hq * wq))
-    return out.reshape(pruned.shape)
+    return out.reshape(pruned.shape), kept
 
 
 def _sampled_weight_gradient_gpu(be: _backend.Backend, g: ConvGeometry, pruned: PrunedWeights, x: Array,
-                                 grad_out: Array) -> Array | None:
+                                 grad_out: Array) -> tuple[Array, Array] | None:
     xp = be.xp
     batch = x.shape[0]
     dtype = np.result_type(x.dtype, grad_out.dtype)
@@ -410,17 +411,19 @@ def _sampled_weight_gradient_gpu(be: _backend.Backend, g: ConvGeometry, pruned: 
         return None
     indptr, positions = pruned.on_device()
     out = xp.zeros(math.prod(pruned.shape), dtype=dtype)
+    kept = xp.empty(pruned.nnz, dtype=dtype)
     kernel = _gpu_kernels.function(KERNEL_FILE, "pruned_conv_weight_grad", dtype)
     _gpu_kernels.launch_blocks(kernel, pruned.nnz, SAMPLED_BLOCK_THREADS,
                                g.kernel_args() + (np.int64(batch), np.int64(pruned.nnz), indptr, positions,
-                                                  source, grad, out))
-    return out.reshape(pruned.shape)
+                                                  source, grad, out, kept))
+    return out.reshape(pruned.shape), kept
 
 
 sampled_weight_gradient = _backend.twin(cpu=_sampled_weight_gradient_cpu, gpu=_sampled_weight_gradient_gpu)
 """``sampled_weight_gradient(be, g, pruned, x, grad_out)``: the weight gradient summed over the batch
-at the kept weights (exactly zero elsewhere), the weight's shape; None where ``x`` or ``grad_out``
-holds a value that is not finite."""
+at the kept weights (exactly zero elsewhere), the weight's shape, and the same values at the kept
+weights alone in their order (:attr:`PrunedWeights.positions`); None where ``x`` or ``grad_out`` holds
+a value that is not finite."""
 
 
 # --- the input gradient through the weights (host) ---------------------------------------------------

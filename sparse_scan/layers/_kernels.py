@@ -401,7 +401,7 @@ def direct_conv(indptr, runs, values, source, sizes, bias, out, c0, c1):
 
 
 @compiled(fastmath={"reassoc"})
-def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out, c0, c1):
+def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out, kept, c0, c1):
     """The weight gradient of a convolution at its kept weights only (a sampled dense-dense product): the
     output channels ``c0:c1``'s weights (``width`` each, ``out[co * width:(co + 1) * width]``) are zeroed,
     here, by the thread that writes them (no separate pass over the whole weight), then for every entry ``e``
@@ -409,10 +409,11 @@ def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out,
     of the output gradient's plane ``co`` (``grad``: :func:`to_planes` of the gradient into ``Ho x Wq``
     planes, zero where no output is) with :func:`direct_conv`'s run of ``source`` for that entry: the sum over
     the batch and the output pixels of ``g[b, co, oh, ow] * x[b, ci, tap(oh, ow)]``, what the dense GEMM
-    computes for that weight. ``sizes`` as :func:`direct_conv`'s. Eight entries per pass over the gradient's
-    run (then four, then one); the sums are reassociated (``fastmath={"reassoc"}`` alone: vector lanes, no
-    change to infinities or NaNs), so they round differently from a GEMM's, within the dtype's epsilon times
-    the terms' magnitudes."""
+    computes for that weight, also written to ``kept[e]`` (the kept weights' gradient in their order, for
+    an optimizer's step over them). ``sizes`` as :func:`direct_conv`'s. Eight entries per pass over the
+    gradient's run (then four, then one); the sums are reassociated (``fastmath={"reassoc"}`` alone:
+    vector lanes, no change to infinities or NaNs), so they round differently from a GEMM's, within the
+    dtype's epsilon times the terms' magnitudes."""
     batch, hq, wq, ho, wo = sizes
     m = u(((ho - 1) * wq + wo) * batch)
     zero = out.dtype.type(0)
@@ -438,6 +439,7 @@ def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out,
                 a7 += g * source[s7 + j]
             for k, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
                 out[row + u(columns[e + k])] = a
+                kept[e + k] = a
             e += 8
         while e + 4 <= end:
             s0, s1, s2, s3 = run_starts(runs, e, batch)
@@ -448,10 +450,9 @@ def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out,
                 a1 += g * source[s1 + j]
                 a2 += g * source[s2 + j]
                 a3 += g * source[s3 + j]
-            out[row + u(columns[e])] = a0
-            out[row + u(columns[e + 1])] = a1
-            out[row + u(columns[e + 2])] = a2
-            out[row + u(columns[e + 3])] = a3
+            for k, a in enumerate((a0, a1, a2, a3)):
+                out[row + u(columns[e + k])] = a
+                kept[e + k] = a
             e += 4
         for rest in range(e, end):
             s = run_start(runs, rest, batch)
@@ -459,6 +460,7 @@ def sampled_conv_weights(indptr, runs, columns, grad, source, sizes, width, out,
             for j in range(m):
                 a += grad[base + j] * source[s + j]
             out[row + u(columns[rest])] = a
+            kept[rest] = a
 
 
 @compiled

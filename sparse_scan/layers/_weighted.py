@@ -85,7 +85,7 @@ class WeightedLayer(Layer):
         self._pending: Array | None = None  # assign_masked's values, not multiplied by the mask yet
         self._pruned: tuple[Hashable, PrunedWeights] | None = None  # (zero-set key, its kept weights)
         self._sampled_gradient = True
-        self._gradient_was_sampled = False  # whether the last weight gradient was the sampled product
+        self._kept_gradient: Array | None = None  # the last weight gradient at the kept weights, if sampled
         generator = as_rng(rng)
         bound = 1.0 / np.sqrt(fan_in) if fan_in > 0 else 0.0
         self._prune_pattern = bool(prune_pattern)
@@ -146,12 +146,14 @@ class WeightedLayer(Layer):
         self._sampled_gradient = bool(value)
 
     @property
-    def gradient_was_sampled(self) -> bool:
-        """Whether the weight gradient this layer computed last is the sampled product at the kept
-        weights, so exactly zero at every pruned one (a dense product masked, above the crossover or for
-        a gradient that is not finite, keeps autograd's NaN there): what lets
-        :class:`sparse_scan.torch.PrunedAdam` step the kept weights alone."""
-        return self._gradient_was_sampled
+    def kept_gradient(self) -> Array | None:
+        """The weight gradient this layer computed last, at the kept weights alone (in the order of
+        :attr:`~sparse_scan.layers._conv_pruned.PrunedWeights.positions`: the flat positions, increasing)
+        where it was the sampled product, so exactly zero at every pruned weight; None where it was a
+        dense product masked (above the crossover, or for a gradient that is not finite: autograd's NaN
+        stays at the pruned weights). What lets :class:`sparse_scan.torch.PrunedAdam` step the kept
+        weights alone without reading the dense gradient."""
+        return self._kept_gradient
 
     @weight.setter
     def weight(self, value: Any) -> None:
@@ -313,13 +315,13 @@ class WeightedLayer(Layer):
         """The weight gradient of the batch ``x`` ``(B, C, H, W)`` and output gradient ``grad``
         ``(B, Cout, Ho, Wo)`` (a Linear layer's as 1x1 planes): the sampled product at the kept weights
         (:attr:`sampled_gradient`), else ``dense()`` (the GEMM), masked where the layer is pruned."""
+        self._kept_gradient = None  # first: its memory is reused where nothing holds it
         pruned = self.pruned_weights() if self._sampled_gradient else None
         if pruned is not None and pruned.density <= SAMPLED_MAX_DENSITY:
             sampled = sampled_weight_gradient(be, g, pruned, x, grad)
             if sampled is not None:
-                self._gradient_was_sampled = True
-                return sampled
-        self._gradient_was_sampled = False
+                full, self._kept_gradient = sampled
+                return full
         full = dense()
         if pruned is not None:  # 0 at the pruned weights; NaN stays NaN (autograd's mask multiplies)
             full *= be.asarray(self._support() != 0)

@@ -347,8 +347,9 @@ class _Engine:
     def backward(self, grad: torch.Tensor, masks: list[torch.Tensor | None],
                  input_gradient: bool = True) -> tuple[torch.Tensor | None, list[torch.Tensor], list[Any]]:
         """The scan's ``dL/dx`` (None where ``input_gradient`` is False: the engine then skips the
-        work only it needs), every parameter's gradient for the last forward, and for each its array
-        where it is a pruned layer's sampled product (exactly zero wherever its mask is), else None."""
+        work only it needs), every parameter's gradient for the last forward, and for each its values
+        at the kept weights where it is a pruned layer's sampled product (exactly zero at every other
+        weight), else None."""
         grads = self.model.backward(self.array(grad.contiguous()), method=self.method, levels=self.levels,
                                     input_gradient=input_gradient, parameters_beside=True)
         parameters = self.model.parameter_gradients(grads)
@@ -366,7 +367,7 @@ class _Engine:
                 xp = _backend.of(value).xp
                 value = xp.multiply(value, self.array(mask), out=value, casting="unsafe")
             out.append(self.tensor(value))
-            sampled.append(value if pruned and attribute == "weight" and layer.gradient_was_sampled else None)
+            sampled.append(layer.kept_gradient if pruned and attribute == "weight" else None)
         if dx is None:
             return None, out, sampled
         return self.tensor(dx.copy() if self.capture.time_major else dx), out, sampled
@@ -422,11 +423,15 @@ class _Scan(torch.autograd.Function):
         # in the parameters' own shapes (a Linear's weight the engine holds as a 1x1 convolution's)
         grads = [g if g.shape == p.shape else g.reshape(p.shape)
                  for g, p in zip(parameters, saved, strict=True)]
-        for parameter, given, mask, seen, memory in zip(saved, grads, ctx.masks, ctx.masks_seen, sampled,
-                                                        strict=True):
-            if mask is not None:
-                _GIVEN[parameter] = _Given(mask, seen, None if memory is None else (given.data_ptr(),
-                                                                                    given._version), memory)
+        for parameter, given, mask, seen, kept in zip(saved, grads, ctx.masks, ctx.masks_seen, sampled,
+                                                      strict=True):
+            if mask is None:
+                continue
+            if kept is None:  # a dense product's, masked: not provably zero at the pruned weights
+                _GIVEN[parameter] = _Given(mask, seen, None, None, None)
+            else:
+                _GIVEN[parameter] = _Given(mask, seen, _seen(given), engine.tensor(kept),
+                                           given.untyped_storage())
         return (None, None, dx, *grads)
 
 
@@ -436,16 +441,18 @@ class _Given(NamedTuple):
     mask: torch.Tensor  # the layer's weight_mask
     mask_seen: tuple[int, int]  # the mask's (address, version) at the forward: the pattern's
     grad_seen: tuple[int, int] | None  # the gradient's (address, version) where it is the sampled product
-    memory: Any  # the gradient's array, held until the next backward: no other tensor takes its address
+    kept: torch.Tensor | None  # then its values at the kept weights, in order (the engine's array)
+    memory: Any  # the gradient's storage, held until the next backward: no other tensor takes its address
 
 
 _GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """``weight_orig`` parameters -> the :class:`_Given` of the last backward through the bridge."""
 
 
-def pruned_gradient(parameter: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """The pruning mask of a ``weight_orig`` whose last gradient the bridge computed, and whether
-    ``parameter.grad`` is provably that gradient, exactly zero wherever the mask is.
+def pruned_gradient(parameter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The pruning mask of a ``weight_orig`` whose last gradient the bridge computed, and that
+    gradient's values at the kept weights where ``parameter.grad`` is provably that gradient, exactly
+    zero at every other weight.
 
     It is when the gradient was the layer's sampled product (not a dense product masked: a gradient
     that is not finite keeps autograd's NaN at the pruned weights), autograd stored that very tensor
@@ -459,16 +466,18 @@ def pruned_gradient(parameter: torch.Tensor) -> tuple[torch.Tensor, bool] | None
 
     Returns
     -------
-    tuple of (torch.Tensor, bool), or None
-        The mask and the proof, or None for a parameter the bridge gave no pruned gradient.
+    tuple of (torch.Tensor, torch.Tensor or None), or None
+        The mask and the kept weights' gradient (in the order of the mask's non-zeros; None where
+        ``parameter.grad`` is not provably the bridge's), or None for a parameter the bridge gave no
+        pruned gradient.
     """
     given = _GIVEN.get(parameter)
     if given is None:
         return None
     grad = parameter.grad
     exact = (given.grad_seen is not None and grad is not None and grad.is_contiguous()
-             and (grad.data_ptr(), grad._version) == given.grad_seen and _seen(given.mask) == given.mask_seen)
-    return given.mask, exact
+             and _seen(grad) == given.grad_seen and _seen(given.mask) == given.mask_seen)
+    return given.mask, given.kept if exact else None
 
 
 def _seen(tensor: torch.Tensor) -> tuple[int, int]:

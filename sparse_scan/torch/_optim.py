@@ -161,15 +161,18 @@ class PrunedAdam(torch.optim.Adam):
                              f"{group['weight_decay']} and a pruned layer's weight_orig: the decay moves "
                              "every weight, the pruned ones too; give the pruned weights a group with "
                              "weight_decay=0, or use torch.optim.Adam")
-        mask, exact = given
+        mask, proven = given
         kept = self._kept.get(parameter)
         if kept is None or kept.mask is not mask or kept.mask_seen != _seen(mask):
             kept = self._compact(parameter, mask)
         if kept.index is None:
             return parameter
         flat = grad.reshape(-1)
-        values = flat.index_select(0, kept.index)
-        if not exact and _moves_elsewhere(flat, values):
+        if proven is not None and proven.numel() == kept.index.numel():
+            values = proven  # the engine's values at the kept weights: the gradient not read again
+        else:
+            values = flat.index_select(0, kept.index)
+        if proven is None and _moves_elsewhere(flat, values):
             self._dense(parameter)
             self._kept[parameter] = _Kept(None, None, mask, _seen(mask))  # its moments move them all now
             return parameter
