@@ -11,15 +11,18 @@ round each value the same wherever it sits in a tensor).
 
 The weights that can move are those the mask keeps and those whose moments are not zero (pruned since,
 by a new mask). The step is taken over them alone where the gradient is zero at every other weight:
-:func:`~sparse_scan.torch._bridge.pruned_gradient` proves that in O(1) for the gradient the bridge gave;
-a gradient changed since (clipped, accumulated, a hook's) is counted instead (one read of it). A
+:func:`~sparse_scan.torch._bridge.pruned_gradient` proves that in O(1) for the gradient the bridge gave,
+and hands the engine's values of it at the kept weights (the dense gradient is not read); a gradient
+changed since (clipped, accumulated, a hook's) is counted instead (one read of it) and gathered. A
 gradient that is not zero elsewhere (a penalty on ``weight_orig``, NaN from a dense product) gets the
 dense step, as does every parameter the bridge gave no pruned gradient, one with more than
 :data:`DENSE_ABOVE` of its weights moving, and every parameter of a ``fused=True`` group: PyTorch's
-fused kernel streams all the weights faster than the gathers reach the kept ones (the 97 %-pruned
-VGG-11's step, 2-core AMD EPYC, in the bridge's iteration: fused 3.9-5.3 ms dense against 7.8-8.2
-compact; the default implementation 21-23 ms dense against 7.2-7.8 compact; a parallel compiled gather
-in place of ``index_select`` was no faster: the passes wait on memory, not on a core).
+fused kernel rounds a tensor's last values (past its last whole SIMD vector) in other code than the
+rest, so the same update on a compact tensor would not be its trajectory bit for bit, and it streams
+every weight as fast as the compact step reaches the kept ones (the 97 %-pruned VGG-11, 2-core AMD
+EPYC, in the bridge's iteration: fused dense 3.1-4.7 ms a step; the default implementation 20-23 ms
+dense against 4.0-6.2 compact). The gathers wait on memory, not on a core: 39 % of the cache lines hold
+a kept weight at 3 % kept, and a compiled gather on two threads was no faster than ``index_select``.
 """
 
 from __future__ import annotations
