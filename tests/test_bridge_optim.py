@@ -25,33 +25,24 @@ from sparse_scan.torch import PrunedAdam, bppsa  # noqa: E402
 from sparse_scan.torch._bridge import pruned_gradient  # noqa: E402
 
 
-class Net(nn.Module):
-    """Two convolutions and two fully connected layers; the first three are pruned."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3)
-        self.fc1 = nn.Linear(16 * 2 * 2, 16)
-        self.fc2 = nn.Linear(16, 5)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+def network() -> nn.Module:
+    """Two convolutions and two fully connected layers; the first three (:data:`PRUNED`) are pruned."""
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * 2 * 2, 16), nn.ReLU(), nn.Linear(16, 5))
 
 
-PRUNED = ("conv1", "conv2", "fc1")
+PRUNED = ("0", "3", "7")
 
 
 def pair(dtype=torch.float64, amount: float = 0.9) -> tuple[nn.Module, nn.Module]:
     """Two equal networks, the same layers pruned alike."""
     torch.manual_seed(0)
-    net = Net().to(dtype)
+    net = network().to(dtype)
     twin = copy.deepcopy(net)
     for model in (net, twin):
         for name in PRUNED:
-            prune.l1_unstructured(getattr(model, name), "weight", amount=amount)
+            prune.l1_unstructured(model.get_submodule(name), "weight", amount=amount)
     return net, twin
 
 
@@ -106,14 +97,14 @@ def test_the_trajectory_is_torchs_bit_for_bit_and_steps_the_kept_weights_alone(d
     assert train(net, ours, batches) == train(twin, theirs, batches)
     assert_same(net, twin, ours, theirs)
     for name in PRUNED:
-        module = getattr(net, name)
+        module = net.get_submodule(name)
         if options.get("fused"):  # PyTorch's fused kernel streams every weight faster than gathers
             assert ours.moving(module.weight_orig) is None and ours.state[module.weight_orig]
         else:
             assert ours.moving(module.weight_orig) == stepped(module) < module.weight_mask.numel() / 4
             assert ours.state[module.weight_orig] == {}  # held at the kept weights
-    assert ours.moving(net.fc2.weight) is None and ours.moving(net.conv1.bias) is None
-    assert (net.conv2.weight_orig != twin.conv2.weight_orig.detach().clone().zero_()).any()
+    assert ours.moving(net[9].weight) is None and ours.moving(net[0].bias) is None
+    assert (net[3].weight_orig != twin[3].weight_orig.detach().clone().zero_()).any()
     net.zero_grad()
     F.cross_entropy(bppsa(net, "linear")(batches[0][0]), batches[0][1]).backward()
     assert_kept_gradients_proven(net)
@@ -128,7 +119,7 @@ def assert_kept_gradients_proven(net: nn.Module) -> None:
     """After a backward through the bridge: every pruned layer's gradient proven, and the engine's
     values at the kept weights (what the step reads instead of the gradient) are the gradient's there."""
     for name in PRUNED:
-        module = getattr(net, name)
+        module = net.get_submodule(name)
         mask, kept = pruned_gradient(module.weight_orig)
         assert mask is module.weight_mask and kept is not None
         assert torch.equal(kept, module.weight_orig.grad.reshape(-1)[mask.reshape(-1) != 0])
@@ -150,16 +141,16 @@ def test_a_mask_changed_during_training_moves_the_newly_pruned_weights_as_torch_
     for model in (net, twin):
         if how == "in place":
             with torch.no_grad():
-                kept = model.conv2.weight_mask.nonzero(as_tuple=True)
-                model.conv2.weight_mask[tuple(index[::2] for index in kept)] = 0
+                kept = model[3].weight_mask.nonzero(as_tuple=True)
+                model[3].weight_mask[tuple(index[::2] for index in kept)] = 0
         else:
-            prune.l1_unstructured(model.conv2, "weight", amount=0.5)
-    before = net.conv2.weight_orig.detach().clone()
+            prune.l1_unstructured(model[3], "weight", amount=0.5)
+    before = net[3].weight_orig.detach().clone()
     assert train(net, ours, batches[8:]) == train(twin, theirs, batches[8:])
     assert_same(net, twin, ours, theirs)
-    newly = (net.conv2.weight_mask == 0) & (twin.conv2.weight_orig.grad == 0)
-    assert (net.conv2.weight_orig[newly] != before[newly]).any()  # moved by their moments alone
-    assert stepped(net.conv2) < ours.moving(net.conv2.weight_orig) < net.conv2.weight_mask.numel()
+    newly = (net[3].weight_mask == 0) & (twin[3].weight_orig.grad == 0)
+    assert (net[3].weight_orig[newly] != before[newly]).any()  # moved by their moments alone
+    assert stepped(net[3]) < ours.moving(net[3].weight_orig) < net[3].weight_mask.numel()
 
 
 @pytest.mark.parametrize("change", ["clipped", "accumulated", "penalty", "nan"])
@@ -180,7 +171,7 @@ def test_a_gradient_changed_after_the_backward_is_checked_and_stepped_exactly(ch
         batches[3][0][0, 0, 5, 5] = float("nan")
     if change == "penalty":
         for model in (net, twin):
-            model.conv2.weight_orig.register_hook(lambda g, p=model.conv2.weight_orig: g + 1e-3 * p.detach())
+            model[3].weight_orig.register_hook(lambda g, p=model[3].weight_orig: g + 1e-3 * p.detach())
 
     def between(model, i):
         if change == "clipped":
@@ -192,12 +183,12 @@ def test_a_gradient_changed_after_the_backward_is_checked_and_stepped_exactly(ch
     np.testing.assert_array_equal(train(net, ours, batches, between), train(twin, theirs, batches, between))
     assert_same(net, twin, ours, theirs)
     assert counted
-    moving = ours.moving(net.conv2.weight_orig)
+    moving = ours.moving(net[3].weight_orig)
     if change in ("clipped", "accumulated"):
-        assert moving == stepped(net.conv2)
+        assert moving == stepped(net[3])
     else:
         assert moving is None  # the dense step
-        assert (net.conv2.weight_orig.grad[net.conv2.weight_mask == 0] != 0).any()
+        assert (net[3].weight_orig.grad[net[3].weight_mask == 0] != 0).any()
 
 
 def test_state_dicts_go_both_ways_with_torch_optim_adam():
@@ -212,12 +203,12 @@ def test_state_dicts_go_both_ways_with_torch_optim_adam():
     swapped_theirs.load_state_dict(copy.deepcopy(theirs.state_dict()))
     assert train(net, swapped_ours, batches[6:]) == train(twin, swapped_theirs, batches[6:])
     assert_same(twin, net, swapped_theirs, swapped_ours)
-    assert swapped_theirs.moving(twin.conv2.weight_orig) == stepped(twin.conv2)
+    assert swapped_theirs.moving(twin[3].weight_orig) == stepped(twin[3])
 
 
 def test_weight_decay_is_refused_for_pruned_weights_and_kept_for_the_others():
     net, twin = pair()
-    pruned = [module.weight_orig for module in (net.conv1, net.conv2, net.fc1)]
+    pruned = [module.weight_orig for module in (net[0], net[3], net[7])]
     others = [p for p in net.parameters() if all(p is not q for q in pruned)]
     with pytest.raises(ValueError, match="parameter group 0 has weight_decay=0.01 and a pruned layer's "
                                          "weight_orig"):
@@ -227,7 +218,7 @@ def test_weight_decay_is_refused_for_pruned_weights_and_kept_for_the_others():
     net, twin = pair()
 
     def groups(model):
-        pruned = {id(getattr(model, name).weight_orig) for name in PRUNED}
+        pruned = {id(model.get_submodule(name).weight_orig) for name in PRUNED}
         return [{"params": [p for p in model.parameters() if id(p) in pruned]},
                 {"params": [p for p in model.parameters() if id(p) not in pruned], "weight_decay": 1e-2}]
 
@@ -261,7 +252,7 @@ def test_on_the_gpu_the_trajectory_is_torchs_and_steps_the_kept_weights_alone(on
     assert train(net, ours, batches) == train(twin, theirs, batches)
     for (name, a), (_, b) in zip(net.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.equal(a, b), name
-    assert all(ours.moving(getattr(net, name).weight_orig) == stepped(getattr(net, name)) for name in PRUNED)
+    assert all(ours.moving(net.get_submodule(name).weight_orig) == stepped(net.get_submodule(name)) for name in PRUNED)
     net.zero_grad()
     F.cross_entropy(bppsa(net, "linear")(batches[0][0]), batches[0][1]).backward()
     assert_kept_gradients_proven(net)
