@@ -191,6 +191,25 @@ def test_a_gradient_changed_after_the_backward_is_checked_and_stepped_exactly(ch
         assert (net[3].weight_orig.grad[net[3].weight_mask == 0] != 0).any()
 
 
+def test_a_step_without_a_gradient_leaves_the_compact_state_held():
+    """A pruned weight with no gradient in one step (``grad`` None: PyTorch's step skips it) keeps its
+    compact state, not rebuilt at the next step, and the trajectory stays torch's."""
+    net, twin = pair()
+    ours, theirs = optimizers(net, twin)
+
+    def between(model, i):
+        if i == 3:
+            model[3].weight_orig.grad = None
+
+    batches = data(6)
+    train(net, ours, batches[:2])
+    train(twin, theirs, batches[:2])
+    held = ours._kept[net[3].weight_orig]
+    assert train(net, ours, batches[2:], between) == train(twin, theirs, batches[2:], between)
+    assert_same(net, twin, ours, theirs)
+    assert ours._kept[net[3].weight_orig] is held
+
+
 def test_state_dicts_go_both_ways_with_torch_optim_adam():
     """Ours saved, loaded by ``torch.optim.Adam`` (and torch's by ours): the same continuation."""
     batches = data(12)

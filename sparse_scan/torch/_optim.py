@@ -155,7 +155,9 @@ class PrunedAdam(torch.optim.Adam):
         """The tensor the group's update runs on for ``parameter``: itself (the dense step), or the
         values at its moving weights with their gradient."""
         grad = parameter.grad
-        given = None if grad is None or group["fused"] else pruned_gradient(parameter)
+        if grad is None:  # no step for it (PyTorch's skips it too): its state stays as it is held
+            return parameter
+        given = None if group["fused"] else pruned_gradient(parameter)
         if given is None or grad.is_sparse or not parameter.is_contiguous():
             self._dense(parameter)
             return parameter
