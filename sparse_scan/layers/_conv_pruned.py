@@ -422,7 +422,7 @@ def _sampled_weight_gradient_gpu(be: _backend.Backend, g: ConvGeometry, pruned: 
 sampled_weight_gradient = _backend.twin(cpu=_sampled_weight_gradient_cpu, gpu=_sampled_weight_gradient_gpu)
 """``sampled_weight_gradient(be, g, pruned, x, grad_out)``: the weight gradient summed over the batch
 at the kept weights (exactly zero elsewhere), the weight's shape, and the same values at the kept
-weights alone in their order (:attr:`PrunedWeights.positions`); None where ``x`` or ``grad_out`` holds
+weights alone in their order (:class:`PrunedWeights`' ``positions``); None where ``x`` or ``grad_out`` holds
 a value that is not finite."""
 
 

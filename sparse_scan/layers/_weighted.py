@@ -148,8 +148,9 @@ class WeightedLayer(Layer):
     @property
     def kept_gradient(self) -> Array | None:
         """The weight gradient this layer computed last, at the kept weights alone (in the order of
-        :attr:`~sparse_scan.layers._conv_pruned.PrunedWeights.positions`: the flat positions, increasing)
-        where it was the sampled product, so exactly zero at every pruned weight; None where it was a
+        the ``positions`` of :class:`~sparse_scan.layers._conv_pruned.PrunedWeights`: the flat
+        positions, increasing) where it was the sampled product, so exactly zero at every pruned weight;
+        None where it was a
         dense product masked (above the crossover, or for a gradient that is not finite: autograd's NaN
         stays at the pruned weights). What lets :class:`sparse_scan.torch.PrunedAdam` step the kept
         weights alone without reading the dense gradient."""
