@@ -153,8 +153,8 @@ __global__ void pruned_conv_forward(CONV_GEOMETRY_PARAMS, long long batch,
 // The weight gradient at the kept weights (a sampled product): one block per entry (block-stride over
 // the entries), its threads summing grad[b, co, oh, ow] * x[b, ci, tap] over the batch and the output
 // pixels whose tap is inside the input, then a tree sum in shared memory; the result goes to the
-// entry's position in out (zero elsewhere: the caller's) and to kept[entry]. Launch with PRUNED_BLOCK_THREADS threads
-// (a power of two).
+// entry's position in out (zero elsewhere: the caller's) and to kept[entry] (the kept weights' gradient
+// in their order). Launch with PRUNED_BLOCK_THREADS threads (a power of two).
 #define PRUNED_BLOCK_THREADS 128
 template <typename T>
 __global__ void __launch_bounds__(PRUNED_BLOCK_THREADS)

@@ -331,9 +331,16 @@ def test_gpu_twins_match_the_hosts(kind, spec, dtype, kept, path):
     np.testing.assert_allclose(gpu.to_host(on_gpu), y, rtol=0,
                                atol=tolerance(dtype) * max(1, np.abs(y).max()))
     expected = layer.parameter_gradients(x, grad)["weight"]
-    got = gpu.to_host(layer.parameter_gradients(gpu.asarray(x), gpu.asarray(grad))["weight"])
+    expected_kept = layer.kept_gradient
+    on_device = layer.parameter_gradients(gpu.asarray(x), gpu.asarray(grad))["weight"]
+    got, got_kept = gpu.to_host(on_device), layer.kept_gradient
     np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(dtype) * max(1, np.abs(expected).max()))
     assert not got[layer.weight == 0].any()
+    # the sampled product's values at the kept weights, in their order, on both (none where it is dense)
+    assert (expected_kept is None) == (got_kept is None) == (path == "dense")
+    if expected_kept is not None:
+        np.testing.assert_array_equal(expected_kept, expected.reshape(-1)[layer.weight.reshape(-1) != 0])
+        np.testing.assert_array_equal(gpu.to_host(got_kept), got.reshape(-1)[layer.weight.reshape(-1) != 0])
 
 
 @pytest.mark.gpu
@@ -351,6 +358,7 @@ def test_gpu_twins_leave_non_finite_batches_to_the_dense_path():
     assert np.isnan(expected).any()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isnan(got_grads), np.isnan(grads))
+    assert layer.kept_gradient is None  # a dense product masked: NaN may sit at the pruned weights
 
 
 def test_a_sampled_gradient_reuses_the_memory_of_the_last_one_only_where_nothing_holds_it():
