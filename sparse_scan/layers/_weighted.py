@@ -150,10 +150,10 @@ class WeightedLayer(Layer):
         """The weight gradient this layer computed last, at the kept weights alone (in the order of
         the ``positions`` of :class:`~sparse_scan.layers._conv_pruned.PrunedWeights`: the flat
         positions, increasing) where it was the sampled product, so exactly zero at every pruned weight;
-        None where it was a
-        dense product masked (above the crossover, or for a gradient that is not finite: autograd's NaN
-        stays at the pruned weights). What lets :class:`sparse_scan.torch.PrunedAdam` step the kept
-        weights alone without reading the dense gradient."""
+        None where it was a dense product masked (above the crossover, or for a gradient that is not
+        finite: autograd's NaN stays at the pruned weights). What lets
+        :class:`sparse_scan.torch.PrunedAdam` step the kept weights alone without reading the dense
+        gradient."""
         return self._kept_gradient
 
     @weight.setter

@@ -356,7 +356,7 @@ class _Engine:
         dx = grads[0] if input_gradient else None
         if dx is not None and self.capture.time_major:
             dx = dx.transpose(1, 0, 2)
-        out, sampled = [], []
+        out, kept_values = [], []
         for key, mask in zip(self.gradients, masks, strict=True):
             value = parameters[key]
             layer, attribute = self.targets[key]
@@ -367,10 +367,10 @@ class _Engine:
                 xp = _backend.of(value).xp
                 value = xp.multiply(value, self.array(mask), out=value, casting="unsafe")
             out.append(self.tensor(value))
-            sampled.append(layer.kept_gradient if pruned and attribute == "weight" else None)
+            kept_values.append(layer.kept_gradient if pruned and attribute == "weight" else None)
         if dx is None:
-            return None, out, sampled
-        return self.tensor(dx.copy() if self.capture.time_major else dx), out, sampled
+            return None, out, kept_values
+        return self.tensor(dx.copy() if self.capture.time_major else dx), out, kept_values
 
 
 class _Both:
@@ -419,11 +419,12 @@ class _Scan(torch.autograd.Function):
                 if mask is not None:  # what an earlier backward gave: not the gradient to come
                     _GIVEN.pop(parameter, None)
             # the input's gradient only where autograd wants it (an input batch requires none)
-            dx, parameters, sampled = engine.backward(grad, ctx.masks, input_gradient=ctx.needs_input_grad[2])
+            dx, parameters, kept_values = engine.backward(grad, ctx.masks,
+                                                          input_gradient=ctx.needs_input_grad[2])
         # in the parameters' own shapes (a Linear's weight the engine holds as a 1x1 convolution's)
         grads = [g if g.shape == p.shape else g.reshape(p.shape)
                  for g, p in zip(parameters, saved, strict=True)]
-        for parameter, given, mask, seen, kept in zip(saved, grads, ctx.masks, ctx.masks_seen, sampled,
+        for parameter, given, mask, seen, kept in zip(saved, grads, ctx.masks, ctx.masks_seen, kept_values,
                                                       strict=True):
             if mask is None:
                 continue
