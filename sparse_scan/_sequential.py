@@ -579,8 +579,10 @@ class Sequential:
         for index, layer in enumerate(self.layers):
             if hasattr(layer, "parameter_gradients"):
                 job = started.get(index)
-                values = job.result() if job is not None else layer.parameter_gradients(activations[index],
-                                                                                         grads[index + 1])
+                if job is not None and not job.cancel():  # running or done beside the scan
+                    values = job.result()
+                else:  # not started beside (the queue's last first: it runs from the last layer back)
+                    values = layer.parameter_gradients(activations[index], grads[index + 1])
                 for name, value in values.items():
                     out[_weights.scoped_name(str(layer.name), layer, name)] = value
         if timings is not None:
@@ -631,6 +633,8 @@ class Sequential:
         made_for, jobs = beside
         if grads is not None and grads is made_for:
             return jobs
+        for job in jobs.values():  # the ones not started never run
+            job.cancel()
         concurrent.futures.wait(list(jobs.values()))
         return {}
 
@@ -662,9 +666,10 @@ class Sequential:
             True: on the host, each layer whose parameter gradients may run beside the scan
             (``WeightedLayer.parameters_beside_scan``: a pruned layer's sampled product) starts them
             on a second thread as soon as the scan has its output's gradient, and
-            :meth:`parameter_gradients` of the list returned collects them (the same values: the same
-            kernels on the same arrays). For a caller that asks for the parameter gradients next (a
-            training step); the next :meth:`forward` or :meth:`backward` waits for any left.
+            :meth:`parameter_gradients` of the list returned collects them, running itself the ones
+            not started yet (the same values: the same kernels on the same arrays). For a caller that
+            asks for the parameter gradients next (a training step); the next :meth:`forward` or
+            :meth:`backward` drops any left (waiting for the ones running).
 
         Returns
         -------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -120,32 +122,77 @@ def pruned_chain(seed: int = 0) -> tuple[Sequential, np.ndarray, np.ndarray]:
     return model, x, rng.standard_normal((2, 5))
 
 
-@pytest.mark.parametrize("method", ["linear", "blelloch"])
-def test_parameter_gradients_beside_the_scan_are_the_same_and_run_on_the_second_thread(method, monkeypatch):
+def _record_threads(model: Sequential, calls: list[tuple[str, str]],
+                    before: dict[str, Any] | None = None) -> None:
+    """Wrap every layer's ``parameter_gradients`` to append ``(layer name, thread name)`` to ``calls``
+    (after running ``before[name]()`` where given)."""
     import threading
+
+    for layer in model.layers:
+        if hasattr(layer, "parameter_gradients"):
+            def wrapped(*args: Any, own: Any = layer.parameter_gradients, name: str = str(layer.name)) -> Any:
+                if before and name in before:
+                    before[name]()
+                calls.append((name, threading.current_thread().name))
+                return own(*args)
+            layer.parameter_gradients = wrapped
+
+
+@pytest.mark.parametrize("method", ["linear", "blelloch"])
+def test_parameter_gradients_beside_the_scan_are_the_same_and_run_on_the_second_thread(method):
+    import threading
+    import time
 
     model, x, grad_out = pruned_chain()
     model.forward(x)
     expected = model.parameter_gradients(model.backward(grad_out, method))
-    threads = []
-    for layer in model.layers:
-        if hasattr(layer, "parameter_gradients"):
-            own = layer.parameter_gradients
-            monkeypatch.setattr(layer, "parameter_gradients", lambda *a, own=own: threads.append(
-                threading.current_thread().name) or own(*a))
+    calls: list[tuple[str, str]] = []
+    first, *later = [str(layer.name) for layer in model.layers if hasattr(layer, "parameter_gradients")]
+
+    def both_later_ones_ran_beside() -> None:  # the first layer's runs here, first: let the thread finish
+        deadline = time.monotonic() + 60
+        while len(calls) < len(later) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    _record_threads(model, calls, {first: both_later_ones_ran_beside})
     grads = model.backward(grad_out, method, input_gradient=False, parameters_beside=True)
     got = model.parameter_gradients(grads)
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         np.testing.assert_array_equal(got[key], value, err_msg=key)
-    # the later layers', each started as the scan reached its output's gradient; the first layer's
-    # output gradient is the scan's last (nothing runs beside it): here
+    # the later layers', each started as the scan reached its output's gradient, from the last layer
+    # back; the first layer's output gradient is the scan's last (nothing runs beside it): here
     here = threading.current_thread().name
-    assert sorted(name.startswith("sparse-scan-beside") for name in threads) == [False, True, True], threads
-    assert threads.count(here) == 1
-    threads.clear()
+    assert [name for name, _ in calls] == later[::-1] + [first]
+    assert [thread.startswith("sparse-scan-beside") for _, thread in calls] == [True, True, False], calls
+    assert calls[-1][1] == here
+    calls.clear()
     model.parameter_gradients(model.backward(grad_out, method))  # not asked: all on this thread
-    assert threads == [threading.current_thread().name] * 3
+    assert calls == [(name, here) for name in [first] + later]
+
+
+def test_parameter_gradients_not_started_beside_run_here_the_last_queued_first():
+    """After the scan the calling thread takes the jobs the second thread has not started, from the
+    queue's end (the first layers'), while that thread works from its front: each runs once."""
+    import threading
+
+    model, x, grad_out = pruned_chain(3)
+    model.forward(x)
+    expected = model.parameter_gradients(model.backward(grad_out, "linear"))
+    calls: list[tuple[str, str]] = []
+    first, middle, last = [str(layer.name) for layer in model.layers if hasattr(layer, "parameter_gradients")]
+    last_started, middle_taken = threading.Event(), threading.Event()
+    # the last layer's job (queued first) holds the second thread until the middle one is taken here;
+    # the first layer's (here, first) waits until that job has started
+    _record_threads(model, calls, {last: lambda: (last_started.set(), middle_taken.wait(60)),
+                                   middle: middle_taken.set, first: lambda: last_started.wait(60)})
+    got = model.parameter_gradients(model.backward(grad_out, "linear", parameters_beside=True))
+    assert middle_taken.is_set()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    here = threading.current_thread().name
+    assert sorted(calls) == sorted([(first, here), (middle, here), (last, calls[-1][1])])
+    assert calls[-1] == (last, calls[-1][1]) and calls[-1][1].startswith("sparse-scan-beside"), calls
 
 
 def test_parameter_gradients_of_other_gradients_or_after_a_forward_are_computed_again(monkeypatch):
