@@ -30,7 +30,7 @@ from . import _environment
 from . import backend as _backend
 from . import weights as _weights
 from ._layerwise import layerwise_backward
-from ._threads import beside_pool
+from ._threads import submit_beside
 from ._types import Array
 from .csr import BatchedCSR, Pattern
 from .engine.cost import PLAN_SECONDS_VARIABLE, CostModel, current, max_plan_seconds, predicted_plan_seconds
@@ -737,8 +737,8 @@ class Sequential:
                 layer = self.layers[i - 1] if i > last else None
                 beside = getattr(layer, "parameters_beside_scan", None)
                 if beside is not None and beside(activations[i - 1]):
-                    jobs[i - 1] = beside_pool().submit(layer.parameter_gradients, activations[i - 1],
-                                                       grad.reshape((batch,) + shapes[i]))
+                    jobs[i - 1] = submit_beside(layer.parameter_gradients, activations[i - 1],
+                                                grad.reshape((batch,) + shapes[i]))
         try:
             flat = run_plan(be, plan, grad_out.reshape(batch, -1), jacobians[::-1], weights_matvecs=matvecs,
                             outputs=outputs, ready=ready)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +97,33 @@ def test_workers_for_cuts_large_calls_over_every_core_and_thread_count_takes_an_
     assert [_threads.thread_count(threads) for threads in (None, 0, 1, 5)] == [3, 1, 1, 5]
 
 
+def test_a_job_beside_holds_a_core_from_its_submission_until_it_has_run_or_is_cancelled(monkeypatch):
+    """While work submitted beside (``submit_beside``) is queued or running, large kernel calls are cut
+    over one thread fewer (the calling thread alone on two cores); a job that raised, one cancelled
+    before it started and one that ran all give their core back."""
+    monkeypatch.setattr(_threads, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(_threads, "cores_busy", lambda: False)
+    large = _threads.THREAD_MIN_VALUES
+    assert _threads.workers_for(large) == 3
+    release, started = threading.Event(), threading.Event()
+    running = _threads.submit_beside(lambda: (started.set(), release.wait(60)))
+    queued = _threads.submit_beside(int, 7)  # behind the running one on the beside thread
+    failing = _threads.submit_beside(lambda: 1 / 0)
+    assert started.wait(60)
+    assert [_threads.workers_for(work) for work in (large - 1, large)] == [1, 2]  # small calls: as ever
+    monkeypatch.setattr(_threads, "cpu_threads", lambda: 2)
+    assert _threads.workers_for(large) == 1
+    assert queued.cancel() and _threads.workers_for(large) == 1  # the running and the failing ones
+    release.set()
+    assert running.result(60) == (None, True)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(60)
+    deadline = time.monotonic() + 60  # a future's callbacks run just after its waiters wake
+    while _threads.workers_for(large) != 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert _threads.workers_for(large) == 2
+
+
 def test_a_cut_call_whose_thread_got_part_of_a_core_keeps_the_next_small_calls_whole(monkeypatch):
     """Beside other busy threads a piece's thread gets part of a core: a share under BUSY_SHARE marks
     the cores busy for BUSY_SECONDS, calls below BUSY_THREAD_MIN_VALUES then stay on the calling
@@ -120,8 +148,6 @@ def test_a_cut_call_whose_thread_got_part_of_a_core_keeps_the_next_small_calls_w
 def test_launch_notes_the_least_share_of_a_core_its_pieces_threads_got(monkeypatch):
     """Each piece's share is its thread's CPU time over its wall time; pieces too short to tell count
     as a whole core."""
-    import time  # noqa: PLC0415
-
     from sparse_scan import _host_kernels  # noqa: PLC0415
 
     if kernel_pool() is None:
