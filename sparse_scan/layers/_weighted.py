@@ -302,7 +302,9 @@ class WeightedLayer(Layer):
         on (:meth:`~sparse_scan.Sequential.backward`'s ``parameters_beside``): on the host, where the
         weight gradient is the sampled product (:attr:`sampled_gradient`). In-process A/Bs of the
         bridge's Adam iteration on the pruned VGG-11 (2-core AMD EPYC, fused Adam, the contenders'
-        order rotating by round), every such layer beside against none: batch 1, 15.7 against 16.0 ms
+        order rotating by round), every such layer beside against none, measured before a job beside
+        held its core (:func:`~sparse_scan._threads.submit_beside`, whose figures are the backward's
+        since: 90 % at batch 16 3-4 ms faster again): batch 1, 15.7 against 16.0 ms
         (97 %) and 21.4 against 23.6 (90 %); batch 16 and 97 %, 35.0 against 36.0 ms; batch 16 and
         90 %, where the scan's kernels already hold both cores, within noise (53.3 against 52.3 ms,
         53.9 against 53.9). A bound on the work beside the scan (2^25) made no difference once the
