@@ -35,7 +35,8 @@ its caches as they left them, not as a training loop's previous iteration leaves
   or not, is a parameter PyTorch's Adam updates), a floor under both iterations;
 - with ``--pruned-adam``, the bridge's iteration steps with ``sparse_scan.torch.PrunedAdam`` instead (the
   same options and trajectory, the pruned weights left out of the step: PyTorch's update on the
-  weights that can move), and ``pruned_adam_step_s`` is its step alone.
+  weights that can move), and ``pruned_adam_step_s`` is its step alone; ``--trusted-gradients`` gives it
+  ``trusted_gradients=True`` (the bridge's gradients stepped without reading ``.grad``).
 
 The ratios ``bridge_backward_s / engine_backward_s`` (the bridge's overhead: at most 1.05) and
 ``torch_iteration_s / bridge_iteration_s`` (above 1: the bridge's iteration is faster) are printed with
@@ -128,15 +129,17 @@ def interleaved(contenders: dict[str, Callable[[], float]], repeats: int, burst:
 
 
 def measure(name: str, batch: int, method: str, repeats: int, device: torch.device, amount: float,
-            optimizer: str, burst: int = 1, pruned_adam: bool = False) -> dict[str, Any]:
+            optimizer: str, burst: int = 1, pruned_adam: bool = False,
+            trusted_gradients: bool = False) -> dict[str, Any]:
     net, x, loss_of = workload(name, batch, device, amount)
     bnet = bppsa(net, method)
     reference = (type(net)() if name == "lstm" else vgg11_pruned(amount)).to(device)
     reference.load_state_dict(net.state_dict())
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     options = {"fused": True} if optimizer == "adam-fused" else {}
-    ours = PrunedAdam if pruned_adam else torch.optim.Adam
-    optimizers = {"bridge": ours(net.parameters(), lr=1e-3, **options),
+    ours = torch.optim.Adam(net.parameters(), lr=1e-3, **options) if not pruned_adam else PrunedAdam(
+        net.parameters(), lr=1e-3, trusted_gradients=trusted_gradients, **options)
+    optimizers = {"bridge": ours,
                   "torch": torch.optim.Adam(reference.parameters(), lr=1e-3, **options)}
 
     def bridge_backward() -> float:
@@ -188,7 +191,7 @@ def measure(name: str, batch: int, method: str, repeats: int, device: torch.devi
         contenders["pruned_adam_step_s"] = step("bridge")
     timings = interleaved(contenders, repeats, burst)
     return {"workload": name, "batch": batch, "method": method, "optimizer": optimizer, "burst": burst,
-            "pruned_adam": pruned_adam,
+            "pruned_adam": pruned_adam, "trusted_gradients": pruned_adam and trusted_gradients,
             "pruned": amount if name == "vgg11-pruned" else None, **timings,
             "bridge_over_engine_backward": timings["bridge_backward_s"] / timings["engine_backward_s"],
             "torch_over_bridge_iteration": timings["torch_iteration_s"] / timings["bridge_iteration_s"]}
@@ -210,6 +213,9 @@ def main() -> None:
     parser.add_argument("--pruned-adam", action="store_true",
                         help="the bridge's iteration steps with sparse_scan.torch.PrunedAdam (the pruned "
                              "weights left out of the step)")
+    parser.add_argument("--trusted-gradients", action="store_true",
+                        help="with --pruned-adam: trusted_gradients=True (the bridge's gradients stepped "
+                             "without reading .grad)")
     parser.add_argument("--method", default="auto")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--burst", type=int, default=3,
@@ -231,7 +237,7 @@ def main() -> None:
         for amount in amounts:
             for batch in (int(b) for b in args.batches.split(",")):
                 rows.append(measure(workload_name, batch, args.method, args.repeats, device, amount,
-                                    args.optimizer, args.burst, args.pruned_adam))
+                                    args.optimizer, args.burst, args.pruned_adam, args.trusted_gradients))
                 rows_file.add(rows[-1])
     rows_file.finish()
     print(json.dumps({"benchmark": name, "machine": info, "cpu_pressure": cpu_pressure(),

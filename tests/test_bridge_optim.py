@@ -52,9 +52,11 @@ def data(count: int, dtype=torch.float64) -> list[tuple[torch.Tensor, torch.Tens
              torch.randint(0, 5, (4,), generator=generator)) for _ in range(count)]
 
 
-def optimizers(net: nn.Module, twin: nn.Module, **options) -> tuple[PrunedAdam, torch.optim.Optimizer]:
-    """Ours on ``net``, ``torch.optim.Adam`` on ``twin``, the same options."""
-    return (PrunedAdam(net.parameters(), lr=1e-2, **options),
+def optimizers(net: nn.Module, twin: nn.Module, trusted: bool = False,
+               **options) -> tuple[PrunedAdam, torch.optim.Optimizer]:
+    """Ours on ``net`` (``trusted_gradients=trusted``), ``torch.optim.Adam`` on ``twin``, the same
+    options."""
+    return (PrunedAdam(net.parameters(), lr=1e-2, trusted_gradients=trusted, **options),
             torch.optim.Adam(twin.parameters(), lr=1e-2, **options))
 
 
@@ -91,7 +93,7 @@ def assert_same(net: nn.Module, twin: nn.Module, ours: torch.optim.Optimizer, th
 def test_the_trajectory_is_torchs_bit_for_bit_and_steps_the_kept_weights_alone(dtype, options,
                                                                                monkeypatch):
     net, twin = pair(dtype)
-    ours, theirs = optimizers(net, twin, **options)
+    ours, theirs = optimizers(net, twin, trusted=True, **options)
     monkeypatch.setattr(optim_module, "_moves_elsewhere", _not_counted)  # the bridge's gradient is proven
     batches = data(25, dtype)
     assert train(net, ours, batches) == train(twin, theirs, batches)
@@ -179,7 +181,7 @@ def test_a_gradient_changed_after_the_backward_is_checked_and_stepped_exactly(ch
         elif change == "accumulated":
             F.cross_entropy(bppsa(model, "linear")(batches[i - 1][0]), batches[i - 1][1]).backward()
 
-    ours, theirs = optimizers(net, twin)
+    ours, theirs = optimizers(net, twin, trusted=True)  # the proof fails: counted
     np.testing.assert_array_equal(train(net, ours, batches, between), train(twin, theirs, batches, between))
     assert_same(net, twin, ours, theirs)
     assert counted
@@ -189,6 +191,34 @@ def test_a_gradient_changed_after_the_backward_is_checked_and_stepped_exactly(ch
     else:
         assert moving is None  # the dense step
         assert (net[3].weight_orig.grad[net[3].weight_mask == 0] != 0).any()
+
+
+@pytest.mark.parametrize("write", ["scaled", "noise"])
+def test_by_default_a_gradient_written_where_no_version_counts_is_read_and_stepped_exactly(write,
+                                                                                            monkeypatch):
+    """A write through ``.data`` changes no version: the bridge's proof would still hold. By default the
+    step reads every pruned gradient (counted, gathered), so it steps what ``.grad`` holds, as
+    ``torch.optim.Adam`` does: scaled kept weights, and noise at the pruned ones (the dense step)."""
+    counted = []
+    original = optim_module._moves_elsewhere
+    monkeypatch.setattr(optim_module, "_moves_elsewhere", lambda *a: counted.append(True) or original(*a))
+    net, twin = pair()
+    batches = data(6)
+
+    def between(model, i):
+        grad = model[3].weight_orig.grad
+        version = grad._version
+        if write == "scaled":
+            grad.data.mul_(0.5)
+        else:
+            grad.data.add_(torch.full_like(grad, 1e-3))
+        assert grad._version == version  # unseen by the version counter
+
+    ours, theirs = optimizers(net, twin)
+    np.testing.assert_array_equal(train(net, ours, batches, between), train(twin, theirs, batches, between))
+    assert_same(net, twin, ours, theirs)
+    assert counted
+    assert ours.moving(net[3].weight_orig) == (stepped(net[3]) if write == "scaled" else None)
 
 
 def test_a_step_without_a_gradient_leaves_the_compact_state_held():
@@ -266,7 +296,7 @@ def test_on_the_gpu_the_trajectory_is_torchs_and_steps_the_kept_weights_alone(on
     """The bridge's GPU engine (its sampled weight gradient, CuPy arrays held for the proof) and the
     compact step on the parameters' device: ``torch.optim.Adam``'s trajectory bit for bit."""
     net, twin = (model.to(on_the_gpu) for model in pair())
-    ours, theirs = optimizers(net, twin)
+    ours, theirs = optimizers(net, twin, trusted=True)
     batches = [(x.to(on_the_gpu), labels.to(on_the_gpu)) for x, labels in data(6)]
     assert train(net, ours, batches) == train(twin, theirs, batches)
     for (name, a), (_, b) in zip(net.named_parameters(), twin.named_parameters(), strict=True):

@@ -152,8 +152,8 @@ class WeightedLayer(Layer):
         positions, increasing) where it was the sampled product, so exactly zero at every pruned weight;
         None where it was a dense product masked (above the crossover, or for a gradient that is not
         finite: autograd's NaN stays at the pruned weights). What lets
-        :class:`sparse_scan.torch.PrunedAdam` step the kept weights alone without reading the dense
-        gradient."""
+        :class:`sparse_scan.torch.PrunedAdam` (``trusted_gradients=True``) step the kept weights alone
+        without reading the dense gradient."""
         return self._kept_gradient
 
     @weight.setter

@@ -10,10 +10,13 @@ back. Its trajectory is ``torch.optim.Adam``'s bit for bit (PyTorch's default an
 round each value the same wherever it sits in a tensor).
 
 The weights that can move are those the mask keeps and those whose moments are not zero (pruned since,
-by a new mask). The step is taken over them alone where the gradient is zero at every other weight:
-:func:`~sparse_scan.torch._bridge.pruned_gradient` proves that in O(1) for the gradient the bridge gave,
-and hands the engine's values of it at the kept weights (the dense gradient is not read); a gradient
-changed since (clipped, accumulated, a hook's) is counted instead (one read of it) and gathered. A
+by a new mask). The step is taken over them alone where the gradient is zero at every other weight: it
+is counted (one read of it) and gathered at the moving weights. With ``trusted_gradients=True``,
+:func:`~sparse_scan.torch._bridge.pruned_gradient` proves that in O(1) for the gradient the bridge gave
+(its memory and version unchanged) and hands the engine's values of it at the kept weights, and the
+dense gradient is not read; a gradient changed since (clipped, accumulated, a hook's) is counted as
+before. It is not the default: a write that no version counts (``p.grad.data.clamp_(...)``, a NumPy or
+DLPack view) would go unseen, and the count costs 4-5 ms a step on the 97 %-pruned VGG-11. A
 gradient that is not zero elsewhere (a penalty on ``weight_orig``, NaN from a dense product) gets the
 dense step, as does every parameter the bridge gave no pruned gradient, one with more than
 :data:`DENSE_ABOVE` of its weights moving, and every parameter of a ``fused=True`` group: PyTorch's
@@ -74,6 +77,13 @@ class PrunedAdam(torch.optim.Adam):
         ``torch.optim.Adam``'s hyper-parameters. ``weight_decay`` moves every weight of
         ``weight_orig``, pruned ones included: a group holding a pruned parameter must have
         ``weight_decay=0`` (refused at the step otherwise). ``differentiable=True`` is refused.
+    trusted_gradients : bool, optional
+        True: a pruned gradient the bridge computed and nothing has changed by a counted write (its
+        memory and version as autograd stored them) is stepped with the engine's values at the kept
+        weights, without reading ``.grad`` (faster: the 97 %-pruned VGG-11's step 4-5 ms shorter).
+        Only for a loop that writes no gradient through ``.data``, NumPy or DLPack (writes no version
+        counts: they would go unseen). False (the default): every pruned gradient is read, whatever
+        wrote it.
 
     Notes
     -----
@@ -96,8 +106,10 @@ class PrunedAdam(torch.optim.Adam):
     123
     """
 
-    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, params: Iterable[Any], *args: Any, trusted_gradients: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
+        self.trusted_gradients = bool(trusted_gradients)
         if any(group["differentiable"] for group in self.param_groups):
             raise ValueError("sparse_scan.torch.PrunedAdam: differentiable=True is not supported (the step "
                              "gathers and scatters the weights); use torch.optim.Adam")
@@ -167,6 +179,8 @@ class PrunedAdam(torch.optim.Adam):
                              "every weight, the pruned ones too; give the pruned weights a group with "
                              "weight_decay=0, or use torch.optim.Adam")
         mask, proven = given
+        if not self.trusted_gradients:
+            proven = None  # read: a write through .data or a view changes no version
         kept = self._kept.get(parameter)
         if kept is None or kept.mask is not mask or kept.mask_seen != _seen(mask):
             kept = self._compact(parameter, mask)
